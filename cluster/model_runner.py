@@ -1,0 +1,131 @@
+"""Turns a `SchedulerOutput` into one flat forward pass and samples the next tokens.
+
+It owns the model, the paged KV cache tensors (one per layer) and the host copies of swapped-out
+blocks. Batch tensors are built per request with numpy, never per token in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cluster.attention import AttentionMetadata, get_attention_backend
+from cluster.model import ArchitectureConfig, LlamaForCausalLM
+from cluster.request import TokenLogprobs
+from cluster.sampler import Sampler
+from cluster.scheduler import ScheduledRequest, SchedulerOutput, SwapOrder
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Batch:
+    rows: list[ScheduledRequest]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # rows whose last position is sampled
+    logits_indices: torch.Tensor
+
+
+def kv_block_bytes(arch: ArchitectureConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * element
+
+
+class ModelRunner:
+    def __init__(self, arch: ArchitectureConfig, weights: Iterable[tuple[str, torch.Tensor]], *,
+                 dtype: str, device: str, attention_backend: str, max_model_len: int,
+                 block_size: int, num_blocks: int) -> None:
+        self.arch = arch
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.block_size = block_size
+        backend = get_attention_backend(attention_backend, self.device)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(arch, backend, max_positions=max_model_len)
+        model.load_weights(weights)
+        self.model = model.to(self.dtype).eval()
+        self.model.rotary.to(torch.float32)  # positions stay exact whatever the weights' dtype
+        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_layers)]
+        self.swap_store: dict[str, list[torch.Tensor]] = {}
+        self.sampler = Sampler(arch.vocab_size)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        for order in output.swap_out:
+            self._swap_out(order)
+        for order in output.swap_in:
+            self._swap_in(order)
+        if not output.scheduled:
+            return ModelRunnerOutput()
+        batch = self.build_batch(output.scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        if not batch.sample_rows:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        requests = [batch.rows[row].request for row in batch.sample_rows]
+        sampled = self.sampler(logits, requests)
+        result = ModelRunnerOutput()
+        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
+            result.sampled[request.request_id] = token_id
+            if logprobs is not None:
+                result.logprobs[request.request_id] = logprobs
+        return result
+
+    def build_batch(self, scheduled: list[ScheduledRequest]) -> Batch:
+        # Decodes (one new token) first: the attention backend batches them together.
+        rows = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        starts = np.fromiter((s.request.num_computed_tokens for s in rows), np.int64, len(rows))
+        lengths = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
+        query_start = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(lengths, out=query_start[1:])
+        total = int(query_start[-1])
+        row_of_token = np.repeat(np.arange(len(rows)), lengths)
+        positions = np.arange(total) - query_start[row_of_token] + starts[row_of_token]
+        token_ids: list[int] = []
+        for s in rows:
+            start = s.request.num_computed_tokens
+            token_ids.extend(s.request.all_token_ids[start:start + s.num_new_tokens])
+        block_tables = np.zeros((len(rows), max(len(s.block_ids) for s in rows)), np.int64)
+        for index, s in enumerate(rows):
+            block_tables[index, :len(s.block_ids)] = s.block_ids
+        slot_mapping = block_tables[row_of_token, positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        seq_lens = starts + lengths
+        sample_rows = [index for index, s in enumerate(rows) if s.samples]
+        to_device = self._to_device
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping), block_tables=to_device(block_tables),
+            seq_lens=to_device(seq_lens.astype(np.int32)), query_start_loc=to_device(query_start.astype(np.int32)),
+            num_decodes=int(np.count_nonzero(lengths == 1)), max_seq_len=int(seq_lens.max()),
+            seq_lens_list=seq_lens.tolist(), query_start_list=query_start.tolist())
+        return Batch(rows, torch.tensor(token_ids, dtype=torch.int64, device=self.device), to_device(positions),
+                     metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (sampler generators, swapped KV) of a request that ended."""
+        self.sampler.free(request_id)
+        self.swap_store.pop(request_id, None)
+
+    def _swap_out(self, order: SwapOrder) -> None:
+        index = torch.tensor(order.block_ids, device=self.device)
+        self.swap_store[order.request_id] = [cache[:, index].to("cpu") for cache in self.kv_caches]
+
+    def _swap_in(self, order: SwapOrder) -> None:
+        index = torch.tensor(order.block_ids, device=self.device)
+        for cache, saved in zip(self.kv_caches, self.swap_store.pop(order.request_id), strict=True):
+            cache[:, index] = saved.to(self.device)

@@ -1,0 +1,242 @@
+"""Iteration-level scheduling under a token budget.
+
+Each step, running requests go first (decodes, and prefills still in progress), each taking the
+tokens it still needs to compute; then waiting requests are admitted in order (priority, then
+arrival) and their prompts fill whatever budget is left, in chunks if need be. When the KV pool runs
+dry, the last-admitted running request is preempted: its blocks are freed and it waits again, either
+to be recomputed from its tokens or to have its KV swapped back in from host memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from cluster.config import SchedulerConfig
+from cluster.kv_cache_manager import KVCacheManager, cdiv
+from cluster.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`: the caller should retry later."""
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last known token, so the model's sample is kept."""
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SwapOrder:
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+    # Copies the runner makes before the forward pass: out of freed blocks, into new ones.
+    swap_out: list[SwapOrder] = field(default_factory=list)
+    swap_in: list[SwapOrder] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled and not self.swap_out
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 num_swap_blocks: int = 0) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.num_swap_blocks = num_swap_blocks
+        self.num_swapped_blocks = 0
+        self.swapped: dict[str, int] = {}  # request id -> blocks held in host memory
+        self.waiting: list[tuple[int, int, Request]] = []  # heap of (priority, arrival order, request)
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.order: dict[str, int] = {}
+        self.counter = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.order[request.request_id] = next(self.counter)
+        self._push_waiting(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Retire a request: it leaves every queue and its blocks go back at once."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting = [entry for entry in self.waiting if entry[2] is not request]
+            heapq.heapify(self.waiting)
+        request.status = status
+        self.kv_cache.free(request)
+        self.num_swapped_blocks -= self.swapped.pop(request.request_id, 0)
+        self.requests.pop(request.request_id, None)
+        self.order.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        output.num_batched_tokens = sum(s.num_new_tokens for s in output.scheduled)
+        return output
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request past the tokens it just ran; returns those that finished."""
+        finished = []
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            if request.finished:  # aborted after scheduling
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            token_id = sampled.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # admitted in static mode, no budget for it yet
+                index += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, index, output):
+                break  # the request preempted itself: nothing behind it can run either
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, index: int, output: SchedulerOutput) -> bool:
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self._pick_victim(index)
+            self._preempt(victim, output)
+            if victim is request:
+                return False
+        return True
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        """The last-admitted request not yet scheduled this step (worst priority first)."""
+        candidates = self.running[first_unscheduled:]
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, self.order[r.request_id]))
+        return candidates[-1]
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.running.remove(request)
+        num_blocks = len(self.kv_cache.blocks_of.get(request.request_id, ()))
+        block_ids = self.kv_cache.free(request)
+        if self._can_swap(num_blocks):
+            output.swap_out.append(SwapOrder(request.request_id, block_ids))
+            self.swapped[request.request_id] = num_blocks
+            self.num_swapped_blocks += num_blocks
+        else:
+            request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        output.preempted.append(request)
+        self._push_waiting(request)
+
+    def _can_swap(self, num_blocks: int) -> bool:
+        return (self.config.preemption_mode == "swap"
+                and self.num_swapped_blocks + num_blocks <= self.num_swap_blocks)
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        static = self.config.batching == "static"
+        if static and self.running:
+            return
+        while self.waiting and len(self.running) < self.config.max_num_seqs and (budget > 0 or static):
+            request = self.waiting[0][2]
+            num_new = self._admit(request, budget, output)
+            if num_new is None:
+                break
+            heapq.heappop(self.waiting)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if num_new > 0:
+                output.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+
+    def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Reserve blocks for a waiting request; the tokens it runs this step, or None if it can't."""
+        swapped_blocks = self.swapped.get(request.request_id)
+        cached, num_cached = ([], 0) if swapped_blocks else self.kv_cache.find_cached_prefix(request)
+        remaining = request.num_tokens - request.num_computed_tokens - num_cached
+        if self.config.batching == "static":
+            num_new, num_reserved = min(remaining, budget), remaining
+        elif self.config.enable_chunked_prefill:
+            num_new = num_reserved = min(remaining, budget)
+        else:
+            num_new = num_reserved = remaining
+            if remaining > budget:
+                return None
+        if not self.kv_cache.allocate_slots(request, num_reserved, cached):
+            return None
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        request.num_computed_tokens += num_cached
+        if swapped_blocks:
+            block_ids = self.kv_cache.block_ids(request.request_id)[:swapped_blocks]
+            output.swap_in.append(SwapOrder(request.request_id, block_ids))
+            self.num_swapped_blocks -= self.swapped.pop(request.request_id)
+        return num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
+
+    def _push_waiting(self, request: Request) -> None:
+        if request.status != RequestStatus.PREEMPTED:
+            request.status = RequestStatus.WAITING
+        priority = request.priority if self.config.policy == "priority" else 0
+        heapq.heappush(self.waiting, (priority, self.order[request.request_id], request))
+
+    def check_request_fits(self, request: Request) -> None:
+        """Refuse, up front, a request that could never run: it would wait forever."""
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, including at least one generated token")
+        needed = cdiv(request.num_prompt_tokens + 1, self.kv_cache.block_size)
+        if needed > self.kv_cache.pool.num_blocks:
+            raise ValueError(f"the prompt needs {needed} KV blocks but the pool has only "
+                             f"{self.kv_cache.pool.num_blocks}; raise num_blocks or kv_cache_memory_gb")

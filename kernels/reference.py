@@ -1,0 +1,66 @@
+"""Torch reference implementations of the paged KV cache ops: the CPU backend and the test oracle.
+
+Layout of one layer's cache (the same for every backend):
+
+    kv_cache[0 = key | 1 = value, block_id, offset_in_block, kv_head, head_dim]
+
+A token at position p of a sequence lives in block `block_table[p // block_size]`, at offset
+`p % block_size`; its flat slot is `block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys and values ([tokens, kv_heads, head_dim]) into their slots."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of each sequence laid out contiguously: [batch, kv_heads, max_seq_len, head_dim]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-max_seq_len // block_size)
+    table = block_tables[:, :num_blocks]
+    batch = table.shape[0]
+    keys = kv_cache[0][table].view(batch, num_blocks * block_size, *kv_cache.shape[3:])[:, :max_seq_len]
+    values = kv_cache[1][table].view(batch, num_blocks * block_size, *kv_cache.shape[3:])[:, :max_seq_len]
+    return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+    """One query token per sequence ([batch, heads, head_dim]) over its whole cached context."""
+    keys, values = gather_kv(kv_cache, block_tables, max_seq_len)
+    positions = torch.arange(max_seq_len, device=query.device)
+    mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]
+    out = F.scaled_dot_product_attention(query.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2).to(query.dtype)
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+    """Variable-length causal attention ([tokens, heads, head_dim]): each sequence's new tokens
+    attend to its cached prefix and to themselves. Sequences are handled one at a time."""
+    out = torch.empty_like(query)
+    for index, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[index], query_start_loc[index + 1]
+        query_len = end - start
+        keys, values = gather_kv(kv_cache, block_tables[index:index + 1], seq_len)
+        q = query[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)
+        if query_len == seq_len:
+            attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Query i sits at position seq_len - query_len + i and sees every key up to it.
+            rows = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = attended[0].transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import pytest
+
+from cluster.block_pool import BlockPool
+
+
+def test_allocate_and_free_returns_every_block() -> None:
+    pool = BlockPool(8)
+    blocks = pool.allocate(5)
+    assert pool.num_free_blocks == 3
+    assert all(block.ref_count == 1 for block in blocks)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 8
+
+
+def test_allocating_more_than_free_is_refused() -> None:
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="only 2 free"):
+        pool.allocate(3)
+
+
+def test_double_free_is_an_error() -> None:
+    pool = BlockPool(2)
+    blocks = pool.allocate(1)
+    pool.free(blocks)
+    with pytest.raises(RuntimeError, match="freed more times"):
+        pool.free(blocks)
+
+
+def test_cached_block_survives_free_until_evicted() -> None:
+    pool = BlockPool(2)
+    block = pool.allocate(1)[0]
+    pool.cache(block, 1234)
+    pool.free([block])
+    assert pool.lookup(1234) is block
+    pool.touch([block])
+    assert block.ref_count == 1 and pool.num_free_blocks == 1
+    pool.free([block])
+    pool.allocate(2)  # needs every block: the cached one is evicted
+    assert pool.lookup(1234) is None
+
+
+def test_eviction_is_least_recently_freed_first() -> None:
+    pool = BlockPool(3)
+    first, second = pool.allocate(2)
+    pool.cache(first, 1)
+    pool.cache(second, 2)
+    pool.free([second])
+    pool.free([first])
+    pool.allocate(2)  # the empty block, then the least recently freed cached one
+    assert pool.lookup(2) is None and pool.lookup(1) is first
+
+
+def test_request_frees_tail_first_so_prefix_outlives_tail() -> None:
+    pool = BlockPool(2)
+    head, tail = pool.allocate(2)
+    pool.cache(head, 10)
+    pool.cache(tail, 11)
+    pool.free([head, tail])
+    pool.allocate(1)
+    assert pool.lookup(10) is head and pool.lookup(11) is None
+
+
+def test_disabled_prefix_caching_caches_nothing() -> None:
+    pool = BlockPool(2, enable_prefix_caching=False)
+    block = pool.allocate(1)[0]
+    pool.cache(block, 5)
+    assert pool.lookup(5) is None

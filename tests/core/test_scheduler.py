@@ -1,0 +1,210 @@
+"""Scheduler and KV cache manager behaviour with the model replaced by a stub sampler."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.block_pool import BlockPool
+from cluster.config import SchedulerConfig
+from cluster.kv_cache_manager import KVCacheManager
+from cluster.request import Request, RequestStatus
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import QueueFullError, Scheduler, SchedulerOutput
+
+BLOCK_SIZE = 4
+
+
+def make_scheduler(num_blocks: int = 64, max_model_len: int = 256, **config: object) -> Scheduler:
+    kv_cache = KVCacheManager(BlockPool(num_blocks), BLOCK_SIZE)
+    return Scheduler(SchedulerConfig(**config), kv_cache, max_model_len, num_swap_blocks=num_blocks)  # type: ignore[arg-type]
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int = 4, priority: int = 0,
+                 first_token: int = 1) -> Request:
+    prompt = [first_token + i for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), eos_token_ids=(0,),
+                   priority=priority)
+
+
+def stub_sample(output: SchedulerOutput) -> dict[str, int]:
+    """The token a model would sample: 7, for every request that reached its last token."""
+    return {s.request.request_id: 7 for s in output.scheduled if s.samples}
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
+    outputs = []
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished:
+            return outputs
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, stub_sample(output))
+        outputs.append(output)
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+def assert_pool_consistent(scheduler: Scheduler) -> None:
+    kv_cache = scheduler.kv_cache
+    pool = kv_cache.pool
+    owners: dict[int, int] = {}
+    for request_id, blocks in kv_cache.blocks_of.items():
+        ids = [block.block_id for block in blocks]
+        assert len(ids) == len(set(ids)), f"{request_id} owns a block twice"
+        for block_id in ids:
+            owners[block_id] = owners.get(block_id, 0) + 1
+    for block in pool.blocks:
+        assert block.ref_count >= 0
+        assert block.ref_count == owners.get(block.block_id, 0)
+        assert (block.block_id in pool.free_queue) == (block.ref_count == 0)
+    for request in scheduler.running:
+        assert len(kv_cache.blocks_of[request.request_id]) * BLOCK_SIZE >= request.num_computed_tokens
+
+
+def test_decodes_first_then_chunked_prefill_fills_the_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    scheduler.add_request(make_request("a", 6, max_tokens=5))
+    first = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("a", 6)]
+    scheduler.update_from_output(first, stub_sample(first))
+    scheduler.add_request(make_request("b", 20, first_token=100))
+    second = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in second.scheduled] == [("a", 1), ("b", 9)]
+    assert second.num_batched_tokens == 10
+    scheduler.update_from_output(second, stub_sample(second))
+    b = scheduler.requests["b"]
+    assert b.num_computed_tokens == 9 and b.num_output_tokens == 0  # a chunk: nothing sampled
+
+
+def test_max_num_seqs_caps_the_running_batch() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    for index in range(3):
+        scheduler.add_request(make_request(f"r{index}", 4, first_token=10 * index + 1))
+    output = scheduler.schedule()
+    assert len(output.scheduled) == 2 and len(scheduler.waiting) == 1
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    scheduler.add_request(make_request("a", 6))
+    scheduler.add_request(make_request("b", 6, first_token=50))
+    output = scheduler.schedule()
+    assert [s.request.request_id for s in output.scheduled] == ["a"]
+
+
+def test_priority_policy_admits_lower_values_first() -> None:
+    scheduler = make_scheduler(policy="priority", max_num_seqs=1)
+    scheduler.add_request(make_request("late", 4, priority=5))
+    scheduler.add_request(make_request("urgent", 4, priority=-1, first_token=40))
+    output = scheduler.schedule()
+    assert [s.request.request_id for s in output.scheduled] == ["urgent"]
+
+
+def test_waiting_queue_bound_rejects_with_a_clear_error() -> None:
+    scheduler = make_scheduler(max_waiting_requests=1)
+    scheduler.add_request(make_request("a", 4))
+    with pytest.raises(QueueFullError, match="full"):
+        scheduler.add_request(make_request("b", 4))
+
+
+def test_prompt_longer_than_context_is_refused() -> None:
+    scheduler = make_scheduler(max_model_len=16)
+    with pytest.raises(ValueError, match="context"):
+        scheduler.check_request_fits(make_request("a", 16))
+
+
+def test_prefix_cache_hits_reuse_blocks_and_are_counted() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 13, max_tokens=1))
+    run_to_completion(scheduler)
+    scheduler.add_request(make_request("b", 13, max_tokens=1))
+    output = scheduler.schedule()
+    # 3 full blocks of the 13-token prompt are cached; the last token is always recomputed.
+    assert output.scheduled[0].num_new_tokens == 1
+    assert scheduler.requests["b"].num_cached_tokens == 12
+    assert scheduler.kv_cache.prefix_hits == 12
+
+
+def test_whole_prompt_cached_still_computes_its_last_token() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 12, max_tokens=1))
+    run_to_completion(scheduler)
+    scheduler.add_request(make_request("b", 12, max_tokens=1))
+    output = scheduler.schedule()
+    assert output.scheduled[0].num_new_tokens == 4  # 2 blocks hit, the third holds the last token
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_undersized_pool_preempts_last_admitted_and_everyone_finishes(mode: str) -> None:
+    scheduler = make_scheduler(num_blocks=8, preemption_mode=mode)
+    for index in range(4):
+        scheduler.add_request(make_request(f"r{index}", 5, max_tokens=10, first_token=20 * index + 1))
+    outputs = run_to_completion(scheduler)
+    preempted = [r.request_id for o in outputs for r in o.preempted]
+    assert preempted and preempted[0] == "r3"
+    if mode == "swap":
+        assert any(o.swap_out for o in outputs) and any(o.swap_in for o in outputs)
+    assert scheduler.kv_cache.pool.num_free_blocks == 8
+
+
+def test_static_batching_admits_only_when_the_batch_is_done() -> None:
+    scheduler = make_scheduler(batching="static", max_num_seqs=2)
+    scheduler.add_request(make_request("a", 4, max_tokens=1))
+    scheduler.add_request(make_request("b", 4, max_tokens=5, first_token=30))
+    scheduler.add_request(make_request("c", 4, max_tokens=1, first_token=60))
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, stub_sample(first))  # a finishes here
+    second = scheduler.schedule()
+    assert [s.request.request_id for s in second.scheduled] == ["b"]  # c may not join b's batch
+    run_to_completion(scheduler)
+
+
+def test_abort_anywhere_frees_blocks() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 9))
+    scheduler.add_request(make_request("b", 9, first_token=70))
+    scheduler.schedule()
+    scheduler.add_request(make_request("c", 9, first_token=140))
+    for request_id in ("a", "c", "b"):
+        request = scheduler.abort(request_id)
+        assert request is not None and request.status == RequestStatus.FINISHED_ABORTED
+    assert scheduler.kv_cache.pool.num_free_blocks == 64 and not scheduler.waiting and not scheduler.running
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("step"), st.integers(0, 0), st.integers(0, 0), st.integers(0, 0)),
+        st.tuples(st.just("abort"), st.integers(0, 30), st.integers(0, 0), st.integers(0, 0)),
+    ),
+    min_size=1, max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(operations, st.sampled_from(["recompute", "swap"]), st.integers(6, 40), st.integers(4, 64), st.booleans())
+def test_block_invariants_hold_under_random_traffic(ops: list[tuple[str, int, int, int]], mode: str,
+                                                   num_blocks: int, budget: int, chunked: bool) -> None:
+    max_model_len = num_blocks * BLOCK_SIZE
+    scheduler = make_scheduler(num_blocks=num_blocks, max_model_len=max_model_len, preemption_mode=mode,
+                               max_num_batched_tokens=max(budget, max_model_len if not chunked else 1),
+                               enable_chunked_prefill=chunked)
+    rng = random.Random(0)
+    ids: list[str] = []
+    for op, a, b, c in ops:
+        if op == "add" and a + 1 < max_model_len:
+            request_id = f"r{len(ids)}"
+            # Few distinct starts, so prompts share prefixes and hit the cache.
+            scheduler.add_request(make_request(request_id, a, max_tokens=b, first_token=1 + c))
+            ids.append(request_id)
+        elif op == "abort" and ids:
+            scheduler.abort(ids[a % len(ids)])
+        elif op == "step":
+            output = scheduler.schedule()
+            scheduler.update_from_output(output, {k: rng.randrange(1, 50) for k in stub_sample(output)})
+        assert_pool_consistent(scheduler)
+    run_to_completion(scheduler)
+    assert_pool_consistent(scheduler)
+    assert scheduler.kv_cache.pool.num_free_blocks == num_blocks
+    assert not scheduler.kv_cache.blocks_of
