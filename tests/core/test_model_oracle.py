@@ -1,0 +1,97 @@
+"""Logits of our model over the paged cache against transformers on the same random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.block_pool import BlockPool
+from cluster.config import SchedulerConfig
+from cluster.kv_cache_manager import KVCacheManager
+from cluster.loader import iterate_safetensors, load_hf_config
+from cluster.model import ArchitectureConfig
+from cluster.model_runner import ModelRunner
+from cluster.request import Request
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import Scheduler
+from tests.helpers import build_random_llama
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+CASES = {
+    "llama-gqa": dict(num_heads=4, num_kv_heads=2),
+    "llama-mha-tied-llama3-rope-bias": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True,
+                                            rope_scaling=LLAMA3_ROPE, qkv_bias=True),
+    "qwen2-gqa-qkv-bias": dict(architecture="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96),
+}
+
+
+def make_parts(path: Path, budget: int, block_size: int = 4, num_blocks: int = 64) -> tuple[ModelRunner, Scheduler]:
+    arch = ArchitectureConfig.from_hf(load_hf_config(path))
+    runner = ModelRunner(arch, iterate_safetensors(path), dtype="float32", device="cpu", attention_backend="torch",
+                         max_model_len=256, block_size=block_size, num_blocks=num_blocks)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), KVCacheManager(BlockPool(num_blocks),
+                          block_size), max_model_len=256)
+    return runner, scheduler
+
+
+def run_recording_logits(runner: ModelRunner, scheduler: Scheduler) -> dict[str, dict[int, torch.Tensor]]:
+    """Greedy-decode everything, keeping our logits at every position each step computed."""
+    logits_at: dict[str, dict[int, torch.Tensor]] = {}
+    while scheduler.num_unfinished:
+        output = scheduler.schedule()
+        batch = runner.build_batch(output.scheduled)
+        with torch.inference_mode():
+            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.metadata)
+            logits = runner.model.compute_logits(hidden)
+        sampled = {}
+        for index, scheduled in enumerate(batch.rows):
+            start, end = batch.metadata.query_start_list[index], batch.metadata.query_start_list[index + 1]
+            first = scheduled.request.num_computed_tokens
+            record = logits_at.setdefault(scheduled.request.request_id, {})
+            for offset in range(end - start):
+                record[first + offset] = logits[start + offset]
+            if scheduled.samples:
+                sampled[scheduled.request.request_id] = int(logits[end - 1].argmax())
+        scheduler.update_from_output(output, sampled)
+    return logits_at
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers_in_prefill_chunks_and_decode(tmp_path: Path, case: str) -> None:
+    import transformers
+
+    path = build_random_llama(tmp_path, **CASES[case])
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner, scheduler = make_parts(path, budget=5)
+    prompts = {"long": list(range(3, 14)), "short": [17, 5, 9, 200, 31, 8, 8]}
+    requests = [Request(name, prompt, SamplingParams(max_tokens=6, temperature=0), eos_token_ids=(),)
+                for name, prompt in prompts.items()]
+    for request in requests:
+        scheduler.add_request(request)
+    ours = run_recording_logits(runner, scheduler)
+    for request in requests:
+        tokens = torch.tensor([request.all_token_ids[:-1]])
+        with torch.no_grad():
+            expected = oracle(tokens).logits[0]
+        positions = sorted(ours[request.request_id])
+        assert positions == list(range(request.num_tokens - 1))
+        got = torch.stack([ours[request.request_id][p] for p in positions])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_puts_weights_and_cache_in_bfloat16(tmp_path: Path) -> None:
+    path = build_random_llama(tmp_path)
+    arch = ArchitectureConfig.from_hf(load_hf_config(path))
+    runner = ModelRunner(arch, iterate_safetensors(path), dtype="bfloat16", device="cpu", attention_backend="torch",
+                         max_model_len=256, block_size=4, num_blocks=16)
+    assert runner.kv_caches[0].dtype == torch.bfloat16
+    assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+
+
+def test_unknown_architecture_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        ArchitectureConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
