@@ -59,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < 1e-5  # as the sampler: dividing by less overflows float32
 
     @property
     def uses_penalties(self) -> bool:
