@@ -140,7 +140,7 @@ class LLMEngine:
 
     def _output(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         detokenizer = self.detokenizers[request.request_id]
-        new_text = detokenizer.add(token_id)
+        new_text = detokenizer.add(token_id, final=request.finished)
         if detokenizer.stopped and not request.finished:
             request.stop_reason = detokenizer.stop_string
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)

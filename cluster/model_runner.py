@@ -6,7 +6,9 @@ blocks. Batch tensors are built per request with numpy, never per token in Pytho
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +20,8 @@ from cluster.request import TokenLogprobs
 from cluster.sampler import Sampler
 from cluster.scheduler import ScheduledRequest, SchedulerOutput, SwapOrder
 
+# glibc serves allocations above 32 MiB with fresh (zero-filled) pages from mmap.
+LARGE_ALLOCATION_BYTES = 64 * 2**20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,6 +41,31 @@ class Batch:
     logits_indices: torch.Tensor
 
 
+@contextlib.contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """Layers fill new weights randomly, seconds of work for weights the checkpoint overwrites anyway
+    (`load_weights` fails if any parameter is left unloaded)."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor. Zeros matter: attention multiplies masked-out slots by zero, and a
+    NaN left in one would survive that. On the CPU, allocations this large come from the OS already
+    zeroed and are paged in only when written, so `empty` spares touching gigabytes up front."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu" and size >= LARGE_ALLOCATION_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def kv_block_bytes(arch: ArchitectureConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * element
@@ -51,13 +80,13 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         backend = get_attention_backend(attention_backend, self.device)
-        with torch.device(self.device):
+        with torch.device(self.device), skip_weight_init():
             model = LlamaForCausalLM(arch, backend, max_positions=max_model_len)
         model.load_weights(weights)
         self.model = model.to(self.dtype).eval()
         self.model.rotary.to(torch.float32)  # positions stay exact whatever the weights' dtype
         shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_layers)]
+        self.kv_caches = [allocate_zeroed(shape, self.dtype, self.device) for _ in range(arch.num_layers)]
         self.swap_store: dict[str, list[torch.Tensor]] = {}
         self.sampler = Sampler(arch.vocab_size)
 

@@ -23,7 +23,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor,
+              max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of each sequence laid out contiguously: [batch, kv_heads, max_seq_len, head_dim]."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-max_seq_len // block_size)
