@@ -77,14 +77,16 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams) -> str:  # typ
 
 
 def command_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # bad values fail before the model loads
     engine = make_engine(args)
     prompt = args.prompt
     ids = engine.tokenizer.encode(prompt) if args.raw else engine.chat_prompt([{"role": "user", "content": prompt}])
-    stream(engine, ids, sampling_params(args))
+    stream(engine, ids, params)
     return 0
 
 
 def command_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
     engine = make_engine(args)
     console = Console()
     console.print(f"[bold]pdserve chat[/] on {engine.model_name} — empty line or Ctrl-D to quit")
@@ -100,7 +102,7 @@ def command_chat(args: argparse.Namespace) -> int:
             return 0
         messages.append({"role": "user", "content": line})
         console.print("[bold blue]model>[/] ", end="")
-        answer = stream(engine, engine.chat_prompt(messages), sampling_params(args))
+        answer = stream(engine, engine.chat_prompt(messages), params)
         messages.append({"role": "assistant", "content": answer})
 
 

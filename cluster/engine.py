@@ -10,10 +10,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cluster.block_pool import BlockPool
 from cluster.config import EngineConfig
-from cluster.default_model import resolve_model_path
+from cluster.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from cluster.kv_cache_manager import KVCacheManager
 from cluster.loader import iterate_safetensors, load_hf_config
 from cluster.model import ArchitectureConfig
@@ -55,11 +56,18 @@ class EngineStats:
     prefix_cache_hits: int
 
 
+def served_model_name(model: str) -> str:
+    """The name users see: the default model's own name, else the file or directory name."""
+    if model == "default":
+        return DEFAULT_MODEL_NAME
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, progress: bool = False) -> None:
         self.config = config = config or EngineConfig()
         self.model_dir = resolve_model_path(config.model.model, progress=progress)
-        self.model_name = self.model_dir.name
+        self.model_name = served_model_name(config.model.model)
         hf_config = load_hf_config(self.model_dir)
         self.arch = ArchitectureConfig.from_hf(hf_config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)

@@ -1,0 +1,92 @@
+"""Bad configurations and requests get clear errors, never tracebacks or hangs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine import LLMEngine
+from cluster.loader import ModelLoadError
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import QueueFullError
+from tests.helpers import build_tiny_llama_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
+    path = build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
+    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path), max_model_len=64),
+                                  cache=CacheConfig(block_size=4, num_blocks=32),
+                                  scheduler=SchedulerConfig(max_waiting_requests=2)))
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+    (lambda: SchedulerConfig(max_num_seqs=-1), "max_num_seqs must be >= 1"),
+    (lambda: SchedulerConfig(preemption_mode="drop"), "preemption_mode must be"),  # type: ignore[arg-type]
+    (lambda: CacheConfig(block_size=12), "block_size must be a positive power of two"),
+    (lambda: CacheConfig(num_blocks=-3), "num_blocks must be >= 0"),
+    (lambda: ModelConfig(dtype="int4"), "dtype must be one of"),
+    (lambda: ModelConfig(max_model_len=-1), "max_model_len must be >= 0"),
+    (lambda: EngineConfig(attention_backend="cuda"), "attention_backend must be"),
+    (lambda: SamplingParams(max_tokens=0), "max_tokens must be at least 1"),
+    (lambda: SamplingParams(temperature=-1), "temperature must be >= 0"),
+    (lambda: SamplingParams(top_p=0), "top_p must be in"),
+    (lambda: SamplingParams(min_tokens=5, max_tokens=2), "min_tokens must be in"),
+    (lambda: SamplingParams(logprobs=100), "logprobs must be in"),
+])
+def test_invalid_settings_say_what_to_change(make: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()  # type: ignore[operator]
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        LLMEngine(EngineConfig(model=ModelConfig(model=str(tmp_path / "nowhere"))))
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLMEngine(EngineConfig(model=ModelConfig(model=str(tmp_path))))
+
+
+def test_context_longer_than_the_model_is_refused(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        LLMEngine(EngineConfig(model=ModelConfig(model=str(engine.model_dir), max_model_len=100_000)))
+
+
+def test_prompt_longer_than_context_is_refused(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        engine.add_request(list(range(3, 70)))
+    assert not engine.has_unfinished_requests()
+
+
+def test_empty_and_out_of_vocabulary_prompts_are_refused(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add_request([5, 10_000_000])
+
+
+def test_full_queue_rejects_then_recovers(engine: LLMEngine) -> None:
+    first = engine.add_request([5, 6, 7])
+    engine.add_request([8, 9])
+    with pytest.raises(QueueFullError):
+        engine.add_request([10])
+    assert first.request_id not in engine.detokenizers or engine.abort(first.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request([10])  # room again
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "hello", "--model", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("pdserve: error:") and "Traceback" not in err
+    assert main(["generate", "hi", "--max-tokens", "0"]) == 2
+    assert "max_tokens must be at least 1" in capsys.readouterr().err
