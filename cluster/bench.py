@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster.engine import LLMEngine
+from cluster.engine import LLMEngine, RequestOutput
 from cluster.sampling_params import SamplingParams
 
 
@@ -54,8 +55,15 @@ class BenchResult:
         return asdict(self)
 
 
-def run_workload(engine: LLMEngine, workload: Workload, label: str, progress: bool = True) -> BenchResult:
-    """Run every request to its fixed length (EOS ignored); counts only what the engine generated."""
+# Called after every step with the seconds since the start and that step's outputs.
+StepCallback = Callable[[float, list[RequestOutput]], None]
+
+
+def run_workload(engine: LLMEngine, workload: Workload, label: str, progress: bool = True,
+                 on_step: StepCallback | None = None) -> BenchResult:
+    """Run every request to its fixed length (EOS ignored); counts only what the engine generated.
+
+    `on_step` lets a benchmark keep a timeline or the outputs without a second copy of this loop."""
     start = time.monotonic()
     for prompt, length in zip(workload.prompts, workload.output_lengths, strict=True):
         engine.add_request(prompt, SamplingParams(max_tokens=length, temperature=0, ignore_eos=True))
@@ -70,6 +78,8 @@ def run_workload(engine: LLMEngine, workload: Workload, label: str, progress: bo
             tokens += len(outputs)
             ttfts += [o.first_token_time - start for o in outputs if len(o.token_ids) == 1 and o.first_token_time]
             bar.update(task, advance=len(outputs))
+            if on_step is not None:
+                on_step(time.monotonic() - start, outputs)
     seconds = time.monotonic() - start
     return BenchResult(label, len(workload.prompts), tokens, seconds, tokens / seconds, statistics.fmean(ttfts),
                        statistics.median(ttfts), steps, engine.scheduler.num_preemptions - preemptions_before)

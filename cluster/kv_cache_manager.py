@@ -40,6 +40,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.root_hash = model_root_hash(model_name)
         self.blocks_of: dict[str, list[Block]] = {}
+        # The same blocks as ids, kept in step so the runner's block tables cost nothing to read.
+        self.block_ids_of: dict[str, list[int]] = {}
         # Chained hashes of each request's full blocks, extended as its tokens grow.
         self.hashes_of: dict[str, list[int]] = {}
         # How many of each request's leading blocks have been offered to the prefix cache.
@@ -48,7 +50,8 @@ class KVCacheManager:
         self.prefix_hits = 0  # of those, tokens found
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.blocks_of.get(request_id, ())]
+        """The request's block table (a live list: read it, don't keep or change it)."""
+        return self.block_ids_of.get(request_id, [])
 
     def find_cached_prefix(self, request: Request) -> tuple[list[Block], int]:
         """The longest run of cached full blocks at the start of the request's tokens.
@@ -75,8 +78,14 @@ class KVCacheManager:
         the prefix cache as soon as they are scheduled: the runner writes every slot of a step before
         any attention reads, so a block is never read before its KV is there.
         """
-        cached_blocks = cached_blocks or []
         blocks = self.blocks_of.get(request.request_id, [])
+        if not cached_blocks:
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(blocks) * self.block_size:  # fits in the blocks it has: most decodes
+                if num_tokens % self.block_size == 0:
+                    self._cache_full_blocks(request, blocks, min(num_tokens, len(request.all_token_ids)))
+                return True
+        cached_blocks = cached_blocks or []
         num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         num_needed = cdiv(num_tokens, self.block_size) - len(blocks) - len(cached_blocks)
         # Cached blocks nobody owns sit in the free queue; taking them shrinks what is free.
@@ -84,10 +93,10 @@ class KVCacheManager:
         if num_needed > self.pool.num_free_blocks - num_reclaimed:
             return False
         self.pool.touch(cached_blocks)
+        new_blocks = cached_blocks + (self.pool.allocate(num_needed) if num_needed > 0 else [])
         blocks = self.blocks_of.setdefault(request.request_id, blocks)
-        blocks.extend(cached_blocks)
-        if num_needed > 0:
-            blocks.extend(self.pool.allocate(num_needed))
+        blocks.extend(new_blocks)
+        self.block_ids_of.setdefault(request.request_id, []).extend(block.block_id for block in new_blocks)
         self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
         return True
 
@@ -98,7 +107,7 @@ class KVCacheManager:
         self.pool.free(blocks)
         if request.finished:
             self.hashes_of.pop(request.request_id, None)
-        return [block.block_id for block in blocks]
+        return self.block_ids_of.pop(request.request_id, [])
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         hashes = self.hashes_of.setdefault(request.request_id, [])

@@ -7,6 +7,7 @@ blocks. Batch tensors are built per request with numpy, never per token in Pytho
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -113,37 +114,7 @@ class ModelRunner:
         return result
 
     def build_batch(self, scheduled: list[ScheduledRequest]) -> Batch:
-        # Decodes (one new token) first: the attention backend batches them together.
-        rows = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        starts = np.fromiter((s.request.num_computed_tokens for s in rows), np.int64, len(rows))
-        lengths = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
-        query_start = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(lengths, out=query_start[1:])
-        total = int(query_start[-1])
-        row_of_token = np.repeat(np.arange(len(rows)), lengths)
-        positions = np.arange(total) - query_start[row_of_token] + starts[row_of_token]
-        token_ids: list[int] = []
-        for s in rows:
-            start = s.request.num_computed_tokens
-            token_ids.extend(s.request.all_token_ids[start:start + s.num_new_tokens])
-        block_tables = np.zeros((len(rows), max(len(s.block_ids) for s in rows)), np.int64)
-        for index, s in enumerate(rows):
-            block_tables[index, :len(s.block_ids)] = s.block_ids
-        slot_mapping = block_tables[row_of_token, positions // self.block_size] * self.block_size \
-            + positions % self.block_size
-        seq_lens = starts + lengths
-        sample_rows = [index for index, s in enumerate(rows) if s.samples]
-        to_device = self._to_device
-        metadata = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping), block_tables=to_device(block_tables),
-            seq_lens=to_device(seq_lens.astype(np.int32)), query_start_loc=to_device(query_start.astype(np.int32)),
-            num_decodes=int(np.count_nonzero(lengths == 1)), max_seq_len=int(seq_lens.max()),
-            seq_lens_list=seq_lens.tolist(), query_start_list=query_start.tolist())
-        return Batch(rows, torch.tensor(token_ids, dtype=torch.int64, device=self.device), to_device(positions),
-                     metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return build_batch(scheduled, self.block_size, self.device)
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (sampler generators, swapped KV) of a request that ended."""
@@ -158,3 +129,47 @@ class ModelRunner:
         index = torch.tensor(order.block_ids, device=self.device)
         for cache, saved in zip(self.kv_caches, self.swap_store.pop(order.request_id), strict=True):
             cache[:, index] = saved.to(self.device)
+
+
+def build_batch(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> Batch:
+    """Flat tensors for one forward pass over every scheduled token: one pass in Python over the
+    requests, then numpy over the tokens."""
+    # Decodes (one new token) first: the attention backend batches them together.
+    rows = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens != 1]
+    starts, token_ids, flat_block_ids, num_block_ids, sample_rows = [], [], [], [], []
+    for index, s in enumerate(rows):
+        start = s.request.num_computed_tokens
+        starts.append(start)
+        token_ids += s.request.all_token_ids[start:start + s.num_new_tokens]
+        flat_block_ids += s.block_ids
+        num_block_ids.append(len(s.block_ids))
+        if s.samples:
+            sample_rows.append(index)
+    lengths = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
+    query_start = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lengths, out=query_start[1:])
+    row_of_token = np.repeat(np.arange(len(rows)), lengths)
+    positions = np.arange(len(token_ids)) - query_start[row_of_token] + np.array(starts)[row_of_token]
+    block_tables = _block_tables(np.array(flat_block_ids, np.int64), np.array(num_block_ids))
+    slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    seq_lens = positions[query_start[1:] - 1] + 1
+    to_device = functools.partial(_to_device, device=device)
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(slot_mapping), block_tables=to_device(block_tables),
+        seq_lens=to_device(seq_lens.astype(np.int32)), query_start_loc=to_device(query_start.astype(np.int32)),
+        num_decodes=int(np.count_nonzero(lengths == 1)), max_seq_len=int(seq_lens.max()),
+        seq_lens_list=seq_lens.tolist(), query_start_list=query_start.tolist())
+    return Batch(rows, torch.tensor(token_ids, dtype=torch.int64, device=device), to_device(positions),
+                 metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
+
+
+def _block_tables(flat: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """[rows, longest table] block ids, zero-padded, filled in one scatter rather than row by row."""
+    table = np.zeros((len(counts), int(counts.max())), np.int64)
+    row_index = np.repeat(np.arange(len(counts)), counts)
+    table[row_index, np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)] = flat
+    return table
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)

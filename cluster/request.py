@@ -111,14 +111,15 @@ class Request:
         Stop strings are checked by the detokenizer, which sees text; this checks token ids.
         """
         params = self.sampling_params
-        if self.num_output_tokens < params.min_tokens:
+        num_output = len(self.output_token_ids)
+        if num_output < params.min_tokens:
             return None
         last = self.output_token_ids[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
+        if params.stop_token_ids and last in params.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= params.max_tokens or len(self.all_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -27,11 +27,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last known token, so the model's sample is kept."""
-        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+    # Whether this step reaches the request's last known token, so the model's sample is kept.
+    samples: bool
 
 
 @dataclass(slots=True)
@@ -110,8 +107,8 @@ class Scheduler:
         output = SchedulerOutput()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
-            self._schedule_waiting(output, budget)
-        output.num_batched_tokens = sum(s.num_new_tokens for s in output.scheduled)
+            budget = self._schedule_waiting(output, budget)
+        output.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -119,12 +116,10 @@ class Scheduler:
         finished = []
         for scheduled in output.scheduled:
             request = scheduled.request
-            if request.finished:  # aborted after scheduling
-                continue
             request.num_computed_tokens += scheduled.num_new_tokens
-            token_id = sampled.get(request.request_id)
-            if token_id is None:
+            if not scheduled.samples or request.status > RequestStatus.PREEMPTED:  # a chunk, or aborted
                 continue
+            token_id = sampled[request.request_id]
             request.append_output_token(token_id)
             status = request.check_stop(self.max_model_len)
             if status is not None:
@@ -133,27 +128,30 @@ class Scheduler:
         return finished
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        # The hot loop of every step (one pass per running request): locals over attribute lookups.
+        allocate, running, scheduled = self.kv_cache.allocate_slots, self.running, output.scheduled
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
             if num_new <= 0:  # admitted in static mode, no budget for it yet
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, index, output):
+            if not allocate(request, num_new) and not self._preempt_until_fits(request, num_new, index, output):
                 break  # the request preempted itself: nothing behind it can run either
-            output.scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, index: int, output: SchedulerOutput) -> bool:
-        while not self.kv_cache.allocate_slots(request, num_new):
+    def _preempt_until_fits(self, request: Request, num_new: int, index: int, output: SchedulerOutput) -> bool:
+        while True:
             victim = self._pick_victim(index)
             self._preempt(victim, output)
             if victim is request:
                 return False
-        return True
+            if self.kv_cache.allocate_slots(request, num_new):
+                return True
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
         """The last-admitted request not yet scheduled this step (worst priority first)."""
@@ -164,8 +162,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
-        num_blocks = len(self.kv_cache.blocks_of.get(request.request_id, ()))
         block_ids = self.kv_cache.free(request)
+        num_blocks = len(block_ids)
         if self._can_swap(num_blocks):
             output.swap_out.append(SwapOrder(request.request_id, block_ids))
             self.swapped[request.request_id] = num_blocks
@@ -182,10 +180,10 @@ class Scheduler:
         return (self.config.preemption_mode == "swap"
                 and self.num_swapped_blocks + num_blocks <= self.num_swap_blocks)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         static = self.config.batching == "static"
         if static and self.running:
-            return
+            return budget
         while self.waiting and len(self.running) < self.config.max_num_seqs and (budget > 0 or static):
             request = self.waiting[0][2]
             num_new = self._admit(request, budget, output)
@@ -197,6 +195,7 @@ class Scheduler:
             if num_new > 0:
                 output.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
+        return budget
 
     def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
         """Reserve blocks for a waiting request; the tokens it runs this step, or None if it can't."""
@@ -223,7 +222,8 @@ class Scheduler:
         return num_new
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, self.kv_cache.block_ids(request.request_id))
+        samples = request.num_computed_tokens + num_new >= len(request.all_token_ids)
+        return ScheduledRequest(request, num_new, self.kv_cache.block_ids_of[request.request_id], samples)
 
     def _push_waiting(self, request: Request) -> None:
         if request.status != RequestStatus.PREEMPTED:

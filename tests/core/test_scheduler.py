@@ -53,6 +53,7 @@ def assert_pool_consistent(scheduler: Scheduler) -> None:
     for request_id, blocks in kv_cache.blocks_of.items():
         ids = [block.block_id for block in blocks]
         assert len(ids) == len(set(ids)), f"{request_id} owns a block twice"
+        assert kv_cache.block_ids(request_id) == ids
         for block_id in ids:
             owners[block_id] = owners.get(block_id, 0) + 1
     for block in pool.blocks:
@@ -207,4 +208,4 @@ def test_block_invariants_hold_under_random_traffic(ops: list[tuple[str, int, in
     run_to_completion(scheduler)
     assert_pool_consistent(scheduler)
     assert scheduler.kv_cache.pool.num_free_blocks == num_blocks
-    assert not scheduler.kv_cache.blocks_of
+    assert not scheduler.kv_cache.blocks_of and not scheduler.kv_cache.block_ids_of

@@ -1,0 +1,172 @@
+"""Engine benchmarks, one subcommand each (or `all`); results go to benchmarks/results/<name>.json/.png.
+
+    python -m benchmarks.engine step-vs-linear
+    python -m benchmarks.engine scheduler-cost
+    python -m benchmarks.engine static-vs-continuous --num-requests 500
+    python -m benchmarks.engine vs-transformers
+    python -m benchmarks.engine preemption
+
+The default model (SmolLM2-135M-Instruct) is loaded from the local cache; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere
+
+import torch  # noqa: E402
+
+from benchmarks import micro, plots, workloads  # noqa: E402
+from benchmarks.common import machine, print_table, save  # noqa: E402
+
+MS = 1e3
+
+
+def cmd_step_vs_linear(args: argparse.Namespace) -> None:
+    info = machine()
+    runs = [micro.step_vs_linear_one(dtype, args.num_seqs, args.prompt_len, args.iterations, args.real_prefill)
+            for dtype in args.dtypes]
+    for run in runs:
+        parts = run["breakdown_median_s"]
+        print_table(f"decode step at {run['num_seqs']} rows, {run['dtype']}: median of {args.iterations} steps",
+                    ["part", "ms", "% of step"],
+                    [[k, v * MS, 100 * v / run["step_median_s"]] for k, v in parts.items()])
+    print_table("step vs linear layers alone", ["dtype", "step ms", "linear ms", "ratio (median)", "ratio (min)",
+                                                "target <= 2x"],
+                [[r["dtype"], r["step_median_s"] * MS, r["linear_median_s"] * MS, r["ratio_median"], r["ratio_min"],
+                  "met" if r["target_met"] else "MISSED"] for r in runs])
+    save("step-vs-linear", {"target": "step <= 2x linear layers", "runs": runs}, info)
+    plots.stacked("step-vs-linear", {r["dtype"]: {k: v * MS for k, v in r["breakdown_median_s"].items()}
+                                     for r in runs}, "ms per decode step",
+                  f"decode step at {args.num_seqs} rows (dashed: 2x linear layers alone)",
+                  reference={r["dtype"]: 2 * r["linear_median_s"] * MS for r in runs})
+
+
+def cmd_scheduler_cost(args: argparse.Namespace) -> None:
+    info = machine()
+    runs = [micro.scheduler_cost_one(n, args.prompt_len, args.steps, args.real_steps) for n in args.sizes]
+    print_table("host cost per decode step, model stubbed (medians, ms)",
+                ["running", "schedule", "build_batch", "update", "sum", "p90 sum", "outputs (detok)",
+                 "real step", "fraction", "target <= 1 ms"],
+                [[r["num_seqs"], r["schedule_median_s"] * MS, r["build_batch_median_s"] * MS,
+                  r["update_median_s"] * MS, r["host_median_s"] * MS, r["host_p90_s"] * MS,
+                  r["outputs_median_s"] * MS, r["real_step_median_s"] * MS, r["fraction_of_real_step"],
+                  "met" if r["host_median_s"] <= 1e-3 else "MISSED"] for r in runs])
+    largest = runs[-1]
+    print_table(f"Python hot spots at {largest['num_seqs']} running (cProfile, per step)",
+                ["function", "calls", "tottime us", "cumtime us"],
+                [[h["function"], h["calls_per_step"], h["tottime_us_per_step"], h["cumtime_us_per_step"]]
+                 for h in largest["python_hot_spots"][:10]])
+    met = all(r["host_median_s"] <= 1e-3 for r in runs if r["num_seqs"] >= 256)
+    save("scheduler-cost", {"target": "schedule + build_batch + update <= 1 ms per step at 256 running",
+                            "target_met": met, "runs": runs}, info)
+    plots.stacked("scheduler-cost", {f"{r['num_seqs']} running": {
+        "schedule": r["schedule_median_s"] * MS, "build_batch": r["build_batch_median_s"] * MS,
+        "update_from_output": r["update_median_s"] * MS, "outputs (detokenize)": r["outputs_median_s"] * MS}
+        for r in runs}, "ms per step", "host work per decode step, no model (dashed: 1 ms target)",
+        reference={f"{r['num_seqs']} running": 1.0 for r in runs})
+
+
+def cmd_static_vs_continuous(args: argparse.Namespace) -> None:
+    info = machine()
+    data = workloads.static_vs_continuous(args.num_requests, args.max_num_seqs, args.kv_gb)
+    arms = data["arms"]
+    print_table(f"{args.num_requests} requests, max_num_seqs={args.max_num_seqs}, {args.kv_gb} GB KV",
+                ["batching", "tokens", "seconds", "tok/s", "mean TTFT s", "p50 TTFT s", "steps", "preemptions"],
+                [[k, a["output_tokens"], a["seconds"], a["tokens_per_second"], a["mean_ttft_s"], a["p50_ttft_s"],
+                  a["num_steps"], a["num_preemptions"]] for k, a in arms.items()])
+    print_table("ratio", ["continuous / static throughput", "target >= 3x"],
+                [[data["throughput_ratio"], "met" if data["target_met"] else "MISSED"]])
+    save("static-vs-continuous", data, info)
+    plots.timelines("static-vs-continuous", arms, f"{args.num_requests} requests, max_num_seqs={args.max_num_seqs}")
+
+
+def cmd_vs_transformers(args: argparse.Namespace) -> None:
+    info = machine()
+    data = workloads.vs_transformers(args.num_requests, args.batch_size)
+    rows = {"pdserve": data["ours"], f"transformers generate (batches of {args.batch_size})":
+            data["transformers_static"], "transformers continuous batching": data["transformers_continuous"]}
+    print_table(f"{args.num_requests} requests, fp32", ["engine", "tokens", "seconds", "tok/s"],
+                [[k, r["output_tokens"], r["seconds"], r["tokens_per_second"]] for k, r in rows.items()])
+    print_table("ratios", ["ours / transformers CB", "ours / transformers static", "target >= 5x"],
+                [[data["ratio_vs_transformers_continuous"], data["ratio_vs_transformers_static"],
+                  "met" if data["target_met"] else "MISSED"]])
+    save("vs-transformers", data, info)
+    plots.bars("vs-transformers", {k.replace(" (", "\n("): r["tokens_per_second"] for k, r in rows.items()},
+               "generated tokens / s", f"{args.num_requests} requests, SmolLM2-135M fp32")
+
+
+def cmd_preemption(args: argparse.Namespace) -> None:
+    info = machine()
+    data = workloads.preemption(args.num_requests, args.pool_fraction)
+    arms = data["arms"]
+    print_table(f"{args.num_requests} requests; undersized pool = {data['num_blocks_undersized']} blocks",
+                ["mode", "seconds", "tok/s", "preemptions", "steps", "greedy identical to baseline"],
+                [[k, a["seconds"], a["tokens_per_second"], a["num_preemptions"], a["num_steps"],
+                  "-" if "greedy_vs_baseline" not in a else
+                  f"{a['greedy_vs_baseline']['identical']}/{a['greedy_vs_baseline']['total']}"]
+                 for k, a in arms.items()])
+    save("preemption", data, info)
+    plots.timelines("preemption", arms, f"{args.num_requests} requests, pool for ~{args.pool_fraction:.0%} of them")
+
+
+def cmd_all(args: argparse.Namespace) -> None:
+    # The order the issue ranks them in, each with its defaults unless given here.
+    for name in ("step-vs-linear", "scheduler-cost", "static-vs-continuous", "vs-transformers", "preemption"):
+        sub = build_parser().parse_args([name, *(["--num-requests", str(args.num_requests)]
+                                                  if name == "static-vs-continuous" else [])])
+        sub.handler(sub)
+
+
+def add(commands: Any, name: str, handler: Callable[[argparse.Namespace], None], help_: str) -> Any:
+    parser = commands.add_parser(name, help=help_)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = add(commands, "step-vs-linear", cmd_step_vs_linear, "decode step vs the model's linear layers alone")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--real-prefill", action="store_true", help="prefill with the model (default: scheduler only)")
+    p = add(commands, "scheduler-cost", cmd_scheduler_cost, "host cost per step with the model stubbed")
+    p.add_argument("--sizes", type=int, nargs="+", default=[8, 256])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--real-steps", type=int, default=4)
+    p = add(commands, "static-vs-continuous", cmd_static_vs_continuous, "static vs continuous batching")
+    p.add_argument("--num-requests", type=int, default=500)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-gb", type=float, default=2.0)
+    p = add(commands, "vs-transformers", cmd_vs_transformers, "against transformers generate / continuous batching")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p = add(commands, "preemption", cmd_preemption, "recompute vs swap under an undersized KV pool")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--pool-fraction", type=float, default=0.5)
+    p = add(commands, "all", cmd_all, "every benchmark, in priority order")
+    p.add_argument("--num-requests", type=int, default=500, help="for static-vs-continuous")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.handler(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

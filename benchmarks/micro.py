@@ -1,0 +1,238 @@
+"""Decode-step microbenchmarks: the engine's step against its linear layers, and the host-side cost
+of scheduling and batch building with the model call stubbed out."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import Progress
+from torch import nn
+
+from benchmarks.common import Timers, fake_tokens, median, stub_prefill
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine import LLMEngine
+from cluster.kv_cache_manager import cdiv
+from cluster.sampler import Sampler
+from cluster.sampling_params import SamplingParams
+from kernels import reference
+
+# Long enough that no request finishes while it is being measured.
+NEVER_ENDING = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
+
+
+def decode_engine(dtype: str, num_seqs: int, prompt_len: int, num_blocks: int, seed: int = 0) -> LLMEngine:
+    """An engine holding `num_seqs` requests of `prompt_len` tokens, queued (not yet prefilled)."""
+    config = EngineConfig(
+        model=ModelConfig(dtype=dtype), cache=CacheConfig(num_blocks=num_blocks),
+        # One step can take every prompt at once, so a real prefill is as short as it can be.
+        scheduler=SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * prompt_len)))
+    engine = LLMEngine(config)
+    rng = np.random.default_rng(seed)
+    for _ in range(num_seqs):
+        engine.add_request(fake_tokens(prompt_len, rng), NEVER_ENDING)
+    return engine
+
+
+def blocks_for(num_seqs: int, tokens_per_seq: int, block_size: int = 16) -> int:
+    return num_seqs * (cdiv(tokens_per_seq, block_size) + 1)
+
+
+def prefill(engine: LLMEngine, real: bool, seed: int = 0) -> float:
+    """Bring every request to steady decode: by running the model, or by the scheduler alone."""
+    start = time.perf_counter()
+    if real:
+        scheduler = engine.scheduler
+        while scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.running):
+            engine.step()
+    else:
+        stub_prefill(engine, np.random.default_rng(seed))
+    return time.perf_counter() - start
+
+
+class TimedSampler:
+    """Stands in for the runner's sampler (called through `__call__`, which an instance attribute
+    cannot replace) and times it; everything else goes to the real one."""
+
+    def __init__(self, sampler: Sampler, timers: Timers) -> None:
+        self.sampler = sampler
+        self.call = timers.wrap("sampler", sampler.__call__)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.call(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
+
+
+def instrument(engine: LLMEngine, timers: Timers) -> None:
+    """Time the parts of `engine.step()` at their own call sites (instance attributes shadow methods)."""
+    scheduler, runner, model = engine.scheduler, engine.runner, engine.runner.model
+    scheduler.schedule = timers.wrap("scheduler", scheduler.schedule)  # type: ignore[method-assign]
+    scheduler.update_from_output = timers.wrap("scheduler", scheduler.update_from_output)  # type: ignore[method-assign]
+    runner.build_batch = timers.wrap("build_batch", runner.build_batch)  # type: ignore[method-assign]
+    model.forward = timers.wrap("model", model.forward)  # type: ignore[method-assign]
+    backend = model.model.layers[0].self_attn.backend  # one backend object shared by every layer
+    backend.forward = timers.wrap("attention", backend.forward)  # type: ignore[method-assign]
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            name = "lm_head" if module is model.lm_head else "linear"
+            module.forward = timers.wrap(name, module.forward)  # type: ignore[method-assign]
+    runner.sampler = TimedSampler(runner.sampler, timers)  # type: ignore[assignment]
+    # The torch backend calls these through the module, so patching the module times them inside attention.
+    for name in ("gather_kv", "write_kv_cache"):
+        original = getattr(getattr(reference, name), "original", getattr(reference, name))
+        wrapped = timers.wrap(f"attention_{name}", original)
+        wrapped.original = original  # type: ignore[attr-defined]
+        setattr(reference, name, wrapped)
+    engine._output = timers.wrap("outputs", engine._output)  # type: ignore[method-assign]
+
+
+def breakdown(totals: dict[str, float], step: float) -> dict[str, float]:
+    """Exclusive parts of one step, in seconds; `other` is what no timer saw (runner glue, loops)."""
+    parts = {
+        "scheduler": totals.get("scheduler", 0.0),
+        "build_batch": totals.get("build_batch", 0.0),
+        "attention_kv_write": totals.get("attention_write_kv_cache", 0.0),
+        "attention_gather": totals.get("attention_gather_kv", 0.0),
+        "attention_sdpa_mask": totals.get("attention", 0.0) - totals.get("attention_write_kv_cache", 0.0)
+        - totals.get("attention_gather_kv", 0.0),
+        "linear": totals.get("linear", 0.0),
+        "rest_of_model": totals.get("model", 0.0) - totals.get("attention", 0.0) - totals.get("linear", 0.0),
+        "lm_head": totals.get("lm_head", 0.0),
+        "sampler": totals.get("sampler", 0.0),
+        "outputs": totals.get("outputs", 0.0),
+    }
+    parts["other"] = step - sum(parts.values())
+    return parts
+
+
+def linear_inputs(model: nn.Module, rows: int, dtype: torch.dtype) -> list[tuple[nn.Linear, torch.Tensor]]:
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return [(layer, torch.randn(rows, layer.in_features, dtype=dtype)) for layer in layers]
+
+
+@torch.inference_mode()
+def linear_pass(pairs: list[tuple[nn.Linear, torch.Tensor]]) -> float:
+    """Every linear layer once, in order, through F.linear (the layers' own forward is being timed)."""
+    start = time.perf_counter()
+    for layer, x in pairs:
+        nn.functional.linear(x, layer.weight, layer.bias)
+    return time.perf_counter() - start
+
+
+def profile_step(engine: LLMEngine, top: int = 12) -> list[dict[str, Any]]:
+    """torch.profiler's op table for one step: where the model's time goes, op by op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in events]
+
+
+def step_vs_linear_one(dtype: str, num_seqs: int, prompt_len: int, iterations: int,
+                       real_prefill: bool) -> dict[str, Any]:
+    engine = decode_engine(dtype, num_seqs, prompt_len, blocks_for(num_seqs, prompt_len + iterations + 64))
+    prefill_s = prefill(engine, real_prefill)
+    timers = Timers()
+    instrument(engine, timers)
+    pairs = linear_inputs(engine.runner.model, num_seqs, engine.runner.dtype)
+    for _ in range(2):  # warm-up: first calls allocate and pick kernels
+        engine.step()
+        linear_pass(pairs)
+    timers.take()
+    steps, linears, parts = [], [], []
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"{dtype}: step / linear", total=iterations)
+        for _ in range(iterations):
+            # Interleaved, so both see the same machine load.
+            start = time.perf_counter()
+            outputs = engine.step()
+            steps.append(time.perf_counter() - start)
+            assert len(outputs) == num_seqs, "every request should decode once per step"
+            parts.append(breakdown(timers.take(), steps[-1]))
+            linears.append(linear_pass(pairs))
+            bar.advance(task)
+    ops = profile_step(engine)
+    step_med, linear_med = median(steps), median(linears)
+    return {
+        "dtype": dtype, "num_seqs": num_seqs, "prompt_len": prompt_len, "real_prefill": real_prefill,
+        "prefill_s": prefill_s, "context_len_at_end": engine.scheduler.running[0].num_tokens,
+        "step_s": steps, "linear_s": linears, "step_median_s": step_med, "linear_median_s": linear_med,
+        "ratio_median": step_med / linear_med, "ratio_min": min(steps) / min(linears),
+        "breakdown_median_s": {key: median([p[key] for p in parts]) for key in parts[0]},
+        "num_linear_layers": len(pairs), "profile_top_ops": ops, "target_met": step_med <= 2 * linear_med,
+    }
+
+
+def stub_step(engine: LLMEngine, rng: np.random.Generator) -> tuple[float, float, float, float]:
+    """One decode step with no model: (schedule, build_batch, update_from_output, outputs) seconds."""
+    scheduler, runner = engine.scheduler, engine.runner
+    t0 = time.perf_counter()
+    output = scheduler.schedule()
+    t1 = time.perf_counter()
+    batch = runner.build_batch(output.scheduled)
+    t2 = time.perf_counter()
+    requests = [batch.rows[row].request for row in batch.sample_rows]
+    tokens = fake_tokens(len(requests), rng)
+    scheduler.update_from_output(output, {r.request_id: t for r, t in zip(requests, tokens, strict=True)})
+    t3 = time.perf_counter()
+    for request, token in zip(requests, tokens, strict=True):  # what engine.step does per output
+        engine._output(request, token, None)
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+
+def python_hot_spots(engine: LLMEngine, steps: int, top: int = 15) -> list[dict[str, Any]]:
+    """cProfile of stub steps: the Python functions the host-side time goes to."""
+    rng = np.random.default_rng(1)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        stub_step(engine, rng)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{file.split('/pdserve/')[-1].split('/main/')[-1]}:{line}({name})",
+                     "calls_per_step": calls / steps, "tottime_us_per_step": tottime / steps * 1e6,
+                     "cumtime_us_per_step": cumtime / steps * 1e6})
+    return sorted(rows, key=lambda r: r["tottime_us_per_step"], reverse=True)[:top]
+
+
+def scheduler_cost_one(num_seqs: int, prompt_len: int, steps: int, real_steps: int) -> dict[str, Any]:
+    total_steps = steps * 2 + real_steps + 8  # measured + profiled + real, with slack
+    engine = decode_engine("float32", num_seqs, prompt_len, blocks_for(num_seqs, prompt_len + total_steps))
+    stub_prefill(engine, np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # warm-up
+        stub_step(engine, rng)
+    samples = []
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"{num_seqs} running: stub steps", total=steps)
+        for _ in range(steps):
+            samples.append(stub_step(engine, rng))
+            bar.advance(task)
+    hot = python_hot_spots(engine, steps)
+    real = []
+    for _ in range(real_steps):
+        start = time.perf_counter()
+        engine.step()
+        real.append(time.perf_counter() - start)
+    columns = list(zip(*samples, strict=True))
+    schedule, build, update, outputs = (median(list(c)) for c in columns)
+    host = median([s[0] + s[1] + s[2] for s in samples])
+    real_med = median(real[1:]) if len(real) > 1 else median(real)
+    return {
+        "num_seqs": num_seqs, "prompt_len": prompt_len, "steps": steps,
+        "schedule_median_s": schedule, "build_batch_median_s": build, "update_median_s": update,
+        "outputs_median_s": outputs, "host_median_s": host, "host_p90_s": float(np.percentile(
+            [s[0] + s[1] + s[2] for s in samples], 90)),
+        "real_step_s": real, "real_step_median_s": real_med, "fraction_of_real_step": host / real_med,
+        "fraction_with_outputs": (host + outputs) / real_med, "python_hot_spots": hot,
+    }
