@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -60,9 +61,12 @@ def git_state() -> str:
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "cluster", "kernels"], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
+        diff = subprocess.run(["git", "diff", "HEAD", "--", "cluster", "kernels"], cwd=root, capture_output=True,
+                              check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return head + ("+dirty" if dirty else "")
+    # A digest of the uncommitted diff tells two dirty trees apart.
+    return head + (f"+dirty.{hashlib.sha1(diff).hexdigest()[:8]}" if dirty else "")
 
 
 def save(name: str, data: dict[str, Any], info: dict[str, Any]) -> Path:

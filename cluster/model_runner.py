@@ -7,6 +7,7 @@ blocks. Batch tensors are built per request with numpy, never per token in Pytho
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 from collections.abc import Iterable, Iterator
@@ -23,6 +24,7 @@ from cluster.scheduler import ScheduledRequest, SchedulerOutput, SwapOrder
 
 # glibc serves allocations above 32 MiB with fresh (zero-filled) pages from mmap.
 LARGE_ALLOCATION_BYTES = 64 * 2**20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -40,6 +42,21 @@ class Batch:
     metadata: AttentionMetadata
     sample_rows: list[int]  # rows whose last position is sampled
     logits_indices: torch.Tensor
+
+
+def keep_freed_host_memory() -> None:
+    """Stop glibc handing freed multi-megabyte blocks back to the OS.
+
+    Otherwise every step's large temporaries (gathered keys and values, activations) come back as
+    fresh pages and are page-faulted in again, which made the CPU attention gather several times
+    slower here. Allocations of 32 MiB and more still come fresh (and zeroed) from mmap.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**30)
 
 
 @contextlib.contextmanager
@@ -80,6 +97,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         backend = get_attention_backend(attention_backend, self.device)
         with torch.device(self.device), skip_weight_init():
             model = LlamaForCausalLM(arch, backend, max_positions=max_model_len)

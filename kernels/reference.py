@@ -25,13 +25,19 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor,
               max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of each sequence laid out contiguously: [batch, kv_heads, max_seq_len, head_dim]."""
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-max_seq_len // block_size)
-    table = block_tables[:, :num_blocks]
-    batch = table.shape[0]
-    keys = kv_cache[0][table].view(batch, num_blocks * block_size, *kv_cache.shape[3:])[:, :max_seq_len]
-    values = kv_cache[1][table].view(batch, num_blocks * block_size, *kv_cache.shape[3:])[:, :max_seq_len]
+    """Keys and values of each sequence laid out contiguously: [batch, kv_heads, max_seq_len, head_dim].
+
+    Whole blocks are copied as rows with `index_select`: several times faster on CPUs than advanced
+    indexing of the 5-D cache, which copies element-wise.
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    blocks_per_seq = -(-max_seq_len // block_size)
+    table = block_tables[:, :blocks_per_seq].reshape(-1)
+    batch = block_tables.shape[0]
+    shape = (batch, blocks_per_seq * block_size, num_kv_heads, head_dim)
+    rows = kv_cache.view(2, num_blocks, -1)
+    keys = rows[0].index_select(0, table).view(shape)[:, :max_seq_len]
+    values = rows[1].index_select(0, table).view(shape)[:, :max_seq_len]
     return keys.transpose(1, 2), values.transpose(1, 2)
 
 
