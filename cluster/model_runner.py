@@ -109,6 +109,7 @@ class ModelRunner:
         self.kv_caches = [allocate_zeroed(shape, self.dtype, self.device) for _ in range(arch.num_layers)]
         self.swap_store: dict[str, list[torch.Tensor]] = {}
         self.sampler = Sampler(arch.vocab_size)
+        self.block_tables = BlockTables(-(-max_model_len // block_size))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -133,12 +134,13 @@ class ModelRunner:
         return result
 
     def build_batch(self, scheduled: list[ScheduledRequest]) -> Batch:
-        return build_batch(scheduled, self.block_size, self.device)
+        return build_batch(scheduled, self.block_tables, self.block_size, self.device)
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (sampler generators, swapped KV) of a request that ended."""
+        """Forget per-request state (sampler generators, swapped KV, table row) of a request that ended."""
         self.sampler.free(request_id)
         self.swap_store.pop(request_id, None)
+        self.block_tables.release(request_id)
 
     def _swap_out(self, order: SwapOrder) -> None:
         index = torch.tensor(order.block_ids, device=self.device)
@@ -150,44 +152,89 @@ class ModelRunner:
             cache[:, index] = saved.to(self.device)
 
 
-def build_batch(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> Batch:
+class BlockTables:
+    """Every live request's block table as a row of one numpy array, kept across steps.
+
+    A step copies in only what changed (a decode adds a block every `block_size` tokens), so
+    building the batch's tables is one gather, not a conversion of every block id from Python.
+    A row is rewritten whole when the request's block list is a new list (it was preempted).
+    """
+
+    def __init__(self, max_blocks_per_request: int, rows: int = 64) -> None:
+        self.table = np.zeros((rows, max_blocks_per_request), np.int64)
+        self.row_of: dict[str, int] = {}
+        self.source: list[list[int] | None] = [None] * rows  # the block list each row mirrors
+        self.count = [0] * rows
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    def rows_for(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
+        rows = np.empty(len(scheduled), np.int64)
+        for index, s in enumerate(scheduled):
+            row = self.row_of.get(s.request.request_id)
+            if row is None:
+                row = self._assign(s.request.request_id)
+            block_ids, count = s.block_ids, self.count[row]
+            if self.source[row] is not block_ids:
+                self.source[row], count = block_ids, 0
+            if len(block_ids) != count:
+                self.table[row, count:len(block_ids)] = block_ids[count:]
+                self.count[row] = len(block_ids)
+            rows[index] = row
+        return rows
+
+    def release(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.source[row], self.count[row] = None, 0
+            self.free_rows.append(row)
+
+    def _assign(self, request_id: str) -> int:
+        if not self.free_rows:
+            self._grow()
+        row = self.free_rows.pop()
+        self.row_of[request_id] = row
+        return row
+
+    def _grow(self) -> None:
+        old = len(self.source)
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self.source += [None] * old
+        self.count += [0] * old
+        self.free_rows = list(range(2 * old - 1, old - 1, -1))
+
+
+def build_batch(scheduled: list[ScheduledRequest], block_tables: BlockTables, block_size: int,
+                device: torch.device) -> Batch:
     """Flat tensors for one forward pass over every scheduled token: one pass in Python over the
     requests, then numpy over the tokens."""
     # Decodes (one new token) first: the attention backend batches them together.
     rows = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens != 1]
-    starts, token_ids, flat_block_ids, num_block_ids, sample_rows = [], [], [], [], []
+    starts, lengths, token_ids, sample_rows = [], [], [], []
     for index, s in enumerate(rows):
-        start = s.request.num_computed_tokens
+        start, length = s.request.num_computed_tokens, s.num_new_tokens
         starts.append(start)
-        token_ids += s.request.all_token_ids[start:start + s.num_new_tokens]
-        flat_block_ids += s.block_ids
-        num_block_ids.append(len(s.block_ids))
+        lengths.append(length)
+        token_ids += s.request.all_token_ids[start:start + length]
         if s.samples:
             sample_rows.append(index)
-    lengths = np.fromiter((s.num_new_tokens for s in rows), np.int64, len(rows))
+    lengths_array = np.array(lengths)
     query_start = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum(lengths, out=query_start[1:])
-    row_of_token = np.repeat(np.arange(len(rows)), lengths)
+    np.cumsum(lengths_array, out=query_start[1:])
+    row_of_token = np.repeat(np.arange(len(rows)), lengths_array)
     positions = np.arange(len(token_ids)) - query_start[row_of_token] + np.array(starts)[row_of_token]
-    block_tables = _block_tables(np.array(flat_block_ids, np.int64), np.array(num_block_ids))
-    slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
     seq_lens = positions[query_start[1:] - 1] + 1
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    table_rows = block_tables.rows_for(rows)  # may grow the table: index it only afterwards
+    tables = block_tables.table[table_rows, :max_blocks]
+    slot_mapping = tables[row_of_token, positions // block_size] * block_size + positions % block_size
     to_device = functools.partial(_to_device, device=device)
     metadata = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping), block_tables=to_device(block_tables),
+        slot_mapping=to_device(slot_mapping), block_tables=to_device(tables),
         seq_lens=to_device(seq_lens.astype(np.int32)), query_start_loc=to_device(query_start.astype(np.int32)),
-        num_decodes=int(np.count_nonzero(lengths == 1)), max_seq_len=int(seq_lens.max()),
+        num_decodes=len(rows) - int(np.count_nonzero(lengths_array - 1)), max_seq_len=int(seq_lens.max()),
         seq_lens_list=seq_lens.tolist(), query_start_list=query_start.tolist())
     return Batch(rows, torch.tensor(token_ids, dtype=torch.int64, device=device), to_device(positions),
                  metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
-
-
-def _block_tables(flat: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """[rows, longest table] block ids, zero-padded, filled in one scatter rather than row by row."""
-    table = np.zeros((len(counts), int(counts.max())), np.int64)
-    row_index = np.repeat(np.arange(len(counts)), counts)
-    table[row_index, np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)] = flat
-    return table
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
