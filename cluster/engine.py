@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from cluster.block_pool import BlockPool
 from cluster.config import EngineConfig
 from cluster.default_model import DEFAULT_MODEL_NAME, resolve_model_path
@@ -42,6 +44,16 @@ class RequestOutput:
     stop_reason: int | str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class KVExport:
+    """A finished prefill's KV, ready to send: `data` is [layers, 2, blocks, block_size, heads, dim]."""
+
+    request_id: str
+    num_tokens: int
+    first_token_id: int
+    data: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -106,15 +118,60 @@ class LLMEngine:
         """Queue a request; raises ValueError for one that can never run, QueueFullError when full."""
         params = sampling_params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request = self._new_request(token_ids, params, request_id or f"request-{next(self.ids)}", priority)
+        self.scheduler.add_request(request)
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
+        return request
+
+    def add_prefill(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                    request_id: str, priority: int = 0) -> Request:
+        """Prefill side of the cluster: compute the prompt, sample the first token, then keep the
+        blocks until `export_kv` and `release_held`."""
+        request = self.add_request(prompt_token_ids, sampling_params, request_id=request_id, priority=priority)
+        request.hold_kv = True
+        return request
+
+    def export_kv(self, request_id: str) -> KVExport:
+        request = self.scheduler.held[request_id]
+        data = self.runner.read_blocks(self.kv_cache.block_ids(request_id))
+        return KVExport(request_id, request.num_prompt_tokens, request.output_token_ids[0], data)
+
+    def release_held(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
+
+    def reserve_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                       request_id: str, lease_s: float = 30.0, priority: int = 0) -> list[int] | None:
+        """Decode side: reserve blocks for a prompt whose KV another worker computes; None if full."""
+        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority)
+        block_ids = self.scheduler.reserve_remote(request, lease_s)
+        if block_ids is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                                   stop=sampling_params.stop)
+        return block_ids
+
+    def import_kv(self, request_id: str, data: torch.Tensor) -> None:
+        """Write received KV into the blocks reserved for `request_id`."""
+        if request_id not in self.scheduler.reserved:
+            raise ValueError(f"no reservation for request {request_id!r}")
+        self.runner.write_blocks(self.kv_cache.block_ids(request_id), data)
+
+    def admit_remote(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """The KV is in place: the request joins the batch at the next step, after `first_token_id`."""
+        request = self.scheduler.admit_remote(request_id, first_token_id)
+        return self._output(request, first_token_id, None)
+
+    def fail_remote(self, request_id: str) -> None:
+        """The KV will not arrive: compute the prompt here."""
+        self.scheduler.fail_remote(request_id)
+
+    def _new_request(self, token_ids: list[int], params: SamplingParams, request_id: str, priority: int) -> Request:
         if not token_ids:
             raise ValueError("the prompt is empty")
         if max(token_ids) >= self.arch.vocab_size or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
-        request = Request(request_id or f"request-{next(self.ids)}", token_ids, params,
-                          eos_token_ids=self.tokenizer.eos_token_ids, priority=priority)
+        request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
+                          priority=priority)
         self.scheduler.check_request_fits(request)
-        self.scheduler.add_request(request)
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -129,6 +186,7 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.scheduler.expire_reservations()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.empty:
             return []

@@ -71,7 +71,8 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[Block] | None = None) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[Block] | None = None,
+                       cache_full: bool = True) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
 
         Returns False, changing nothing, when the pool cannot hold them. Full blocks are entered in
@@ -97,8 +98,14 @@ class KVCacheManager:
         blocks = self.blocks_of.setdefault(request.request_id, blocks)
         blocks.extend(new_blocks)
         self.block_ids_of.setdefault(request.request_id, []).extend(block.block_id for block in new_blocks)
-        self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
+        if cache_full:
+            self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
         return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's full blocks up to `num_tokens` into the prefix cache: for blocks filled
+        from outside a step (KV received from another worker), once their data is in place."""
+        self._cache_full_blocks(request, self.blocks_of.get(request.request_id, []), num_tokens)
 
     def free(self, request: Request) -> list[int]:
         """Give back the request's blocks; returns their ids (a swap-out copies them first)."""

@@ -1,6 +1,8 @@
 """A request and its life in the engine.
 
 Lifecycle: WAITING -> RUNNING -> (PREEMPTED -> WAITING/RUNNING)* -> one FINISHED_* state.
+On a decode worker of the disaggregated cluster a request starts in WAITING_FOR_REMOTE_KV: its
+blocks are reserved while a prefill worker sends the prompt's KV, then it joins the running batch.
 
 The engine has no prefill or decode phase: each step, a scheduled request moves its
 `num_computed_tokens` towards `num_tokens` (prompt plus outputs so far). When a step computes the
@@ -20,15 +22,16 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    # Finished states last, so `status > PREEMPTED` means finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_REMOTE_KV = 3
+    # Finished states last, so `status >= FINISHED_STOPPED` means finished.
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self >= RequestStatus.FINISHED_STOPPED
 
 
 class FinishReason(enum.StrEnum):
@@ -74,6 +77,8 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # Prefill side of the cluster: keep the blocks when the request ends, until they are exported.
+    hold_kv: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -9,8 +9,10 @@ to be recomputed from its tokens or to have its KV swapped back in from host mem
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
@@ -66,6 +68,12 @@ class Scheduler:
         self.order: dict[str, int] = {}
         self.counter = itertools.count()
         self.num_preemptions = 0
+        # Disaggregation. Decode side: requests whose KV is in flight, with their lease deadlines,
+        # then those whose KV has landed, admitted ahead of the waiting queue (they hold blocks).
+        self.reserved: dict[str, tuple[Request, float]] = {}
+        self.remote_ready: collections.deque[Request] = collections.deque()
+        # Prefill side: requests that ended holding their blocks until the KV is exported.
+        self.held: dict[str, Request] = {}
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -82,24 +90,92 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is not None:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
+        elif request_id in self.held:
+            request = self.release_held(request_id)
         return request
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Retire a request: it leaves every queue and its blocks go back at once."""
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting = [entry for entry in self.waiting if entry[2] is not request]
-            heapq.heapify(self.waiting)
+        """Retire a request: it leaves every queue and its blocks go back at once (or, for a
+        prefill whose KV is still to be sent, when `release_held` is called)."""
+        self._leave_queues(request)
         request.status = status
-        self.kv_cache.free(request)
+        if request.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.held[request.request_id] = request
+        else:
+            self.kv_cache.free(request)
         self.num_swapped_blocks -= self.swapped.pop(request.request_id, 0)
         self.requests.pop(request.request_id, None)
         self.order.pop(request.request_id, None)
 
+    def _leave_queues(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            if self.reserved.pop(request.request_id, None) is None:
+                self.remote_ready.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting = [entry for entry in self.waiting if entry[2] is not request]
+            heapq.heapify(self.waiting)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    # ---- disaggregation ------------------------------------------------------------------------
+
+    def release_held(self, request_id: str) -> Request | None:
+        """Prefill side: the KV was exported (or will never be); free the blocks."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv_cache.free(request)
+        return request
+
+    def reserve_remote(self, request: Request, lease_s: float) -> list[int] | None:
+        """Decode side: blocks for the whole prompt, to receive its KV; None when they don't fit.
+
+        If the KV has not arrived `lease_s` seconds from now, `expire_reservations` falls back to
+        computing the prompt here.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        # Not entered in the prefix cache yet: the blocks hold nothing until the KV arrives.
+        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens, cache_full=False):
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.order[request.request_id] = next(self.counter)
+        self.reserved[request.request_id] = (request, time.monotonic() + lease_s)
+        return self.kv_cache.block_ids(request.request_id)
+
+    def admit_remote(self, request_id: str, first_token_id: int) -> Request:
+        """The prompt's KV is in the reserved blocks and the prefill sampled `first_token_id`."""
+        request, _ = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = 0
+        self.kv_cache.cache_blocks(request, request.num_prompt_tokens)
+        request.append_output_token(first_token_id)
+        status = request.check_stop(self.max_model_len)
+        if status is not None:
+            self.finish(request, status)
+        else:
+            self.remote_ready.append(request)
+        return request
+
+    def fail_remote(self, request_id: str) -> Request | None:
+        """The KV will not come: give back the blocks and compute the prompt here instead."""
+        entry = self.reserved.pop(request_id, None)
+        if entry is None:
+            return None
+        request = entry[0]
+        self.kv_cache.free(request)
+        request.status = RequestStatus.WAITING
+        self._push_waiting(request)
+        return request
+
+    def expire_reservations(self, now: float | None = None) -> list[Request]:
+        now = time.monotonic() if now is None else now
+        expired = [request_id for request_id, (_, deadline) in self.reserved.items() if deadline <= now]
+        return [request for request_id in expired if (request := self.fail_remote(request_id)) is not None]
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -117,7 +193,7 @@ class Scheduler:
         for scheduled in output.scheduled:
             request = scheduled.request
             request.num_computed_tokens += scheduled.num_new_tokens
-            if not scheduled.samples or request.status > RequestStatus.PREEMPTED:  # a chunk, or aborted
+            if not scheduled.samples or request.status >= RequestStatus.FINISHED_STOPPED:  # a chunk, or aborted
                 continue
             token_id = sampled[request.request_id]
             request.append_output_token(token_id)
@@ -184,6 +260,7 @@ class Scheduler:
         static = self.config.batching == "static"
         if static and self.running:
             return budget
+        budget = self._schedule_remote_ready(output, budget)
         while self.waiting and len(self.running) < self.config.max_num_seqs and (budget > 0 or static):
             request = self.waiting[0][2]
             num_new = self._admit(request, budget, output)
@@ -195,6 +272,19 @@ class Scheduler:
             if num_new > 0:
                 output.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
+        return budget
+
+    def _schedule_remote_ready(self, output: SchedulerOutput, budget: int) -> int:
+        """Requests whose KV arrived go first: they already hold their blocks."""
+        while self.remote_ready and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.remote_ready[0]
+            if not self.kv_cache.allocate_slots(request, 1):
+                break
+            self.remote_ready.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(self._scheduled(request, 1))
+            budget -= 1
         return budget
 
     def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:

@@ -1,0 +1,127 @@
+"""The KV connector interface: how a prefill worker's KV blocks reach a decode worker.
+
+Who calls what, and who frees which blocks:
+
+    decode worker                                   prefill worker
+    -------------                                   --------------
+    engine.reserve_remote(...) -> block ids
+    buffer = staging buffer for those blocks
+    done = receiver.expect(request_id, buffer)
+    (tells the router receiver.address)  ──────>    engine runs the prompt, samples token 1,
+                                                    holds the blocks; payload = staging copy
+                                                    await sender.send(address, header, payload)
+                                                    engine.release_held(request_id)  # its blocks
+    header = await done
+    write buffer into the reserved blocks
+    engine.admit_remote(request_id, header.first_token_id)
+
+A receive that fails, is cancelled or times out leaves the decode worker's reserved blocks to the
+decode worker (`engine.fail_remote` recomputes the prompt locally; an abort frees them). A send that
+fails leaves the prefill worker's held blocks to the prefill worker (`release_held`). Nothing from
+the network is unpickled: the header is msgpack of plain fields, the payload raw bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import msgpack
+
+MAX_HEADER_BYTES = 4096
+HEADER_VERSION = 1
+
+
+class TransferError(RuntimeError):
+    """A transfer failed: the peer is gone, refused it, or sent something malformed."""
+
+
+class TransferState(enum.IntEnum):
+    PENDING = 0  # expected, nothing arrived yet
+    RECEIVING = 1
+    DONE = 2
+    FAILED = 3
+    CANCELLED = 4
+
+
+@dataclass(frozen=True, slots=True)
+class KVHeader:
+    """Describes one request's KV payload: layers x (key, value) x blocks x block_size x heads x dim."""
+
+    request_id: str
+    num_tokens: int  # prompt tokens whose keys and values the payload holds
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    first_token_id: int
+    nbytes: int
+
+    def to_bytes(self) -> bytes:
+        data: bytes = msgpack.packb({"version": HEADER_VERSION, **asdict(self)})
+        if len(data) > MAX_HEADER_BYTES:
+            raise TransferError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+        return data
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVHeader:
+        """Parse and validate a header from the network; raises TransferError on anything odd."""
+        if len(data) > MAX_HEADER_BYTES:
+            raise TransferError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+        try:
+            fields: Any = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as error:  # msgpack raises several types for malformed input
+            raise TransferError(f"malformed header: {error}") from error
+        if not isinstance(fields, dict) or fields.pop("version", None) != HEADER_VERSION:
+            raise TransferError("malformed header: not a version-1 KV header")
+        try:
+            header = cls(**fields)
+        except TypeError as error:
+            raise TransferError(f"malformed header: {error}") from error
+        header.validate()
+        return header
+
+    def validate(self) -> None:
+        ints = (self.num_tokens, self.num_blocks, self.block_size, self.num_layers, self.num_kv_heads,
+                self.head_dim, self.first_token_id, self.nbytes)
+        if not isinstance(self.request_id, str) or not isinstance(self.dtype, str) or \
+                not all(isinstance(value, int) and value >= 0 for value in ints):
+            raise TransferError("malformed header: wrong field types")
+        if self.num_blocks * self.block_size < self.num_tokens or self.num_blocks == 0:
+            raise TransferError("malformed header: blocks cannot hold the tokens")
+
+
+class KVSender(Protocol):
+    """Prefill side."""
+
+    async def send(self, address: str, header: KVHeader, payload: memoryview) -> None:
+        """Deliver header and payload to the receiver at `address`; raises TransferError."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class KVReceiver(Protocol):
+    """Decode side: payloads land in buffers registered in advance, never anywhere else."""
+
+    address: str
+
+    async def start(self) -> None: ...
+
+    def expect(self, request_id: str, buffer: memoryview) -> asyncio.Future[KVHeader]:
+        """Accept one payload for `request_id`, of exactly `buffer.nbytes`, written into `buffer`.
+
+        The future resolves to the header once the payload is in place, or fails with TransferError
+        (wrong size, peer lost) or CancelledError (`cancel`). Frames for ids not expected are refused.
+        """
+        ...
+
+    def state(self, request_id: str) -> TransferState | None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    async def close(self) -> None: ...
