@@ -1,0 +1,275 @@
+"""A worker: one engine driven by its own thread, plus the KV connector of its role.
+
+The engine is not thread-safe, so everything that touches it runs on the engine thread: callers
+on the asyncio side submit commands (`_call`) that the thread runs between steps, and outputs flow
+back through one asyncio queue per request. The Ray actors of `cluster.actors` wrap this class;
+tests drive it directly with the loopback connector.
+
+Roles: "prefill" runs prompts and sends their KV (`prefill`), "decode" reserves blocks, receives
+KV and streams the rest (`reserve`, `stream`), "colocated" does both phases itself (`generate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from cluster.engine import LLMEngine, RequestOutput
+from cluster.sampling_params import SamplingParams
+from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+IDLE_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class TransferStats:
+    request_id: str
+    nbytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    worker_id: str
+    role: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+
+
+class Worker:
+    def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,
+                 receiver: KVReceiver | None = None) -> None:
+        if role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
+        self.worker_id, self.role, self.engine = worker_id, role, engine
+        self.sender, self.receiver = sender, receiver
+        self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.stopped = False
+        self.transfers: list[TransferStats] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.receiver is not None:
+            await self.receiver.start()
+        self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
+        self.thread.start()
+
+    async def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, 10)
+        for connector in (self.sender, self.receiver):
+            if connector is not None:
+                await connector.close()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            while not self.commands.empty():
+                self.commands.get()()
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # a broken step must not hang every caller
+                    log.exception("engine step failed on %s", self.worker_id)
+                    self._fail_all(error)
+                    continue
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+            if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
+                self.wake.wait(IDLE_WAIT_S)
+                self.wake.clear()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self.streams.get(request_id)
+        if stream is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self.streams):
+            self.engine.abort(request_id)
+            self._deliver(request_id, error)
+
+    async def _call(self, function: Callable[[], T]) -> T:
+        """Run `function` on the engine thread between steps; its result or exception comes back."""
+        assert self.loop is not None, "start() the worker first"
+        future: asyncio.Future[T] = self.loop.create_future()
+
+        def run() -> None:
+            try:
+                result = function()
+            except BaseException as error:
+                self.loop.call_soon_threadsafe(_set_exception, future, error)  # type: ignore[union-attr]
+            else:
+                self.loop.call_soon_threadsafe(_set_result, future, result)  # type: ignore[union-attr]
+
+        self.commands.put(run)
+        self.wake.set()
+        return await future
+
+    # ---- every role ----------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Run a request here from prompt to end (colocated), yielding each step's output."""
+        self.streams[request_id] = asyncio.Queue()
+        try:
+            await self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id=request_id))
+            async for output in self._outputs(request_id):
+                yield output
+        finally:
+            await self._close_stream(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        if self.receiver is not None:
+            self.receiver.cancel(request_id)
+        return await self._call(lambda: self.engine.abort(request_id))
+
+    async def load(self) -> WorkerLoad:
+        stats = await self._call(self.engine.stats)
+        return WorkerLoad(self.worker_id, self.role, stats.num_running, stats.num_waiting, stats.num_free_blocks,
+                          stats.num_blocks, stats.kv_cache_usage)
+
+    async def _outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        stream = self.streams[request_id]
+        while True:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    async def _close_stream(self, request_id: str) -> None:
+        """Called when a consumer stops listening: a request still running is aborted, so a client
+        that went away frees its blocks within a step."""
+        self.streams.pop(request_id, None)
+        if not self.stopped:
+            await self._call(lambda: self.engine.abort(request_id))
+
+    # ---- prefill role --------------------------------------------------------------------------
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      decode_address: str) -> AsyncIterator[RequestOutput | TransferStats]:
+        """Compute the prompt, yield the first token at once, then send the KV to `decode_address`
+        and yield the transfer's stats. A failed send raises TransferError (the decode worker then
+        recomputes); the held blocks are released whatever happens."""
+        assert self.sender is not None, "a prefill worker needs a KV sender"
+        first_params = SamplingParams(max_tokens=1, temperature=params.temperature, top_p=params.top_p,
+                                      top_k=params.top_k, min_p=params.min_p, seed=params.seed,
+                                      ignore_eos=True, logprobs=params.logprobs)
+        self.streams[request_id] = asyncio.Queue()
+        try:
+            await self._call(lambda: self.engine.add_prefill(prompt_token_ids, first_params, request_id=request_id))
+            async for output in self._outputs(request_id):
+                yield output
+            yield await self._send_kv(request_id, decode_address)
+        finally:
+            self.streams.pop(request_id, None)
+            await self._call(lambda: self.engine.abort(request_id))  # releases held blocks if still held
+
+    async def _send_kv(self, request_id: str, address: str) -> TransferStats:
+        assert self.sender is not None
+        export = await self._call(lambda: self.engine.export_kv(request_id))
+        await self._call(lambda: self.engine.release_held(request_id))  # the copy in `export` is what travels
+        data = export.data.contiguous()
+        header = KVHeader(request_id=request_id, num_tokens=export.num_tokens, num_blocks=data.shape[2],
+                          block_size=data.shape[3], num_layers=data.shape[0], num_kv_heads=data.shape[4],
+                          head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
+                          first_token_id=export.first_token_id, nbytes=data.numel() * data.element_size())
+        started = time.perf_counter()
+        await self.sender.send(address, header, _bytes_of(data))
+        stats = TransferStats(request_id, header.nbytes, time.perf_counter() - started)
+        self.transfers.append(stats)
+        return stats
+
+    # ---- decode role ---------------------------------------------------------------------------
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      lease_s: float = 30.0) -> str | None:
+        """Reserve blocks for the prompt and await its KV; the receiver's address, or None if full.
+
+        When the KV lands it is written into the blocks and the request joins the batch; when the
+        transfer fails or the lease ends first, the prompt is computed here instead.
+        """
+        assert self.receiver is not None, "a decode worker needs a KV receiver"
+        self.streams[request_id] = asyncio.Queue()
+        block_ids = await self._call(lambda: self.engine.reserve_remote(
+            prompt_token_ids, params, request_id=request_id, lease_s=lease_s))
+        if block_ids is None:
+            self.streams.pop(request_id, None)
+            return None
+        runner = self.engine.runner
+        staging = torch.empty((len(runner.kv_caches), 2, len(block_ids), *runner.kv_caches[0].shape[2:]),
+                              dtype=runner.dtype)
+        arrived = self.receiver.expect(request_id, _bytes_of(staging))
+        arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
+        return self.receiver.address
+
+    def _on_kv(self, request_id: str, future: asyncio.Future[KVHeader], staging: torch.Tensor) -> None:
+        if future.cancelled():
+            return  # aborted: the abort freed the blocks
+        error = future.exception()
+
+        def land() -> None:
+            if request_id not in self.engine.scheduler.reserved:
+                return  # aborted or expired meanwhile
+            if error is not None:
+                log.warning("KV for %s did not arrive (%s): recomputing here", request_id, error)
+                self.engine.fail_remote(request_id)
+                return
+            self.engine.import_kv(request_id, staging)
+            self._deliver(request_id, self.engine.admit_remote(request_id, future.result().first_token_id))
+
+        self.commands.put(land)
+        self.wake.set()
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a reserved request as they are produced, starting with the first token (the
+        prefill's, or this worker's own when it had to recompute the prompt)."""
+        if request_id not in self.streams:
+            raise KeyError(f"no request {request_id!r} on {self.worker_id}")
+        try:
+            async for output in self._outputs(request_id):
+                yield output
+        finally:
+            await self._close_stream(request_id)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as bytes, shared (no copy): what the connectors send from and land into."""
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+

@@ -1,0 +1,125 @@
+"""Prefill and decode workers (engine threads + loopback KV connector) serving requests together.
+
+The driver here does what the router does: reserve on the decode worker, prefill on the prefill
+worker (first token streamed at once, then the KV sent), then stream the rest from the decode side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine import LLMEngine
+from cluster.sampling_params import SamplingParams
+from cluster.transfer.connector import TransferError
+from cluster.transfer.loopback import FailMode, LoopbackHub, LoopbackReceiver, LoopbackSender
+from cluster.worker import TransferStats, Worker
+from tests.core.test_engine_outputs import GREEDY, PROMPTS
+from tests.helpers import build_tiny_llama_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> list[list[int]]:
+    engine = make_engine(checkpoint)
+    return [engine.generate([prompt], GREEDY)[0].token_ids for prompt in PROMPTS]
+
+
+def make_engine(path: Path, budget: int = 2048) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(block_size=4, num_blocks=128),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+
+
+async def serve(prefill: Worker, decode: Worker, request_id: str, prompt: list[int],
+                params: SamplingParams = GREEDY) -> list[int]:
+    """The router's part of one request: every token exactly once, in order."""
+    address = await decode.reserve(request_id, prompt, params)
+    assert address is not None
+    tokens: list[int] = []
+    try:
+        async for item in prefill.prefill(request_id, prompt, params, address):
+            if not isinstance(item, TransferStats):
+                tokens += item.new_token_ids
+    except TransferError:
+        pass  # the decode worker recomputes the prompt itself
+    async for output in decode.stream(request_id):
+        tokens += output.token_ids[len(tokens):]
+    return tokens
+
+
+def assert_whole(*workers: Worker) -> None:
+    for worker in workers:
+        pool = worker.engine.kv_cache.pool
+        assert pool.num_free_blocks == pool.num_blocks, worker.worker_id
+
+
+async def start_pair(path: Path) -> tuple[Worker, Worker, LoopbackHub]:
+    hub = LoopbackHub()
+    prefill = Worker("prefill-0", "prefill", make_engine(path, budget=6), sender=LoopbackSender(hub))
+    decode = Worker("decode-0", "decode", make_engine(path), receiver=LoopbackReceiver(hub, "decode-0"))
+    await prefill.start()
+    await decode.start()
+    return prefill, decode, hub
+
+
+def test_concurrent_requests_match_the_engine_alone(checkpoint: Path, expected: list[list[int]]) -> None:
+    async def main() -> None:
+        prefill, decode, _ = await start_pair(checkpoint)
+        try:
+            got = await asyncio.gather(*(serve(prefill, decode, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            assert list(got) == expected
+            assert len(prefill.transfers) == len(PROMPTS) and all(t.nbytes > 0 for t in prefill.transfers)
+            await asyncio.sleep(0.1)
+            assert_whole(prefill, decode)
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", [FailMode.UNREACHABLE, FailMode.PEER_LOST, FailMode.CORRUPT_HEADER])
+def test_failed_transfers_are_recomputed_by_the_decode_worker(checkpoint: Path, expected: list[list[int]],
+                                                             mode: FailMode) -> None:
+    async def main() -> None:
+        prefill, decode, hub = await start_pair(checkpoint)
+        try:
+            hub.fail_next(2, mode)
+            got = await asyncio.gather(*(serve(prefill, decode, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            assert list(got) == expected
+            await asyncio.sleep(0.1)
+            assert_whole(prefill, decode)
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_stops_listening_frees_blocks_on_both_workers(checkpoint: Path) -> None:
+    async def main() -> None:
+        prefill, decode, _ = await start_pair(checkpoint)
+        try:
+            params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            address = await decode.reserve("long", PROMPTS[0], params)
+            assert address is not None
+            async for _ in prefill.prefill("long", PROMPTS[0], params, address):
+                pass
+            stream = decode.stream("long")
+            await anext(stream)
+            await stream.aclose()  # the client went away
+            await asyncio.sleep(0.1)
+            assert not decode.engine.has_unfinished_requests()
+            assert_whole(prefill, decode)
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(main())
