@@ -247,6 +247,12 @@ class Worker:
         self.commands.put(land)
         self.wake.set()
 
+    async def recompute(self, request_id: str) -> None:
+        """The sender reported the transfer failed: stop waiting for it, compute the prompt here."""
+        assert self.receiver is not None
+        self.receiver.cancel(request_id)
+        await self._call(lambda: self.engine.fail_remote(request_id))
+
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a reserved request as they are produced, starting with the first token (the
         prefill's, or this worker's own when it had to recompute the prompt)."""

@@ -48,7 +48,7 @@ async def serve(prefill: Worker, decode: Worker, request_id: str, prompt: list[i
             if not isinstance(item, TransferStats):
                 tokens += item.new_token_ids
     except TransferError:
-        pass  # the decode worker recomputes the prompt itself
+        await decode.recompute(request_id)  # at once, rather than when the lease ends
     async for output in decode.stream(request_id):
         tokens += output.token_ids[len(tokens):]
     return tokens
