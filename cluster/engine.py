@@ -29,12 +29,14 @@ from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request. `text` and `token_ids` are everything so far."""
+    """What one step produced for one request. `text` and `token_ids` are everything so far;
+    `token_ids` is the request's live list (copy it to keep it past the next step, or use `index`)."""
 
     request_id: str
     new_token_ids: list[int]
     new_text: str
     token_ids: list[int]
+    index: int  # output tokens before `new_token_ids`: a snapshot, safe across threads
     text: str
     finished: bool
     finish_reason: FinishReason | None
@@ -214,7 +216,8 @@ class LLMEngine:
             self._release(request.request_id)
         return RequestOutput(
             request_id=request.request_id, new_token_ids=[token_id], new_text=new_text,
-            token_ids=request.output_token_ids, text=detokenizer.text, finished=request.finished,
+            token_ids=request.output_token_ids, index=request.num_output_tokens - 1, text=detokenizer.text,
+            finished=request.finished,
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0), new_logprobs=[logprobs] if logprobs else [],
             stop_reason=request.stop_reason, arrival_time=request.arrival_time,

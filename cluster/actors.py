@@ -1,0 +1,166 @@
+"""Ray actors: a worker per engine, and the router that moves each request through them.
+
+One request's path in disaggregated mode (see docs/cluster.md):
+1. the router orders decode workers by load and asks each in turn to reserve the prompt's blocks;
+2. it picks the least-loaded prefill worker, which computes the prompt, streams back the first
+   token at once, then sends the KV over UCX to the decode worker's receiver;
+3. the decode worker lands the KV in the reserved blocks and admits the request; the router relays
+   its tokens. A failed send makes the decode worker recompute the prompt; a refusal or a decode
+   worker lost before its first token sends the request to the next decode worker.
+
+Across the process boundary a request's tokens travel as small `TokenEvent`s (diffs), never the
+whole output again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cluster.config import EngineConfig
+from cluster.engine import RequestOutput
+from cluster.sampling_params import SamplingParams
+from cluster.worker import TransferStats, Worker, WorkerLoad
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    request_id: str
+    index: int  # how many output tokens came before these
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    worker_id: str
+
+    @classmethod
+    def of(cls, output: RequestOutput, worker_id: str) -> TokenEvent:
+        return cls(output.request_id, output.index, list(output.new_token_ids),
+                   output.new_text, output.finished, output.finish_reason, output.num_prompt_tokens, worker_id)
+
+
+class NoCapacityError(RuntimeError):
+    """No decode worker could take the request now."""
+
+
+class WorkerActor:
+    """The Ray face of `Worker`: builds the engine and the UCX connector inside the actor process."""
+
+    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, host: str = "127.0.0.1") -> None:
+        from cluster.engine import LLMEngine
+        from cluster.transfer.ucx import UCXReceiver, UCXSender
+
+        sender = UCXSender() if role == "prefill" else None
+        receiver = UCXReceiver(host=host) if role == "decode" else None
+        self.worker = Worker(worker_id, role, LLMEngine(engine_config), sender=sender, receiver=receiver)
+
+    async def start(self) -> str:
+        await self.worker.start()
+        return self.worker.worker_id
+
+    async def stop(self) -> None:
+        await self.worker.stop()
+
+    async def load(self) -> WorkerLoad:
+        return await self.worker.load()
+
+    async def pool_state(self) -> tuple[int, int]:
+        """(free blocks, total blocks): whole when equal and nothing runs."""
+        load = await self.worker.load()
+        return load.num_free_blocks, load.num_blocks
+
+    async def transfers(self) -> list[TransferStats]:
+        return list(self.worker.transfers)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        async for output in self.worker.generate(request_id, prompt, params):
+            yield TokenEvent.of(output, self.worker.worker_id)
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      address: str) -> AsyncIterator[TokenEvent | TransferStats]:
+        async for item in self.worker.prefill(request_id, prompt, params, address):
+            yield item if isinstance(item, TransferStats) else TokenEvent.of(item, self.worker.worker_id)
+
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float) -> str | None:
+        return await self.worker.reserve(request_id, prompt, params, lease_s)
+
+    async def recompute(self, request_id: str) -> None:
+        await self.worker.recompute(request_id)
+
+    async def stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
+        async for output in self.worker.stream(request_id):
+            yield TokenEvent.of(output, self.worker.worker_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
+
+
+class Router:
+    """Picks workers for each request and relays its tokens; holds no engine of its own."""
+
+    def __init__(self, prefill: list[Any], decode: list[Any], mode: str, lease_s: float) -> None:
+        self.prefill, self.decode, self.mode, self.lease_s = prefill, decode, mode, lease_s
+        # Requests in flight per worker: the load signal, kept here so routing costs no round trip.
+        self.in_flight: dict[int, int] = {}
+        self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0}
+
+    def _by_load(self, handles: list[Any]) -> list[Any]:
+        return sorted(handles, key=lambda handle: self.in_flight.get(id(handle), 0))
+
+    async def stats(self) -> dict[str, int]:
+        return dict(self.decisions)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        if self.mode == "colocated":
+            worker = self._by_load(self.decode)[0]
+            async for event in self._relay(worker, worker.generate, request_id, prompt, params):
+                yield event
+            return
+        sent = 0
+        for decode in self._by_load(self.decode):
+            address = await decode.reserve.remote(request_id, prompt, params, self.lease_s)
+            if address is None:
+                self.decisions["reserve_refused"] += 1
+                continue
+            # The decode worker restates the first token the prefill already streamed: drop repeats.
+            async for event in self._disaggregated(decode, address, request_id, prompt, params):
+                skip = sent - event.index
+                if skip < len(event.token_ids):
+                    sent = event.index + len(event.token_ids)
+                    yield event if skip <= 0 else replace(event, index=sent - len(event.token_ids[skip:]),
+                                                          token_ids=event.token_ids[skip:])
+                elif event.finished:
+                    yield replace(event, index=sent, token_ids=[], text="")
+            return
+        raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
+
+    async def _disaggregated(self, decode: Any, address: str, request_id: str, prompt: list[int],
+                             params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        prefill = self._by_load(self.prefill)[0]
+        try:
+            async for item in self._relay(prefill, prefill.prefill, request_id, prompt, params, address):
+                if isinstance(item, TokenEvent):
+                    yield item
+        except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
+            log.warning("prefill of %s failed (%s): the decode worker recomputes it", request_id, error)
+            self.decisions["transfer_failed"] += 1
+            await decode.recompute.remote(request_id)
+        async for event in self._relay(decode, decode.stream, request_id):
+            yield event
+
+    async def _relay(self, handle: Any, method: Any, *args: Any) -> AsyncIterator[Any]:
+        self.in_flight[id(handle)] = self.in_flight.get(id(handle), 0) + 1
+        try:
+            async for ref in method.options(num_returns="streaming").remote(*args):
+                yield await ref
+        finally:
+            self.in_flight[id(handle)] -= 1
+
+    async def abort(self, request_id: str) -> None:
+        for handle in self.prefill + self.decode:
+            await handle.abort.remote(request_id)

@@ -1,0 +1,83 @@
+"""Starting and stopping the cluster on Ray: an embedded local Ray by default, or an existing one.
+
+`Cluster.start()` creates the pools of `WorkerActor`s (fractional CPUs so several fit on a small
+machine; custom resources pin each pool to its nodes) and the `Router`, and waits until every
+worker has loaded its model. `generate()` streams a request's `TokenEvent`s through the router.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.actors import Router, TokenEvent, WorkerActor
+from cluster.cluster_config import ClusterConfig, PoolConfig
+from cluster.sampling_params import SamplingParams
+
+START_TIMEOUT_S = 300.0
+
+
+def init_ray(address: str = "") -> None:
+    """Join `address`, or start a private local Ray that nothing else can join by accident."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 _temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-"))
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.prefill: list[Any] = []
+        self.decode: list[Any] = []
+        self.router: Any = None
+        self.ids = itertools.count()
+
+    def start(self) -> Cluster:
+        import ray
+
+        init_ray(self.config.ray_address)
+        colocated = self.config.mode == "colocated"
+        if not colocated:
+            self.prefill = self._pool("prefill", self.config.prefill)
+        self.decode = self._pool("colocated" if colocated else "decode", self.config.decode)
+        ray.get([worker.start.remote() for worker in self.prefill + self.decode], timeout=START_TIMEOUT_S)
+        router_class = ray.remote(num_cpus=0)(Router)
+        self.router = router_class.remote(self.prefill, self.decode, self.config.mode, self.config.kv_lease_s)
+        return self
+
+    def _pool(self, role: str, pool: PoolConfig) -> list[Any]:
+        import ray
+
+        actor_class = ray.remote(WorkerActor)
+        return [actor_class.options(num_cpus=pool.num_cpus, resources=dict(pool.resources),
+                                    name=f"pdserve-{role}-{index}").remote(f"{role}-{index}", role, self.config.engine)
+                for index in range(pool.replicas)]
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        request_id = request_id or f"cluster-{next(self.ids)}"
+        async for ref in self.router.generate.options(num_returns="streaming").remote(request_id, prompt, params):
+            yield await ref
+
+    def stop(self) -> None:
+        import ray
+
+        for worker in self.prefill + self.decode:
+            with contextlib.suppress(Exception):  # a dead worker needs no stopping
+                ray.get(worker.stop.remote(), timeout=30)
+            ray.kill(worker)
+        if self.router is not None:
+            ray.kill(self.router)
+        self.prefill, self.decode, self.router = [], [], None

@@ -1,0 +1,42 @@
+"""Session-wide fixtures: the default model and transformers' greedy answers, computed once."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import CacheConfig, EngineConfig
+from cluster.engine import LLMEngine
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="session")
+def default_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_gb=0.5)))
+
+
+@pytest.fixture(scope="session")
+def default_prompts(default_engine: LLMEngine) -> list[list[int]]:
+    return [default_engine.chat_prompt([{"role": "user", "content": question}]) for question in QUESTIONS]
+
+
+@pytest.fixture(scope="session")
+def transformers_greedy(default_engine: LLMEngine, default_prompts: list[list[int]]) -> list[list[int]]:
+    """The oracle: transformers' greedy `generate` on the same weights, each prompt alone."""
+    import torch
+    import transformers
+
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(default_engine.model_dir, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in default_prompts:
+        with torch.no_grad():
+            generated = oracle.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                        eos_token_id=list(default_engine.tokenizer.eos_token_ids), pad_token_id=0)
+        outputs.append(generated[0, len(prompt):].tolist())
+    return outputs
