@@ -23,11 +23,13 @@ lint: install
 test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Until the cluster lands, `serve` runs the engine's interactive chat on the default model.
+# The cluster (embedded Ray, 1 prefill + 1 decode worker, default model) with a console chat;
+# the HTTP and gRPC front doors come with a later issue.
 serve: install
-	$(VENV)/bin/pdserve chat
+	$(VENV)/bin/pdserve serve
 
-chat: serve
+chat: install
+	$(VENV)/bin/pdserve chat
 
 bench: install
 	$(VENV)/bin/pdserve bench

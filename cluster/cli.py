@@ -124,9 +124,75 @@ def command_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """CLI flags over the YAML file: only those given on the command line."""
+    overrides: dict[str, object] = {}
+    if args.mode:
+        overrides["mode"] = args.mode
+    if args.ray_address:
+        overrides["ray_address"] = args.ray_address
+    for pool in ("prefill", "decode"):
+        replicas = getattr(args, f"num_{pool}")
+        if replicas is not None:
+            overrides[pool] = {"replicas": replicas}
+    engine = {key: getattr(args, key) for key in ("model", "dtype", "kv_cache_memory_gb", "max_num_batched_tokens",
+                                                 "max_num_seqs") if getattr(args, key) is not None}
+    if engine:
+        overrides["engine"] = engine
+    return overrides
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    """Start the cluster (embedded Ray by default) and chat through its router.
+
+    The HTTP and gRPC front doors come with a later issue; until then the console is the client.
+    """
+    import asyncio
+
+    from cluster.cluster import Cluster
+    from cluster.cluster_config import load_cluster_config
+    from cluster.default_model import resolve_model_path
+    from cluster.tokenizer import Tokenizer
+
+    config = load_cluster_config(args.config, cluster_overrides(args))
+    params = sampling_params(args)
+    tokenizer = Tokenizer.from_dir(resolve_model_path(config.engine.model.model))
+    console = Console()
+    where = f"Ray at {config.ray_address}" if config.ray_address else "an embedded local Ray"
+    console.print(f"[bold]pdserve[/]: starting {config.mode} cluster ({config.prefill.replicas} prefill, "
+                  f"{config.decode.replicas} decode) on {where}...")
+    cluster = Cluster(config).start()
+    console.print("ready — empty line or Ctrl-D to stop")
+    messages: list[dict[str, str]] = []
+    try:
+        while True:
+            try:
+                line = console.input("[bold green]you>[/] ")
+            except (EOFError, KeyboardInterrupt):
+                return 0
+            if not line.strip():
+                return 0
+            messages.append({"role": "user", "content": line})
+            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+            answer = asyncio.run(_stream_cluster(cluster, prompt, params))
+            messages.append({"role": "assistant", "content": answer})
+    finally:
+        cluster.stop()
+
+
+async def _stream_cluster(cluster, prompt: list[int], params: SamplingParams) -> str:  # type: ignore[no-untyped-def]
+    text = ""
+    async for event in cluster.generate(prompt, params):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        text += event.text
+    sys.stdout.write("\n")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Serve LLMs with a paged KV cache and "
-                                     "continuous batching (disaggregated prefill/decode cluster to come).")
+    parser = argparse.ArgumentParser(prog="pdserve", description="Serve LLMs on a disaggregated prefill/decode "
+                                     "cluster: paged KV cache, continuous batching, Ray, UCX.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="generate a reply to one prompt, streamed")
     generate.add_argument("prompt")
@@ -140,6 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (generate, chat, bench):
         add_engine_arguments(sub)
         add_sampling_arguments(sub)
+    serve = commands.add_parser("serve", help="start the disaggregated cluster (embedded Ray by default)")
+    serve.add_argument("--config", default=None, help="cluster YAML file (see cluster/cluster_config.py)")
+    serve.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
+    serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    serve.add_argument("--num-prefill", type=int, default=None, help="prefill workers")
+    serve.add_argument("--num-decode", type=int, default=None, help="decode workers")
+    serve.add_argument("--model", default=None)
+    serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--kv-cache-memory-gb", type=float, default=None, help="per worker")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None)
+    add_sampling_arguments(serve)
+    serve.set_defaults(handler=command_serve)
     generate.set_defaults(handler=command_generate)
     chat.set_defaults(handler=command_chat)
     bench.set_defaults(handler=command_bench)
