@@ -123,3 +123,18 @@ def test_a_client_that_stops_listening_frees_blocks_on_both_workers(checkpoint: 
             await decode.stop()
 
     asyncio.run(main())
+
+
+def test_kv_that_never_comes_is_recomputed_when_the_lease_ends(checkpoint: Path, expected: list[list[int]]) -> None:
+    async def main() -> None:
+        prefill, decode, _ = await start_pair(checkpoint)
+        try:
+            assert await decode.reserve("orphan", PROMPTS[0], GREEDY, lease_s=0.2) is not None
+            tokens = [t for output in [o async for o in decode.stream("orphan")] for t in output.new_token_ids]
+            assert tokens == expected[0]
+            assert_whole(decode)
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(main())
