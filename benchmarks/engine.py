@@ -5,6 +5,7 @@
     python -m benchmarks.engine static-vs-continuous --num-requests 500
     python -m benchmarks.engine vs-transformers
     python -m benchmarks.engine preemption
+    python -m benchmarks.engine threads        # how much the machine's noise costs 2 threads vs 1
 
 The default model (SmolLM2-135M-Instruct) is loaded from the local cache; nothing is downloaded.
 """
@@ -97,8 +98,8 @@ def cmd_vs_transformers(args: argparse.Namespace) -> None:
                 [[data["ratio_vs_transformers_continuous"], data["ratio_vs_transformers_static"],
                   "met" if data["target_met"] else "MISSED"]])
     save("vs-transformers", data, info)
-    plots.bars("vs-transformers", {k.replace(" (", "\n("): r["tokens_per_second"] for k, r in rows.items()},
-               "generated tokens / s", f"{args.num_requests} requests, SmolLM2-135M fp32")
+    labels = {k.replace("transformers ", "transformers\n"): r["tokens_per_second"] for k, r in rows.items()}
+    plots.bars("vs-transformers", labels, "generated tokens / s", f"{args.num_requests} requests, SmolLM2-135M fp32")
 
 
 def cmd_preemption(args: argparse.Namespace) -> None:
@@ -113,6 +114,15 @@ def cmd_preemption(args: argparse.Namespace) -> None:
                  for k, a in arms.items()])
     save("preemption", data, info)
     plots.timelines("preemption", arms, f"{args.num_requests} requests, pool for ~{args.pool_fraction:.0%} of them")
+
+
+def cmd_threads(args: argparse.Namespace) -> None:
+    info = machine()
+    data = micro.threads_one(args.num_seqs, args.prompt_len, args.counts, args.repeats)
+    print_table(f"intra-op threads: decode step at {args.num_seqs} rows and x * y on 1M floats (medians)",
+                ["threads", "step ms", "mul ms"],
+                [[r["threads"], r["step_median_s"] * MS, r["mul_1m_median_s"] * MS] for r in data["runs"]])
+    save("threads", data, info)
 
 
 def cmd_all(args: argparse.Namespace) -> None:
@@ -155,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(commands, "preemption", cmd_preemption, "recompute vs swap under an undersized KV pool")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--pool-fraction", type=float, default=0.5)
+    p = add(commands, "threads", cmd_threads, "the same step under 1 and 2 intra-op threads (machine noise)")
+    p.add_argument("--num-seqs", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--counts", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--repeats", type=int, default=5)
     p = add(commands, "all", cmd_all, "every benchmark, in priority order")
     p.add_argument("--num-requests", type=int, default=500, help="for static-vs-continuous")
     return parser

@@ -236,3 +236,26 @@ def scheduler_cost_one(num_seqs: int, prompt_len: int, steps: int, real_steps: i
         "real_step_s": real, "real_step_median_s": real_med, "fraction_of_real_step": host / real_med,
         "fraction_with_outputs": (host + outputs) / real_med, "python_hot_spots": hot,
     }
+
+
+def threads_one(num_seqs: int, prompt_len: int, thread_counts: list[int], repeats: int) -> dict[str, Any]:
+    """The same decode step and the same elementwise op under different intra-op thread counts,
+    interleaved so that each count sees the same machine load."""
+    engine = decode_engine("float32", num_seqs, prompt_len, blocks_for(num_seqs, prompt_len + 4 * repeats + 8))
+    stub_prefill(engine, np.random.default_rng(0))
+    x, y = torch.randn(1 << 20), torch.randn(1 << 20)
+    steps: dict[int, list[float]] = {n: [] for n in thread_counts}
+    muls: dict[int, list[float]] = {n: [] for n in thread_counts}
+    for _ in range(repeats):
+        for n in thread_counts:
+            torch.set_num_threads(n)
+            start = time.perf_counter()
+            engine.step()
+            steps[n].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for _ in range(10):
+                torch.mul(x, y)
+            muls[n].append((time.perf_counter() - start) / 10)
+    return {"num_seqs": num_seqs, "prompt_len": prompt_len,
+            "runs": [{"threads": n, "step_median_s": median(steps[n]), "mul_1m_median_s": median(muls[n]),
+                      "step_s": steps[n], "mul_1m_s": muls[n]} for n in thread_counts]}
