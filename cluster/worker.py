@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from cluster.engine import LLMEngine, RequestOutput
+from cluster.engine import KVExport, LLMEngine, RequestOutput
 from cluster.sampling_params import SamplingParams
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
 
@@ -67,6 +67,7 @@ class Worker:
         self.thread: threading.Thread | None = None
         self.stopped = False
         self.transfers: list[TransferStats] = []
+        self.exports: dict[str, KVExport] = {}  # filled on the engine thread, taken by `prefill`
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -98,10 +99,18 @@ class Worker:
                     self._fail_all(error)
                     continue
                 for output in outputs:
+                    if output.finished and output.request_id in self.engine.scheduler.held:
+                        self._export(output.request_id)
                     self._deliver(output.request_id, output)
             if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
+
+    def _export(self, request_id: str) -> None:
+        """Copy a finished prefill's KV out and free its blocks right after the step that finished
+        it: waiting for the asyncio side would hold them through the next (maybe long) step."""
+        self.exports[request_id] = self.engine.export_kv(request_id)
+        self.engine.release_held(request_id)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self.streams.get(request_id)
@@ -189,12 +198,12 @@ class Worker:
             yield await self._send_kv(request_id, decode_address)
         finally:
             self.streams.pop(request_id, None)
-            await self._call(lambda: self.engine.abort(request_id))  # releases held blocks if still held
+            self.exports.pop(request_id, None)
+            await self._call(lambda: self.engine.abort(request_id))  # a prefill cut short frees its blocks
 
     async def _send_kv(self, request_id: str, address: str) -> TransferStats:
         assert self.sender is not None
-        export = await self._call(lambda: self.engine.export_kv(request_id))
-        await self._call(lambda: self.engine.release_held(request_id))  # the copy in `export` is what travels
+        export = self.exports.pop(request_id)
         data = export.data.contiguous()
         header = KVHeader(request_id=request_id, num_tokens=export.num_tokens, num_blocks=data.shape[2],
                           block_size=data.shape[3], num_layers=data.shape[0], num_kv_heads=data.shape[4],
