@@ -1,0 +1,644 @@
+"""The UCX KV connector (ucxx): `UCXReceiver` listens on host:port, `UCXSender` connects to it.
+
+Wire format, one transfer on one endpoint (UCX tag messages on the endpoint's own tags, in order):
+
+    sender -> receiver   8 bytes     header length, unsigned little-endian
+    sender -> receiver   N bytes     the header, `KVHeader.to_bytes()` (msgpack), N <= MAX_HEADER_BYTES
+    sender -> receiver   M bytes     the payload; the receiver probes its size, checks it against the
+                                     header and the buffer given to `expect`, then receives it straight
+                                     into that buffer (no intermediate copy)
+    receiver -> sender   1 byte      the ack: 0 = landed, else a `Refusal` code (the sender raises)
+
+A refused frame (id not expected, size differs, header too long or malformed, id already finished,
+cancelled, busy) is logged, its payload drained into a 1-byte scratch buffer (UCX discards the rest
+as a truncated message) and acked with the refusal code: it never touches a registered buffer, and
+the endpoint stays usable. A frame that breaks the message sequence (a missing or oversized
+length prefix, a missing message) ends in a timeout or a UCX error and aborts the endpoint instead.
+An endpoint carries one transfer at a time: the sender keeps a small pool of endpoints per address
+(`max_endpoints_per_peer`) for concurrency.
+
+Every connect, send and receive has a deadline (`asyncio.timeout`, the in-task form of
+`asyncio.wait_for`); on a timeout or a UCX error the endpoint is aborted, which also stops any bytes
+still in flight into a registered buffer. A killed peer raises `UCXXConnectionResetError` within
+tens of milliseconds over TCP: TransferError here.
+
+Progress. ucxx 0.52 is used in "blocking" progress mode, with two repairs (`_Progress`, `_Link`):
+its blocking mode never re-arms the worker, so after the first UCX event the event loop spins
+forever (~70% of a core), and its `Endpoint.send/recv` await a request with a `sleep(0)` loop, which
+spins while the peer works (on 2 loaded cores that steals the peer's CPU: the ack of a 1 MiB
+transfer waited ~8 ms, a scheduler slice). Requests are awaited on UCX progress events instead; an
+idle receiver uses ~1% of a core. Both use ucxx internals (checked against ucxx 0.52): `_Progress`
+falls back to polling if they change, `_Link` fails loudly. A connect is tried in several short
+attempts (`UCXSender._connect`): one to a just-closed port sometimes hangs in ucxx's handshake.
+
+Transports. UCX reads its settings from the environment when `ucxx.init` runs (once per process,
+`init_ucx`); set them before the first receiver or sender starts, or pass `transports=`:
+- default (UCX_TLS unset, or `UCX_TLS=tcp`): listener endpoints have error handling on, which on a
+  host without RDMA means TCP, loopback included (~0.5-0.75 GB/s between two processes here,
+  `benchmarks/kv_transfer.py`).
+- `UCX_TLS=sm,self` (shared memory: 1-5 GB/s, as fast as a memcpy at 64 MiB) is used by UCX only
+  for endpoints created from a worker address with error handling off; a dead peer then hangs
+  instead of failing. This connector does not do that: listener endpoints always have error
+  handling on, so sm is never chosen for them, and UCX_TLS=sm,self alone makes the connect fail
+  ("Destination is unreachable"). The benchmark measures sm with worker-address endpoints.
+- RDMA (`UCX_TLS=rc,...`) needs a NIC these machines do not have; untested.
+UCX_WARN_UNUSED_ENV_VARS=n is set by default (each process would print a warning otherwise). The
+thread progress mode is slower on 2 cores; polling collapses under load. UCX_TCP_MAX_POLL=1 (UCX
+reads a socket less greedily per progress call) made no consistent difference in the benchmark
+(within its run-to-run noise of ~20%). UCXX_LOG_LEVEL=FATAL silences UCXX's own "endpoint error"
+lines, printed when a peer is unreachable or dies.
+The listener binds every interface (ucxx takes no bind address): `host` is the address advertised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import struct
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from cluster.transfer.connector import MAX_HEADER_BYTES, KVHeader, TransferError, TransferState
+from cluster.transfer.loopback import FrameRefused, ReceiveTable, Refusal, readable_bytes
+
+log = logging.getLogger(__name__)
+
+UCX_SCHEME = "ucx://"
+PREFIX = struct.Struct("<Q")
+# A payload's deadline grows with its size: `timeout_s` plus this rate's worth (slow but alive).
+MIN_BYTES_PER_S = 50e6
+# Waits wake on UCX progress; a watchdog progresses and re-arms this often anyway (a safety net).
+WAKE_UP_S = 0.05
+# How long an abort may drive progress for its endpoint's in-flight request to finish.
+SETTLE_S = 0.1
+T = TypeVar("T")
+
+_ucxx: Any = None  # the ucxx module once `init_ucx` ran (imported late: the environment goes first)
+
+
+def init_ucx(transports: str | None = None) -> Any:
+    """Initialise UCX once per process (called by `start` and by the first send); returns `ucxx`.
+
+    `transports` sets UCX_TLS if UCX is not initialised yet (ignored afterwards: UCX reads its
+    settings once). Sets UCX_WARN_UNUSED_ENV_VARS=n unless the environment says otherwise.
+    """
+    global _ucxx
+    if _ucxx is not None:
+        return _ucxx
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if transports is not None:
+        os.environ["UCX_TLS"] = transports
+    import ucxx
+
+    try:
+        ucxx.init(progress_mode="blocking")
+    except RuntimeError:
+        log.info("ucxx was already initialised by someone else; keeping its settings")
+    _ucxx = ucxx
+    return ucxx
+
+
+def reset_ucx() -> None:
+    """Shut UCX down in this process (tests, process exit): close every receiver and sender first.
+
+    Raises if endpoints or listeners are still referenced (ucxx.reset's rule). The next
+    `init_ucx` starts afresh, reading the environment again.
+    """
+    global _ucxx
+    if _ucxx is None:
+        return
+    _Progress.close_all()
+    gc.collect()  # closed endpoints still in reference cycles would make reset refuse
+    _ucxx.reset()
+    _ucxx = None
+
+
+def fix_progress() -> None:
+    """Install the fixed blocking-mode progress (see `_Progress`) on the running loop, for code that
+    uses ucxx directly (receivers, senders and `complete` install it themselves)."""
+    _Progress.of(asyncio.get_running_loop())
+
+
+class _Progress:
+    """UCX progress for one event loop: ucxx's blocking mode, fixed, plus wake-ups for waiters.
+
+    ucxx 0.52's blocking mode progresses the worker when its epoll descriptor is readable but never
+    arms the worker again after the first event, so the descriptor stays readable and the event
+    loop spins (~70% of a core, idle or not, for the life of the process). This replaces its reader
+    with one that re-arms (progress, let ready tasks run, `worker.arm()` until it holds: the ucx-py
+    recipe) and resolves a future on each progress: `wait` returns then, so `_Link` and `complete`
+    check their requests exactly when UCX did something. Relies on ucxx internals (`ProgressTasks`);
+    if they change, it logs and does nothing (waits then poll every `WAKE_UP_S`: correct, slower).
+    """
+
+    _by_loop: dict[asyncio.AbstractEventLoop, _Progress] = {}
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Progress:
+        """The driver of `loop`, installed on first use (ucxx's own progress first, if not yet)."""
+        progress = cls._by_loop.get(loop)
+        if progress is None:
+            init_ucx().continuous_ucx_progress(loop)  # creates ucxx's BlockingMode for this loop
+            progress = cls._by_loop[loop] = cls(loop)
+        return progress
+
+    @classmethod
+    def close_all(cls) -> None:
+        """Uninstall every driver (called by `reset_ucx`: the worker is going away)."""
+        for progress in cls._by_loop.values():
+            progress.close()
+        cls._by_loop.clear()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._changed: asyncio.Future[None] = loop.create_future()
+        self._armer: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._worker: Any = None
+        self._fd = -1
+        try:
+            from ucxx._lib_async.application_context import ProgressTasks
+
+            worker = ProgressTasks[loop].worker
+            fd = worker.epoll_file_descriptor
+        except (ImportError, KeyError, AttributeError) as error:
+            log.warning("cannot fix ucxx's blocking progress (%r): the event loop may spin", error)
+            return
+        self._worker, self._fd = worker, fd
+        loop.remove_reader(fd)
+        loop.add_reader(fd, self._on_event)
+        self._watchdog = loop.create_task(self._watch())
+
+    def close(self) -> None:
+        if self._fd >= 0 and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        for task in (self._armer, self._watchdog):
+            if task is not None:
+                task.cancel()
+        self._worker, self._fd = None, -1
+
+    async def wait(self) -> None:
+        """Return after the next UCX progress, or after WAKE_UP_S (then progress here, re-armed)."""
+        if self._changed.done():
+            self._changed = self._loop.create_future()
+        try:
+            async with asyncio.timeout(WAKE_UP_S):
+                await asyncio.shield(self._changed)
+        except TimeoutError:
+            if self._worker is not None:
+                self._on_event()
+
+    def _on_event(self) -> None:
+        """The worker's descriptor is readable (or a wait timed out): progress, then re-arm."""
+        self._progress()
+        if self._armer is None or self._armer.done():
+            self._armer = self._loop.create_task(self._arm())
+
+    def progress_now(self) -> None:
+        """Progress the worker once, here and now (and wake the waiters)."""
+        if self._worker is not None:
+            self._progress()
+
+    def _progress(self) -> None:
+        self._worker.progress()
+        if not self._changed.done():
+            self._changed.set_result(None)
+
+    async def _watch(self) -> None:
+        # An event can be consumed by a progress that is not ours (ucxx's 1 s tick) and leave the
+        # worker unarmed: then nothing wakes the loop, and ucxx's own waits (a connect's handshake)
+        # stall for seconds. Progress and re-arm every WAKE_UP_S, whatever happens (~20 wake-ups/s).
+        while self._worker is not None:
+            await asyncio.sleep(WAKE_UP_S)
+            if self._worker is not None:
+                self._on_event()
+
+    async def _arm(self) -> None:
+        # Arm only once the tasks made ready by this progress ran (they may post UCX operations):
+        # UCX arms a worker only when nothing is pending, else returns False and wants progress.
+        while self._worker is not None:
+            await asyncio.sleep(0)
+            if self._worker.arm():
+                return
+            self._progress()
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'ucx://host:port' -> (host, port); raises TransferError on anything else."""
+    if not address.startswith(UCX_SCHEME):
+        raise TransferError(f"not a UCX address: {address!r}")
+    host, _, port = address[len(UCX_SCHEME):].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TransferError(f"malformed UCX address: {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _is_transport_error(error: BaseException) -> bool:
+    """UCX's own errors (reset, not connected, cancelled, truncated...) and timeouts."""
+    if isinstance(error, TimeoutError):
+        return True
+    return _ucxx is not None and isinstance(error, _ucxx.exceptions.UCXError)
+
+
+def _refusal(code: int) -> Refusal:
+    try:
+        return Refusal(code)
+    except ValueError:
+        return Refusal.FAILED  # a code this version does not know: still a refusal
+
+
+def _payload_timeout(timeout_s: float, nbytes: int) -> float:
+    return timeout_s + nbytes / MIN_BYTES_PER_S
+
+
+async def _bounded(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """Await with a deadline (TimeoutError), in the calling task (`asyncio.wait_for` would start a
+    task: a step later, and a `cancel` could slip in between)."""
+    async with asyncio.timeout(timeout_s):
+        return await awaitable
+
+
+def _abort(endpoint: Any) -> None:
+    """Close an endpoint at once: cancels its in-flight requests, so no more bytes land anywhere."""
+    try:
+        endpoint.abort()
+    except Exception as error:  # aborting a broken endpoint may raise; it is gone either way
+        log.debug("abort of an endpoint failed: %s", error)
+
+
+class _Link:
+    """One ucxx endpoint whose operations are awaited without spinning the event loop.
+
+    ucxx's `Endpoint.send/recv` await their request with a `sleep(0)` loop: the loop spins for as
+    long as the peer takes, which on 2 cores steals the very CPU the peer needs (a 1 MiB ack took
+    ~8 ms, a scheduler slice). Here a request is posted through the same (internal) calls and its
+    completion checked after each UCX progress (`_Progress.wait`).
+    """
+
+    def __init__(self, endpoint: Any) -> None:
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
+
+        self.endpoint = endpoint
+        self._array, self._mask = Array, TagMaskFull
+        self._send_tag, self._recv_tag = Tag(endpoint._tags["msg_send"]), Tag(endpoint._tags["msg_recv"])
+        self._progress = _Progress.of(asyncio.get_running_loop())
+        self._pending: Any = None  # the request being awaited, if any
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.endpoint.closed)
+
+    def abort(self) -> None:
+        """Close the endpoint now; returns once its in-flight request is over (see `_settle`)."""
+        _abort(self.endpoint)
+        self._settle()
+
+    def _settle(self) -> None:
+        # After the abort UCX still delivers what it had already read from the socket (tens of KiB)
+        # at the next progress: drive progress here until the request is done, so that no byte lands
+        # in a registered buffer once `cancel` returned. Bounded: UCX fails the request at once.
+        request, deadline = self._pending, time.monotonic() + SETTLE_S
+        while request is not None and not request.completed and time.monotonic() < deadline:
+            self._progress.progress_now()
+        if request is not None and not request.completed:
+            log.warning("a UCX request was still in flight %.0f ms after its endpoint closed", 1e3 * SETTLE_S)
+
+    async def send(self, buffer: Any, timeout_s: float) -> None:
+        raw = self._live()
+        await self._complete(raw.tag_send(self._array(buffer), self._send_tag), timeout_s)
+
+    async def recv(self, buffer: Any, timeout_s: float) -> None:
+        raw = self._live()
+        await self._complete(raw.tag_recv(self._array(buffer), self._recv_tag, self._mask), timeout_s)
+
+    async def recv_probed(self, buffer: Any, probe: Any, timeout_s: float) -> None:
+        """Receive the message `probe` took off the queue (`next_message(remove=True)`)."""
+        self._live()
+        worker = self.endpoint._ctx.worker
+        await self._complete(worker.tag_recv_with_handle(self._array(buffer), probe), timeout_s)
+
+    async def next_message(self, remove: bool, timeout_s: float | None) -> Any:
+        """Wait until a message waits; returns UCX's probe result (its size), the message taken off
+        UCX's queue if `remove` (then receive it with `recv_probed`). TimeoutError after `timeout_s`,
+        UCXCloseError once the endpoint is closed (aborted by `cancel`/`close`, or the peer left)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            self._live()
+            probe = self.endpoint.tag_probe(remove=remove)
+            if probe.matched:
+                return probe
+            if deadline is not None and loop.time() > deadline:
+                raise TimeoutError("no message before the deadline")
+            await self._progress.wait()
+
+    def _live(self) -> Any:
+        """The raw endpoint; raises the peer's error, or UCXCloseError once aborted."""
+        raw = self.endpoint._ep
+        if raw is None:
+            raise init_ucx().exceptions.UCXCloseError("endpoint closed")
+        raw.raise_on_error()
+        return raw
+
+    async def _complete(self, request: Any, timeout_s: float) -> None:
+        # Kept if the wait fails (timeout, cancelled task): the abort that follows settles it.
+        self._pending = request
+        await complete(request, timeout_s)
+        self._pending = None
+
+
+async def complete(request: Any, timeout_s: float) -> None:
+    """Await a raw ucxx request without spinning the loop (see `_Link`): until it completes (then
+    raises its error, if any) or `timeout_s` passes (TimeoutError). For code using ucxx directly."""
+    progress = _Progress.of(asyncio.get_running_loop())
+    async with asyncio.timeout(timeout_s):
+        while not request.completed:
+            await progress.wait()
+    request.check_error()
+
+
+class UCXReceiver:
+    """`KVReceiver` over a ucxx listener; one serving task per connected sender endpoint."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                 transports: str | None = None) -> None:
+        self.address = ""  # "ucx://host:port" once started
+        self._host = host
+        self._port = port
+        self._timeout_s = timeout_s
+        self._transports = transports
+        self._table = ReceiveTable(on_stop=self._stop_receiving)
+        self._listener: Any = None
+        self._links: set[_Link] = set()
+        self._receiving: dict[str, _Link] = {}  # request id -> link whose payload fills its buffer
+        self._closed = False
+
+    async def start(self) -> None:
+        """Listen (port 0 picks a free one) and set `address`; call once, in the serving event loop."""
+        if self._listener is not None:
+            return
+        ucxx = init_ucx(self._transports)
+        self._listener = ucxx.create_listener(self._serve, self._port)
+        _Progress.of(asyncio.get_running_loop())
+        self.address = f"{UCX_SCHEME}{self._host}:{self._listener.port}"
+        log.info("UCX receiver listening at %s", self.address)
+
+    def expect(self, request_id: str, buffer: memoryview) -> asyncio.Future[KVHeader]:
+        """See `KVReceiver.expect`; call from the event loop the receiver started in."""
+        return self._table.expect(request_id, buffer)
+
+    def state(self, request_id: str) -> TransferState | None:
+        return self._table.state(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """The future raises CancelledError; a payload being received has its endpoint aborted
+        (its sender raises TransferError), so none of its bytes land after this returns."""
+        self._table.cancel(request_id)
+
+    def _stop_receiving(self, request_id: str) -> None:
+        """A cancel hit a payload in flight (called by the table): abort the endpoint carrying it."""
+        link = self._receiving.pop(request_id, None)
+        if link is not None:
+            link.abort()
+
+    async def close(self) -> None:
+        """Abort every endpoint, fail pending transfers with TransferError, stop listening.
+
+        Later frames are refused (new endpoints are aborted at once) until the listener is gone.
+        """
+        self._closed = True
+        for link in list(self._links):
+            link.abort()
+        self._links.clear()
+        self._receiving.clear()
+        self._table.close(TransferError(f"receiver {self.address} closed"))
+        if self._listener is not None:
+            await self._wait_for_handlers()
+            self._listener.close()
+            self._listener = None
+
+    async def _wait_for_handlers(self) -> None:
+        """Let the serving tasks (their endpoints aborted) return before the listener goes: ucxx
+        warns about a listener dropped with live handlers. Bounded: a stuck handler is left behind."""
+        wait = getattr(self._listener, "_wait_for_active_clients", None)  # ucxx internals, may change
+        try:
+            await asyncio.wait_for(wait() if wait is not None else asyncio.sleep(0), self._timeout_s)
+        except TimeoutError:
+            log.warning("%s: serving tasks still running at close", self.address)
+
+    async def _serve(self, endpoint: Any) -> None:
+        """Listener callback, one task per sender endpoint: handle its frames until it goes away."""
+        link = _Link(endpoint)
+        if self._closed:
+            link.abort()
+            return
+        self._links.add(link)
+        try:
+            while not self._closed and not link.closed:
+                # Idle wait, no deadline: senders keep their endpoints open between transfers.
+                await link.next_message(remove=False, timeout_s=None)
+                prefix = bytearray(PREFIX.size)
+                await link.recv(prefix, self._timeout_s)
+                await self._handle_frame(link, PREFIX.unpack(prefix)[0])
+        except Exception as error:
+            # Peers leaving, timeouts and our own aborts (cancel, close) end up here alike.
+            expected = _is_transport_error(error) or self._closed or link.closed
+            log.log(logging.DEBUG if expected else logging.WARNING, "%s: endpoint ended: %r", self.address, error)
+        finally:
+            self._links.discard(link)
+            link.abort()
+
+    async def _handle_frame(self, link: _Link, length: int) -> None:
+        """Read one frame's header, then land or refuse its payload and ack."""
+        header_bytes = await self._recv_header(link, length)
+        try:
+            header = KVHeader.from_bytes(header_bytes)
+            buffer = self._table.admit(header)
+        except TransferError as refused:
+            code = refused.code if isinstance(refused, FrameRefused) else Refusal.MALFORMED
+            await self._refuse(link, code, str(refused))
+            return
+        code = await self._land(link, header, buffer)
+        if not link.closed:  # `cancel` aborts the endpoint: its sender sees the link drop instead
+            await link.send(bytearray([code]), self._timeout_s)
+
+    async def _recv_header(self, link: _Link, length: int) -> bytes:
+        """The header message; an impossible length yields b"" (refused as malformed)."""
+        if not 0 < length <= MAX_HEADER_BYTES:
+            await self._drain(link)
+            return b""
+        header = bytearray(length)
+        try:
+            await link.recv(header, self._timeout_s)
+        except _ucx_errors().UCXMessageTruncatedError:
+            return b""  # longer than its prefix said: discarded by UCX, refused here
+        return bytes(header)
+
+    async def _refuse(self, link: _Link, code: Refusal, reason: str) -> None:
+        """Drain a refused frame's payload into scratch and ack the refusal."""
+        log.warning("%s refused a frame: %s", self.address, reason)
+        await self._drain(link)
+        await link.send(bytearray([code]), self._timeout_s)
+
+    async def _drain(self, link: _Link) -> None:
+        """Consume the next message into a 1-byte scratch buffer; UCX drops the rest (truncated)."""
+        try:
+            await link.recv(bytearray(1), self._timeout_s)
+        except _ucx_errors().UCXMessageTruncatedError:
+            pass
+
+    async def _land(self, link: _Link, header: KVHeader, buffer: memoryview) -> Refusal:
+        """Receive the admitted payload straight into `buffer`; returns the ack code.
+
+        A transport error or timeout fails the transfer and aborts the endpoint (raised on).
+        """
+        request_id = header.request_id
+        self._receiving[request_id] = link
+        try:
+            probe = await link.next_message(remove=True, timeout_s=self._timeout_s)
+            if probe.length != buffer.nbytes:
+                await self._discard(link, probe)
+                reason = f"payload of {probe.length} bytes for a buffer of {buffer.nbytes}"
+                self._table.fail(request_id, FrameRefused(Refusal.WRONG_SIZE, reason))
+                log.warning("%s refused a frame: %s", self.address, reason)
+                return Refusal.WRONG_SIZE
+            await link.recv_probed(buffer, probe, _payload_timeout(self._timeout_s, buffer.nbytes))
+        except Exception as error:
+            self._fail_landing(link, request_id, error)
+            raise
+        finally:
+            self._receiving.pop(request_id, None)
+        if not self._table.is_live(request_id, buffer):
+            return Refusal.CANCELLED  # cancelled while its size was being checked
+        self._table.complete(header)
+        return Refusal.OK
+
+    def _fail_landing(self, link: _Link, request_id: str, error: BaseException) -> None:
+        """A payload receive broke: abort the endpoint first (no late bytes), then fail the future."""
+        link.abort()
+        if self._table.state(request_id) is TransferState.RECEIVING:
+            self._table.fail(request_id, TransferError(f"receiving {request_id!r} failed: {error!r}"))
+
+    async def _discard(self, link: _Link, probe: Any) -> None:
+        """Drop a probed message without writing it anywhere but a 1-byte scratch buffer."""
+        try:
+            await link.recv_probed(bytearray(1), probe, self._timeout_s)
+        except _ucx_errors().UCXMessageTruncatedError:
+            pass
+
+
+def _ucx_errors() -> Any:
+    return init_ucx().exceptions
+
+
+class UCXSender:
+    """`KVSender` over ucxx endpoints, pooled per address (one transfer per endpoint at a time)."""
+
+    def __init__(self, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
+                 max_endpoints_per_peer: int = 4, transports: str | None = None) -> None:
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._max_endpoints = max_endpoints_per_peer
+        self._transports = transports
+        self._idle: dict[str, list[_Link]] = {}
+        self._busy: set[_Link] = set()
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._closed = False
+
+    async def send(self, address: str, header: KVHeader, payload: memoryview) -> None:
+        """Deliver one frame; returns once the payload landed in the receiver's buffer.
+
+        Raises TransferError if the receiver is unreachable, dies, times out or refuses the frame
+        (then `FrameRefused`, with its code); ValueError if `payload` differs from `header.nbytes`.
+        """
+        view = readable_bytes(payload)
+        if view.nbytes != header.nbytes:
+            raise ValueError(f"payload of {view.nbytes} bytes, header says {header.nbytes}")
+        await self.send_raw(address, header.to_bytes(), view)
+
+    async def send_raw(self, address: str, header_bytes: bytes, payload: memoryview,
+                       declared_length: int | None = None) -> None:
+        """Send a frame with the header bytes (and length prefix) given as is: tests, diagnostics."""
+        if self._closed:
+            raise TransferError("the sender is closed")
+        slot = self._slots.setdefault(address, asyncio.Semaphore(self._max_endpoints))
+        async with slot:
+            link = await self._checkout(address)
+            code = await self._exchange(link, address, header_bytes, readable_bytes(payload),
+                                        len(header_bytes) if declared_length is None else declared_length)
+        if code != Refusal.OK:
+            raise FrameRefused(_refusal(code), f"by {address} (ack {code})")
+
+    async def _checkout(self, address: str) -> _Link:
+        """An idle live endpoint to `address`, or a new one; raises TransferError if unreachable."""
+        idle = self._idle.setdefault(address, [])
+        while idle:
+            link = idle.pop()
+            if not link.closed:
+                self._busy.add(link)
+                return link
+            link.abort()  # the peer went away while it was idle
+        link = _Link(await self._connect(address))
+        self._busy.add(link)
+        return link
+
+    async def _connect(self, address: str) -> Any:
+        """A new endpoint, in attempts of a quarter of `connect_timeout_s` (0.5 s at least).
+
+        A connect to a port whose listener just closed sometimes hangs in ucxx's handshake until
+        its timeout instead of failing (1 in ~10 here, with or without `_Progress`); a new attempt
+        fails at once, so a dead receiver costs one attempt, not the whole connect timeout.
+        """
+        host, port = parse_address(address)
+        ucxx = init_ucx(self._transports)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._connect_timeout_s
+        while True:
+            attempt_s = min(max(0.5, self._connect_timeout_s / 4), deadline - loop.time())
+            try:
+                return await _bounded(ucxx.create_endpoint(host, port, connect_timeout=attempt_s), attempt_s)
+            except TimeoutError as error:
+                if loop.time() + 1e-3 < deadline:
+                    continue
+                raise TransferError(f"cannot connect to {address}: timed out") from error
+            except Exception as error:  # UCX errors; anything else is as fatal to the send
+                raise TransferError(f"cannot connect to {address}: {error!r}") from error
+
+    async def _exchange(self, link: _Link, address: str, header_bytes: bytes, payload: memoryview,
+                        length: int) -> int:
+        """Send prefix, header and payload, wait for the ack; the endpoint goes back to the pool
+        only if the exchange completed (a broken one is aborted: its stream is out of step)."""
+        ack = bytearray(1)
+        try:
+            await link.send(bytearray(PREFIX.pack(length)), self._timeout_s)
+            await link.send(bytearray(header_bytes), self._timeout_s)
+            await link.send(payload, _payload_timeout(self._timeout_s, payload.nbytes))
+            await link.recv(ack, self._timeout_s)
+        except BaseException as error:
+            self._busy.discard(link)
+            link.abort()
+            if isinstance(error, Exception):  # UCX errors, timeouts, an endpoint aborted by `close`
+                raise TransferError(f"send to {address} failed: {error!r}") from error
+            raise  # CancelledError: the caller gave up on the send
+        self._busy.discard(link)
+        if self._closed:
+            link.abort()
+        else:
+            self._idle[address].append(link)
+        return ack[0]
+
+    async def close(self) -> None:
+        """Abort every pooled and in-flight endpoint; later sends raise TransferError."""
+        self._closed = True
+        for links in self._idle.values():
+            for link in links:
+                link.abort()
+        self._idle.clear()
+        for link in list(self._busy):
+            link.abort()
+        self._busy.clear()
+        await asyncio.sleep(0)

@@ -1,0 +1,299 @@
+"""Both KV connectors, loopback and UCX, against the same contract (see cluster/transfer/connector.py):
+payloads land bit for bit in the registered buffer and nowhere else, and everything odd is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from cluster.transfer.connector import MAX_HEADER_BYTES, KVHeader, TransferError, TransferState
+from cluster.transfer.loopback import FrameRefused, Refusal
+from tests.transfer.conftest import Pair
+
+POISON = 0xAB
+
+
+def header_for(request_id: str, nbytes: int, first_token_id: int = 42) -> KVHeader:
+    return KVHeader(request_id=request_id, num_tokens=30, num_blocks=2, block_size=16, num_layers=2,
+                    num_kv_heads=3, head_dim=64, dtype="float32", first_token_id=first_token_id, nbytes=nbytes)
+
+
+def random_payload(nbytes: int, seed: int = 0) -> np.ndarray:
+    """Random bytes from a torch tensor, shaped (2, 2, -1) as KV blocks are (the view is cast to bytes)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator).reshape(2, 2, -1).numpy()
+
+
+def poisoned(nbytes: int) -> np.ndarray:
+    return np.full(nbytes, POISON, dtype=np.uint8)
+
+
+def untouched(buffer: np.ndarray) -> bool:
+    return bool((buffer == POISON).all())
+
+
+async def refused_with(pair: Pair, code: Refusal, request_id: str, nbytes: int,
+                       payload_nbytes: int | None = None) -> None:
+    """Send a frame for `request_id` that must be refused with `code`."""
+    payload = random_payload(nbytes if payload_nbytes is None else payload_nbytes, seed=7)
+    with pytest.raises(FrameRefused) as refused:
+        await pair.sender.send_raw(pair.receiver.address, header_for(request_id, nbytes).to_bytes(),
+                                   memoryview(payload))
+    assert refused.value.code is code
+
+
+@pytest.mark.parametrize("nbytes", [1024, 8 << 20])
+def test_payload_lands_bit_for_bit(pair: Pair, nbytes: int) -> None:
+    payload, buffer = random_payload(nbytes), poisoned(nbytes)
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer))
+        assert pair.receiver.state("r1") is TransferState.PENDING
+        await pair.sender.send(pair.receiver.address, header_for("r1", nbytes, first_token_id=7), memoryview(payload))
+        header = await asyncio.wait_for(done, 5)
+        assert header == header_for("r1", nbytes, first_token_id=7)
+        assert pair.receiver.state("r1") is TransferState.DONE
+
+    pair.run(body())
+    assert np.array_equal(buffer, payload.reshape(-1))
+
+
+def test_the_payload_is_copied_not_shared(pair: Pair) -> None:
+    payload, buffer = random_payload(4096), poisoned(4096)
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer))
+        await pair.sender.send(pair.receiver.address, header_for("r1", 4096), memoryview(payload))
+        await done
+
+    pair.run(body())
+    expected = payload.copy()
+    payload[:] = 0
+    assert np.array_equal(buffer, expected.reshape(-1))
+
+
+def test_unknown_request_id_is_refused_and_touches_no_buffer(pair: Pair) -> None:
+    buffers = {name: poisoned(1024) for name in ("a", "b")}
+
+    async def body() -> None:
+        futures = {name: pair.receiver.expect(name, memoryview(buffer)) for name, buffer in buffers.items()}
+        await refused_with(pair, Refusal.NOT_EXPECTED, "stranger", 1024)
+        assert pair.receiver.state("stranger") is None
+        assert not any(future.done() for future in futures.values())
+        assert all(pair.receiver.state(name) is TransferState.PENDING for name in buffers)
+
+    pair.run(body())
+    assert all(untouched(buffer) for buffer in buffers.values())
+
+
+@pytest.mark.parametrize("header_nbytes, payload_nbytes", [(2048, 2048), (1024, 512), (1024, 4096)],
+                         ids=["header-says-bigger", "payload-shorter", "payload-longer"])
+def test_wrong_size_is_refused_and_fails_the_transfer(pair: Pair, header_nbytes: int, payload_nbytes: int) -> None:
+    buffer, other = poisoned(1024), poisoned(payload_nbytes)
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer))
+        bystander = pair.receiver.expect("r2", memoryview(other))
+        await refused_with(pair, Refusal.WRONG_SIZE, "r1", header_nbytes, payload_nbytes)
+        with pytest.raises(TransferError):
+            await done
+        assert pair.receiver.state("r1") is TransferState.FAILED
+        assert not bystander.done()
+
+    pair.run(body())
+    if header_nbytes != 1024:  # a header-level mismatch is refused before any payload byte lands
+        assert untouched(buffer)
+    assert untouched(other)
+
+
+def _valid_header_bytes() -> bytes:
+    return header_for("r1", 1024).to_bytes()
+
+
+BAD_HEADERS = {
+    "truncated": (_valid_header_bytes()[:-5], None),
+    "garbage": (b"\xc1" * 16, None),
+    "over-max": (b"\x00" * (MAX_HEADER_BYTES + 1), None),
+    "wrong-types": (msgpack.packb({**msgpack.unpackb(_valid_header_bytes()), "nbytes": "1024"}), None),
+    "wrong-version": (msgpack.packb({**msgpack.unpackb(_valid_header_bytes()), "version": 99}), None),
+    "extra-field": (msgpack.packb({**msgpack.unpackb(_valid_header_bytes()), "evil": 1}), None),
+    "prefix-too-long": (_valid_header_bytes(), len(_valid_header_bytes()) + 10),
+    "prefix-too-short": (_valid_header_bytes(), len(_valid_header_bytes()) - 10),
+    "prefix-zero": (_valid_header_bytes(), 0),
+    "prefix-huge": (_valid_header_bytes(), 1 << 40),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_HEADERS))
+def test_malformed_header_is_refused_and_the_link_stays_usable(pair: Pair, name: str) -> None:
+    header_bytes, declared_length = BAD_HEADERS[name]
+    buffer, payload = poisoned(1024), random_payload(1024)
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer))
+        with pytest.raises(FrameRefused) as refused:
+            await pair.sender.send_raw(pair.receiver.address, header_bytes, memoryview(random_payload(1024, seed=3)),
+                                       declared_length=declared_length)
+        assert refused.value.code is Refusal.MALFORMED
+        assert not done.done() and untouched(buffer)
+        # The same sender (same pooled endpoint for UCX) still delivers a good frame afterwards.
+        await pair.sender.send(pair.receiver.address, header_for("r1", 1024), memoryview(payload))
+        await asyncio.wait_for(done, 5)
+
+    pair.run(body())
+    assert np.array_equal(buffer, payload.reshape(-1))
+
+
+def test_replay_is_refused(pair: Pair) -> None:
+    buffer, first, second = poisoned(1024), random_payload(1024, seed=1), random_payload(1024, seed=2)
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer))
+        await pair.sender.send(pair.receiver.address, header_for("r1", 1024), memoryview(first))
+        await done
+        with pytest.raises(FrameRefused) as refused:
+            await pair.sender.send(pair.receiver.address, header_for("r1", 1024), memoryview(second))
+        assert refused.value.code is Refusal.REPLAY
+        assert pair.receiver.state("r1") is TransferState.DONE
+
+    pair.run(body())
+    assert np.array_equal(buffer, first.reshape(-1))
+
+
+def test_cancel_raises_cancelled_and_refuses_later_frames(pair: Pair) -> None:
+    buffer = poisoned(1024)
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer))
+        pair.receiver.cancel("r1")
+        with pytest.raises(asyncio.CancelledError):
+            await done
+        assert pair.receiver.state("r1") is TransferState.CANCELLED
+        await refused_with(pair, Refusal.CANCELLED, "r1", 1024)
+
+    pair.run(body())
+    assert untouched(buffer)
+
+
+def test_a_timed_out_wait_cancels_the_transfer(pair: Pair) -> None:
+    buffer = poisoned(1024)
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(done, 0.01)
+        assert pair.receiver.state("r1") is TransferState.CANCELLED
+        await refused_with(pair, Refusal.CANCELLED, "r1", 1024)
+
+    pair.run(body())
+    assert untouched(buffer)
+
+
+def test_cancel_mid_payload_stops_the_bytes(pair: Pair) -> None:
+    """Cancel while RECEIVING. Loopback copies in chunks, so the cancel lands mid-copy; UCX in one
+    process tends to move the whole payload in one progress call (test_cross_process covers a cancel
+    with the bytes half there)."""
+    nbytes = 32 << 20
+    buffer, payload = poisoned(nbytes), random_payload(nbytes)
+
+    async def cancel_when_receiving() -> None:
+        while pair.receiver.state("r1") is not TransferState.RECEIVING:
+            await asyncio.sleep(0)
+        pair.receiver.cancel("r1")
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer))
+        canceller = asyncio.ensure_future(cancel_when_receiving())
+        with pytest.raises(TransferError):
+            await pair.sender.send(pair.receiver.address, header_for("r1", nbytes), memoryview(payload))
+        await canceller
+        assert done.cancelled()
+        assert pair.receiver.state("r1") is TransferState.CANCELLED
+        snapshot = buffer.copy()
+        await asyncio.sleep(0.1)  # nothing may land after the cancel
+        assert np.array_equal(buffer, snapshot)
+
+    pair.run(body())
+
+
+def test_many_concurrent_transfers_land_in_their_own_buffers(pair: Pair) -> None:
+    sizes = [1024 * (1 + (index * 37) % 200) for index in range(16)]
+    buffers = [poisoned(size) for size in sizes]
+    payloads = [random_payload(size, seed=index) for index, size in enumerate(sizes)]
+    second_sender = pair.new_sender()
+
+    async def body() -> None:
+        futures = [pair.receiver.expect(f"r{index}", memoryview(buffer)) for index, buffer in enumerate(buffers)]
+        sends = [(pair.sender if index % 3 else second_sender).send(
+            pair.receiver.address, header_for(f"r{index}", size), memoryview(payload))
+            for index, (size, payload) in enumerate(zip(sizes, payloads, strict=True))]
+        await asyncio.gather(*sends)
+        headers = await asyncio.gather(*futures)
+        assert [header.request_id for header in headers] == [f"r{index}" for index in range(16)]
+        await second_sender.close()
+
+    pair.run(body())
+    for buffer, payload in zip(buffers, payloads, strict=True):
+        assert np.array_equal(buffer, payload.reshape(-1))
+
+
+def test_a_closed_receiver_fails_senders_and_pending_transfers_quickly(pair: Pair) -> None:
+    receiver = pair.new_receiver()
+    buffer = poisoned(1024)
+
+    async def body() -> None:
+        await receiver.start()
+        first = receiver.expect("r1", memoryview(buffer))
+        await pair.sender.send(receiver.address, header_for("r1", 1024), memoryview(random_payload(1024)))
+        await first
+        pending = receiver.expect("r2", memoryview(poisoned(1024)))
+        await receiver.close()
+        with pytest.raises(TransferError):
+            await pending
+        started = time.perf_counter()
+        # The sender holds a pooled endpoint to it (UCX): the dead link must fail, not hang.
+        with pytest.raises(TransferError):
+            await pair.sender.send(receiver.address, header_for("r3", 1024), memoryview(random_payload(1024)))
+        assert time.perf_counter() - started < 2.0
+        with pytest.raises(TransferError):
+            receiver.expect("r4", memoryview(poisoned(1024)))
+
+    pair.run(body())
+
+
+def test_sending_to_nobody_fails_quickly(pair: Pair) -> None:
+    address = "loopback://nobody" if pair.kind == "loopback" else "ucx://127.0.0.1:1"
+
+    async def body() -> None:
+        started = time.perf_counter()
+        with pytest.raises(TransferError):
+            await pair.sender.send(address, header_for("r1", 1024), memoryview(random_payload(1024)))
+        assert time.perf_counter() - started < 2.0
+
+    pair.run(body())
+
+
+def test_expect_validates_its_arguments(pair: Pair) -> None:
+    async def body() -> None:
+        pair.receiver.expect("r1", memoryview(poisoned(16)))
+        with pytest.raises(ValueError, match="already expected"):
+            pair.receiver.expect("r1", memoryview(poisoned(16)))
+        with pytest.raises(ValueError, match="read-only"):
+            pair.receiver.expect("r2", memoryview(bytes(16)))
+        with pytest.raises(ValueError, match="contiguous"):
+            pair.receiver.expect("r3", memoryview(poisoned(32))[::2])
+
+    pair.run(body())
+
+
+def test_send_refuses_a_payload_that_disagrees_with_its_header(pair: Pair) -> None:
+    async def body() -> None:
+        with pytest.raises(ValueError, match="header says"):
+            await pair.sender.send(pair.receiver.address, header_for("r1", 1024), memoryview(random_payload(512)))
+
+    pair.run(body())

@@ -1,0 +1,119 @@
+"""The loopback connector's failure injection, which the engine's failure-path tests rely on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.transfer.connector import TransferError, TransferState
+from cluster.transfer.loopback import FailMode, FrameRefused, LoopbackHub, LoopbackReceiver, LoopbackSender, Refusal
+from tests.transfer.test_connectors import header_for, poisoned, random_payload, untouched
+
+NBYTES = 8 << 20  # two copy chunks
+
+
+def run(hub: LoopbackHub, test: object) -> None:
+    async def body() -> None:
+        receiver, sender = LoopbackReceiver(hub, "d"), LoopbackSender(hub, timeout_s=0.5)
+        await receiver.start()
+        await test(receiver, sender)  # type: ignore[operator]
+        await receiver.close()
+
+    asyncio.run(body())
+
+
+def test_unreachable_touches_nothing() -> None:
+    hub, buffer = LoopbackHub(), poisoned(NBYTES)
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        done = receiver.expect("r1", memoryview(buffer))
+        hub.fail_next(1, FailMode.UNREACHABLE)
+        with pytest.raises(TransferError, match="unreachable"):
+            await sender.send(receiver.address, header_for("r1", NBYTES), memoryview(random_payload(NBYTES)))
+        assert not done.done() and hub.frames == 0
+        # Only the next send fails: a retry goes through.
+        await sender.send(receiver.address, header_for("r1", NBYTES), memoryview(random_payload(NBYTES)))
+        await done
+
+    run(hub, test)
+
+
+def test_peer_lost_fails_both_sides_midway() -> None:
+    hub, buffer = LoopbackHub(), poisoned(NBYTES)
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        done = receiver.expect("r1", memoryview(buffer))
+        hub.fail_next(1, FailMode.PEER_LOST)
+        with pytest.raises(TransferError, match="lost"):
+            await sender.send(receiver.address, header_for("r1", NBYTES), memoryview(random_payload(NBYTES)))
+        with pytest.raises(TransferError, match="peer lost"):
+            await done
+        assert receiver.state("r1") is TransferState.FAILED
+
+    run(hub, test)
+    assert not untouched(buffer[: NBYTES // 2]) and untouched(buffer[NBYTES // 2:])
+
+
+def test_ack_lost_lands_the_payload_but_fails_the_sender() -> None:
+    hub, buffer, payload = LoopbackHub(), poisoned(1024), random_payload(1024)
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        done = receiver.expect("r1", memoryview(buffer))
+        hub.fail_next(1, FailMode.ACK_LOST, address=receiver.address)
+        with pytest.raises(TransferError, match="ack"):
+            await sender.send(receiver.address, header_for("r1", 1024), memoryview(payload))
+        assert (await done).request_id == "r1"
+
+    run(hub, test)
+    assert (buffer == payload.reshape(-1)).all()
+
+
+def test_corrupt_header_is_refused_as_malformed() -> None:
+    hub, buffer = LoopbackHub(), poisoned(1024)
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        done = receiver.expect("r1", memoryview(buffer))
+        hub.fail_next(1, FailMode.CORRUPT_HEADER)
+        with pytest.raises(FrameRefused) as refused:
+            await sender.send(receiver.address, header_for("r1", 1024), memoryview(random_payload(1024)))
+        assert refused.value.code is Refusal.MALFORMED and not done.done()
+
+    run(hub, test)
+    assert untouched(buffer)
+
+
+def test_failures_can_target_one_address() -> None:
+    hub = LoopbackHub()
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        hub.fail_next(1, FailMode.UNREACHABLE, address="loopback://elsewhere")
+        done = receiver.expect("r1", memoryview(poisoned(1024)))
+        await sender.send(receiver.address, header_for("r1", 1024), memoryview(random_payload(1024)))
+        await done
+        assert hub.take_failure("loopback://elsewhere") is FailMode.UNREACHABLE
+
+    run(hub, test)
+
+
+def test_latency_beyond_the_sender_deadline_is_a_transfer_error() -> None:
+    hub = LoopbackHub(latency_s=2.0)
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        done = receiver.expect("r1", memoryview(poisoned(1024)))
+        with pytest.raises(TransferError, match="timed out"):
+            await sender.send(receiver.address, header_for("r1", 1024), memoryview(random_payload(1024)))
+        assert not done.done()
+
+    run(hub, test)
+
+
+def test_a_closed_sender_refuses_to_send() -> None:
+    hub = LoopbackHub()
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        await sender.close()
+        with pytest.raises(TransferError, match="closed"):
+            await sender.send(receiver.address, header_for("r1", 1024), memoryview(random_payload(1024)))
+
+    run(hub, test)
