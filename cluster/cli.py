@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -90,9 +90,12 @@ def command_chat(args: argparse.Namespace) -> int:
     engine = make_engine(args)
     console = Console()
     console.print(f"[bold]pdserve chat[/] on {engine.model_name} — empty line or Ctrl-D to quit")
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
+    return chat_loop(console, args.system, lambda messages: stream(engine, engine.chat_prompt(messages), params))
+
+
+def chat_loop(console: Console, system: str, respond: Callable[[list[dict[str, str]]], str]) -> int:
+    """Read user turns until an empty line or Ctrl-D; `respond` streams the answer to the history."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     while True:
         try:
             line = console.input("[bold green]you>[/] ")
@@ -102,8 +105,7 @@ def command_chat(args: argparse.Namespace) -> int:
             return 0
         messages.append({"role": "user", "content": line})
         console.print("[bold blue]model>[/] ", end="")
-        answer = stream(engine, engine.chat_prompt(messages), params)
-        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "assistant", "content": respond(messages)})
 
 
 def command_bench(args: argparse.Namespace) -> int:
@@ -163,19 +165,13 @@ def command_serve(args: argparse.Namespace) -> int:
                   f"{config.decode.replicas} decode) on {where}...")
     cluster = Cluster(config).start()
     console.print("ready — empty line or Ctrl-D to stop")
-    messages: list[dict[str, str]] = []
+
+    def respond(messages: list[dict[str, str]]) -> str:
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return asyncio.run(_stream_cluster(cluster, prompt, params))
+
     try:
-        while True:
-            try:
-                line = console.input("[bold green]you>[/] ")
-            except (EOFError, KeyboardInterrupt):
-                return 0
-            if not line.strip():
-                return 0
-            messages.append({"role": "user", "content": line})
-            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-            answer = asyncio.run(_stream_cluster(cluster, prompt, params))
-            messages.append({"role": "assistant", "content": answer})
+        return chat_loop(console, "", respond)
     finally:
         cluster.stop()
 

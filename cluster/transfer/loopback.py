@@ -68,6 +68,14 @@ def writable_bytes(buffer: memoryview) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def checked_payload(header: KVHeader, payload: memoryview) -> memoryview:
+    """The payload as bytes, refusing to send one whose size differs from what its header says."""
+    view = readable_bytes(payload)
+    if view.nbytes != header.nbytes:
+        raise ValueError(f"payload of {view.nbytes} bytes, header says {header.nbytes}")
+    return view
+
+
 def readable_bytes(payload: memoryview) -> memoryview:
     """A flat byte view of a payload; raises ValueError unless C-contiguous."""
     view = memoryview(payload)
@@ -339,10 +347,7 @@ class LoopbackSender:
         Raises TransferError if the receiver is missing, refused the frame, or an injected failure
         hit it; raises ValueError for a payload whose size differs from `header.nbytes`.
         """
-        view = readable_bytes(payload)
-        if view.nbytes != header.nbytes:
-            raise ValueError(f"payload of {view.nbytes} bytes, header says {header.nbytes}")
-        await self.send_raw(address, header.to_bytes(), view)
+        await self.send_raw(address, header.to_bytes(), checked_payload(header, payload))
 
     async def send_raw(self, address: str, header_bytes: bytes, payload: memoryview,
                        declared_length: int | None = None) -> None:

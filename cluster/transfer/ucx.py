@@ -62,7 +62,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from cluster.transfer.connector import MAX_HEADER_BYTES, KVHeader, TransferError, TransferState
-from cluster.transfer.loopback import FrameRefused, ReceiveTable, Refusal, readable_bytes
+from cluster.transfer.loopback import FrameRefused, ReceiveTable, Refusal, checked_payload, readable_bytes
 
 log = logging.getLogger(__name__)
 
@@ -555,10 +555,7 @@ class UCXSender:
         Raises TransferError if the receiver is unreachable, dies, times out or refuses the frame
         (then `FrameRefused`, with its code); ValueError if `payload` differs from `header.nbytes`.
         """
-        view = readable_bytes(payload)
-        if view.nbytes != header.nbytes:
-            raise ValueError(f"payload of {view.nbytes} bytes, header says {header.nbytes}")
-        await self.send_raw(address, header.to_bytes(), view)
+        await self.send_raw(address, header.to_bytes(), checked_payload(header, payload))
 
     async def send_raw(self, address: str, header_bytes: bytes, payload: memoryview,
                        declared_length: int | None = None) -> None:

@@ -7,6 +7,8 @@ worker (first token streamed at once, then the KV sent), then stream the rest fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -60,27 +62,29 @@ def assert_whole(*workers: Worker) -> None:
         assert pool.num_free_blocks == pool.num_blocks, worker.worker_id
 
 
-async def start_pair(path: Path) -> tuple[Worker, Worker, LoopbackHub]:
+@contextlib.asynccontextmanager
+async def running_pair(path: Path) -> AsyncIterator[tuple[Worker, Worker, LoopbackHub]]:
+    """A started prefill and decode worker joined by a loopback hub; stopped on the way out."""
     hub = LoopbackHub()
     prefill = Worker("prefill-0", "prefill", make_engine(path, budget=6), sender=LoopbackSender(hub))
     decode = Worker("decode-0", "decode", make_engine(path), receiver=LoopbackReceiver(hub, "decode-0"))
     await prefill.start()
     await decode.start()
-    return prefill, decode, hub
+    try:
+        yield prefill, decode, hub
+    finally:
+        await prefill.stop()
+        await decode.stop()
 
 
 def test_concurrent_requests_match_the_engine_alone(checkpoint: Path, expected: list[list[int]]) -> None:
     async def main() -> None:
-        prefill, decode, _ = await start_pair(checkpoint)
-        try:
+        async with running_pair(checkpoint) as (prefill, decode, _):
             got = await asyncio.gather(*(serve(prefill, decode, f"r{i}", p) for i, p in enumerate(PROMPTS)))
             assert list(got) == expected
             assert len(prefill.transfers) == len(PROMPTS) and all(t.nbytes > 0 for t in prefill.transfers)
             await asyncio.sleep(0.1)
             assert_whole(prefill, decode)
-        finally:
-            await prefill.stop()
-            await decode.stop()
 
     asyncio.run(main())
 
@@ -89,24 +93,19 @@ def test_concurrent_requests_match_the_engine_alone(checkpoint: Path, expected: 
 def test_failed_transfers_are_recomputed_by_the_decode_worker(checkpoint: Path, expected: list[list[int]],
                                                              mode: FailMode) -> None:
     async def main() -> None:
-        prefill, decode, hub = await start_pair(checkpoint)
-        try:
+        async with running_pair(checkpoint) as (prefill, decode, hub):
             hub.fail_next(2, mode)
             got = await asyncio.gather(*(serve(prefill, decode, f"r{i}", p) for i, p in enumerate(PROMPTS)))
             assert list(got) == expected
             await asyncio.sleep(0.1)
             assert_whole(prefill, decode)
-        finally:
-            await prefill.stop()
-            await decode.stop()
 
     asyncio.run(main())
 
 
 def test_a_client_that_stops_listening_frees_blocks_on_both_workers(checkpoint: Path) -> None:
     async def main() -> None:
-        prefill, decode, _ = await start_pair(checkpoint)
-        try:
+        async with running_pair(checkpoint) as (prefill, decode, _):
             params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
             address = await decode.reserve("long", PROMPTS[0], params)
             assert address is not None
@@ -118,23 +117,16 @@ def test_a_client_that_stops_listening_frees_blocks_on_both_workers(checkpoint: 
             await asyncio.sleep(0.1)
             assert not decode.engine.has_unfinished_requests()
             assert_whole(prefill, decode)
-        finally:
-            await prefill.stop()
-            await decode.stop()
 
     asyncio.run(main())
 
 
 def test_kv_that_never_comes_is_recomputed_when_the_lease_ends(checkpoint: Path, expected: list[list[int]]) -> None:
     async def main() -> None:
-        prefill, decode, _ = await start_pair(checkpoint)
-        try:
+        async with running_pair(checkpoint) as (prefill, decode, _):
             assert await decode.reserve("orphan", PROMPTS[0], GREEDY, lease_s=0.2) is not None
             tokens = [t for output in [o async for o in decode.stream("orphan")] for t in output.new_token_ids]
             assert tokens == expected[0]
             assert_whole(decode)
-        finally:
-            await prefill.stop()
-            await decode.stop()
 
     asyncio.run(main())
