@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from cluster.config import EngineConfig
 from cluster.engine import RequestOutput
 from cluster.sampling_params import SamplingParams
@@ -108,6 +110,7 @@ class Router:
         # Requests in flight per worker: the load signal, kept here so routing costs no round trip.
         self.in_flight: dict[int, int] = {}
         self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0}
+        self.dead: set[int] = set()  # workers found dead; Ray restarts come with fault handling
 
     def _by_load(self, handles: list[Any]) -> list[Any]:
         return sorted(handles, key=lambda handle: self.in_flight.get(id(handle), 0))
@@ -123,20 +126,29 @@ class Router:
             return
         sent = 0
         for decode in self._by_load(self.decode):
-            address = await decode.reserve.remote(request_id, prompt, params, self.lease_s)
-            if address is None:
-                self.decisions["reserve_refused"] += 1
+            if id(decode) in self.dead:
                 continue
-            # The decode worker restates the first token the prefill already streamed: drop repeats.
-            async for event in self._disaggregated(decode, address, request_id, prompt, params):
-                skip = sent - event.index
-                if skip < len(event.token_ids):
-                    sent = event.index + len(event.token_ids)
-                    yield event if skip <= 0 else replace(event, index=sent - len(event.token_ids[skip:]),
-                                                          token_ids=event.token_ids[skip:])
-                elif event.finished:
-                    yield replace(event, index=sent, token_ids=[], text="")
-            return
+            try:
+                address = await decode.reserve.remote(request_id, prompt, params, self.lease_s)
+                if address is None:
+                    self.decisions["reserve_refused"] += 1
+                    continue
+                # The decode worker restates the first token the prefill already streamed: drop repeats.
+                async for event in self._disaggregated(decode, address, request_id, prompt, params):
+                    skip = sent - event.index
+                    if skip < len(event.token_ids):
+                        sent = event.index + len(event.token_ids)
+                        yield event if skip <= 0 else replace(event, index=sent - len(event.token_ids[skip:]),
+                                                              token_ids=event.token_ids[skip:])
+                    elif event.finished:
+                        yield replace(event, index=sent, token_ids=[], text="")
+                return
+            except RayActorError:
+                self.dead.add(id(decode))
+                if sent > 1:  # it already streamed tokens of its own: resuming those is not done yet
+                    raise
+                log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
+                self.decisions["rerouted"] += 1
         raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
 
     async def _disaggregated(self, decode: Any, address: str, request_id: str, prompt: list[int],

@@ -63,6 +63,24 @@ def test_two_prefill_two_decode_equal_the_engine_alone(checkpoint: Path, mode: s
         cluster.stop()
 
 
+def test_a_dead_decode_worker_sends_requests_to_the_other(checkpoint: Path) -> None:
+    import ray
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
+    expected = [LLMEngine(engine_config).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
+                           engine=engine_config)
+    cluster = Cluster(config).start()
+    try:
+        ray.kill(cluster.decode[0])
+        assert generate_all(cluster, PROMPTS, GREEDY) == expected
+        assert ray.get(cluster.router.stats.remote(), timeout=30)["rerouted"] >= 1
+        cluster.decode = cluster.decode[1:]
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.slow
 def test_default_model_through_the_disaggregated_path(default_prompts: list[list[int]],
                                                       transformers_greedy: list[list[int]]) -> None:
