@@ -76,7 +76,7 @@ def test_full_queue_rejects_then_recovers(engine: LLMEngine) -> None:
     engine.add_request([8, 9])
     with pytest.raises(QueueFullError):
         engine.add_request([10])
-    assert first.request_id not in engine.detokenizers or engine.abort(first.request_id)
+    assert engine.abort(first.request_id)  # an abort frees a place in the queue at once
     while engine.has_unfinished_requests():
         engine.step()
     engine.add_request([10])  # room again
