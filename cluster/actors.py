@@ -16,38 +16,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig
-from cluster.engine import RequestOutput
 from cluster.sampling_params import SamplingParams
-from cluster.worker import TransferStats, Worker, WorkerLoad
+from cluster.service import NoCapacityError
+from cluster.worker import TokenEvent, TransferStats, Worker, WorkerLoad
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    request_id: str
-    index: int  # how many output tokens came before these
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    worker_id: str
-
-    @classmethod
-    def of(cls, output: RequestOutput, worker_id: str) -> TokenEvent:
-        return cls(output.request_id, output.index, list(output.new_token_ids),
-                   output.new_text, output.finished, output.finish_reason, output.num_prompt_tokens, worker_id)
-
-
-class NoCapacityError(RuntimeError):
-    """No decode worker could take the request now."""
 
 
 class WorkerActor:
@@ -75,6 +54,10 @@ class WorkerActor:
         """(free blocks, total blocks): whole when equal and nothing runs."""
         load = await self.worker.load()
         return load.num_free_blocks, load.num_blocks
+
+    async def info(self) -> tuple[str, int]:
+        """(served model name, max_model_len): what the front doors tell users and check prompts by."""
+        return self.worker.engine.model_name, self.worker.engine.max_model_len
 
     async def transfers(self) -> list[TransferStats]:
         return list(self.worker.transfers)
@@ -139,9 +122,10 @@ class Router:
                     if skip < len(event.token_ids):
                         sent = event.index + len(event.token_ids)
                         yield event if skip <= 0 else replace(event, index=sent - len(event.token_ids[skip:]),
-                                                              token_ids=event.token_ids[skip:])
+                                                              token_ids=event.token_ids[skip:],
+                                                              logprobs=event.logprobs[skip:])
                     elif event.finished:
-                        yield replace(event, index=sent, token_ids=[], text="")
+                        yield replace(event, index=sent, token_ids=[], text="", logprobs=[])
                 return
             except RayActorError:
                 self.dead.add(id(decode))

@@ -16,7 +16,10 @@ from typing import Any
 
 from cluster.actors import Router, TokenEvent, WorkerActor
 from cluster.cluster_config import ClusterConfig, PoolConfig
+from cluster.default_model import resolve_model_path
 from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import Tokenizer
+from cluster.worker import WorkerLoad
 
 START_TIMEOUT_S = 300.0
 
@@ -43,6 +46,9 @@ class Cluster:
         self.decode: list[Any] = []
         self.router: Any = None
         self.ids = itertools.count()
+        self.model_name = ""
+        self.max_model_len = 0
+        self.tokenizer: Tokenizer | None = None
 
     def start(self) -> Cluster:
         import ray
@@ -53,6 +59,10 @@ class Cluster:
             self.prefill = self._pool("prefill", self.config.prefill)
         self.decode = self._pool("colocated" if colocated else "decode", self.config.decode)
         ray.get([worker.start.remote() for worker in self.prefill + self.decode], timeout=START_TIMEOUT_S)
+        infos = ray.get([worker.info.remote() for worker in self.prefill + self.decode])
+        self.model_name = infos[0][0]
+        self.max_model_len = min(max_model_len for _, max_model_len in infos)  # every worker must fit it
+        self.tokenizer = Tokenizer.from_dir(resolve_model_path(self.config.engine.model.model))
         router_class = ray.remote(num_cpus=0)(Router)
         self.router = router_class.remote(self.prefill, self.decode, self.config.mode, self.config.kv_lease_s)
         return self
@@ -70,6 +80,18 @@ class Cluster:
         request_id = request_id or f"cluster-{next(self.ids)}"
         async for ref in self.router.generate.options(num_returns="streaming").remote(request_id, prompt, params):
             yield await ref
+
+    async def abort(self, request_id: str) -> None:
+        """End a request on every worker (its blocks freed everywhere)."""
+        await self.router.abort.remote(request_id)
+
+    async def workers(self) -> list[WorkerLoad]:
+        """Each live worker's load; a dead one is left out."""
+        loads = []
+        for worker in self.prefill + self.decode:
+            with contextlib.suppress(Exception):
+                loads.append(await worker.load.remote())
+        return loads
 
     def stop(self) -> None:
         import ray

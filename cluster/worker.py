@@ -17,12 +17,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from cluster.engine import KVExport, LLMEngine, RequestOutput
+from cluster.request import TokenLogprobs
 from cluster.sampling_params import SamplingParams
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
 
@@ -40,6 +41,29 @@ class TransferStats:
     @property
     def gb_per_s(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One step's news about a request, as it crosses process boundaries: a diff, never the whole
+    output again. `index` is how many output tokens came before `token_ids`."""
+
+    request_id: str
+    index: int  # how many output tokens came before these
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    worker_id: str
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token in `token_ids`, if asked
+
+    @classmethod
+    def of(cls, output: RequestOutput, worker_id: str) -> TokenEvent:
+        return cls(output.request_id, output.index, list(output.new_token_ids), output.new_text, output.finished,
+                   output.finish_reason, output.num_prompt_tokens, worker_id, output.num_cached_tokens,
+                   list(output.new_logprobs))
 
 
 @dataclass(slots=True)
