@@ -50,12 +50,18 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class KVExport:
-    """A finished prefill's KV, ready to send: `data` is [layers, 2, blocks, block_size, heads, dim]."""
+    """A run of a prefill's KV blocks, ready to send: `data` is [blocks, layers, 2, block_size, heads,
+    dim], blocks `first_block` onwards of the request's. The last run carries the first token."""
 
     request_id: str
-    num_tokens: int
-    first_token_id: int
+    num_tokens: int  # the prompt's
+    first_block: int
     data: torch.Tensor
+    first_token_id: int | None = None  # set on the last run: the prefill is finished
+
+    @property
+    def last(self) -> bool:
+        return self.first_token_id is not None
 
 
 @dataclass(slots=True)
@@ -133,10 +139,27 @@ class LLMEngine:
         request.hold_kv = True
         return request
 
-    def export_kv(self, request_id: str) -> KVExport:
+    def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
+        """Copy a finished (held) prefill's KV from block `first_block` to the end, with its first token."""
         request = self.scheduler.held[request_id]
-        data = self.runner.read_blocks(self.kv_cache.block_ids(request_id))
-        return KVExport(request_id, request.num_prompt_tokens, request.output_token_ids[0], data)
+        data = self.runner.read_blocks(self.kv_cache.block_ids(request_id)[first_block:])
+        return KVExport(request_id, request.num_prompt_tokens, first_block, data, request.output_token_ids[0])
+
+    def computed_blocks(self, request_id: str) -> int:
+        """Blocks of a running prefill whose KV is final: full ones, below the last prompt block (which
+        always travels with the first token, so the last run is never empty)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.finished:
+            return 0
+        block_size = self.config.cache.block_size
+        last_block = (request.num_prompt_tokens - 1) // block_size
+        return min(request.num_computed_tokens // block_size, last_block)
+
+    def export_blocks(self, request_id: str, first_block: int, stop_block: int) -> KVExport:
+        """Copy blocks [first_block, stop_block) of a running prefill: sent while the rest computes."""
+        request = self.scheduler.requests[request_id]
+        data = self.runner.read_blocks(self.kv_cache.block_ids(request_id)[first_block:stop_block])
+        return KVExport(request_id, request.num_prompt_tokens, first_block, data)
 
     def release_held(self, request_id: str) -> None:
         self.scheduler.release_held(request_id)

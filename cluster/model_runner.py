@@ -143,19 +143,21 @@ class ModelRunner:
         self.block_tables.release(request_id)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy of blocks' KV: [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+        """A contiguous copy of blocks' KV, block-major so that any run of blocks is one contiguous
+        byte range (a transfer frame): [blocks, layers, 2, block_size, kv_heads, head_dim]."""
         index = torch.tensor(block_ids, device=self.device)
-        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches])
+        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches], dim=1).transpose(0, 2) \
+            .contiguous()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write KV laid out as `read_blocks` returns it into the given blocks."""
-        expected = (len(self.kv_caches), 2, len(block_ids), *self.kv_caches[0].shape[2:])
+        expected = (len(block_ids), len(self.kv_caches), 2, *self.kv_caches[0].shape[2:])
         if tuple(data.shape) != expected or data.dtype != self.dtype:
             raise ValueError(f"KV of shape {tuple(data.shape)} {data.dtype} does not fit blocks "
                              f"{expected} {self.dtype}")
         index = torch.tensor(block_ids, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, index, data[layer].to(self.device))
+            cache.index_copy_(1, index, data[:, layer].transpose(0, 1).to(self.device))
 
     def _swap_out(self, order: SwapOrder) -> None:
         index = torch.tensor(order.block_ids, device=self.device)

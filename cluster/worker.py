@@ -34,9 +34,14 @@ IDLE_WAIT_S = 0.05
 
 @dataclass(slots=True)
 class TransferStats:
+    """One request's KV transfer: `seconds` on the wire (sum over its frames), `exposed_s` the part
+    after the prefill finished (what the transfer adds to the request's time to its second token)."""
+
     request_id: str
     nbytes: int
     seconds: float
+    frames: int = 1
+    exposed_s: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
@@ -91,7 +96,9 @@ class Worker:
         self.thread: threading.Thread | None = None
         self.stopped = False
         self.transfers: list[TransferStats] = []
-        self.exports: dict[str, KVExport] = {}  # filled on the engine thread, taken by `prefill`
+        # Prefills whose KV goes out while they compute: runs of blocks queued by the engine thread,
+        # sent by `prefill` on the event loop. request id -> (blocks queued so far, the queue).
+        self.outboxes: dict[str, _Outbox] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -126,15 +133,32 @@ class Worker:
                     if output.finished and output.request_id in self.engine.scheduler.held:
                         self._export(output.request_id)
                     self._deliver(output.request_id, output)
+                self._export_computed_blocks()
             if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
 
+    def _export_computed_blocks(self) -> None:
+        """Queue the blocks each running prefill finished this step, so they travel while the rest
+        of its prompt computes (the overlap of transfer and compute)."""
+        for request_id, outbox in list(self.outboxes.items()):
+            computed = self.engine.computed_blocks(request_id)
+            if computed > outbox.queued:
+                self._post(outbox, self.engine.export_blocks(request_id, outbox.queued, computed))
+
     def _export(self, request_id: str) -> None:
-        """Copy a finished prefill's KV out and free its blocks right after the step that finished
-        it: waiting for the asyncio side would hold them through the next (maybe long) step."""
-        self.exports[request_id] = self.engine.export_kv(request_id)
+        """Queue a finished prefill's last blocks (with its first token) and free its blocks right
+        after the step that finished it: waiting for the asyncio side would hold them through the
+        next (maybe long) step."""
+        outbox = self.outboxes.get(request_id)
+        if outbox is not None:
+            self._post(outbox, self.engine.export_kv(request_id, outbox.queued))
         self.engine.release_held(request_id)
+
+    def _post(self, outbox: _Outbox, export: KVExport) -> None:
+        outbox.queued = export.first_block + export.data.shape[0]
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(outbox.runs.put_nowait, export)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self.streams.get(request_id)
@@ -207,37 +231,56 @@ class Worker:
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       decode_address: str) -> AsyncIterator[RequestOutput | TransferStats]:
-        """Compute the prompt, yield the first token at once, then send the KV to `decode_address`
-        and yield the transfer's stats. A failed send raises TransferError (the decode worker then
-        recomputes); the held blocks are released whatever happens."""
+        """Compute the prompt, sending its KV to `decode_address` chunk by chunk as it computes;
+        yield the first token at once, then the transfer's stats once the last block landed.
+
+        A failed send raises TransferError (the decode worker then recomputes) and stops the
+        prefill; the blocks are released whatever happens.
+        """
         assert self.sender is not None, "a prefill worker needs a KV sender"
         first_params = SamplingParams(max_tokens=1, temperature=params.temperature, top_p=params.top_p,
                                       top_k=params.top_k, min_p=params.min_p, seed=params.seed,
                                       ignore_eos=True, logprobs=params.logprobs)
-        self.streams[request_id] = asyncio.Queue()
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.streams[request_id] = stream
+        outbox = self.outboxes[request_id] = _Outbox()
+        sending: asyncio.Task[TransferStats] | None = None
         try:
             await self._call(lambda: self.engine.add_prefill(prompt_token_ids, first_params, request_id=request_id))
+            sending = asyncio.create_task(self._send_runs(request_id, decode_address, outbox))
+            # A send that fails mid-prompt ends the prefill at once, not after the prompt computed.
+            sending.add_done_callback(lambda task: _raise_into(stream, task))
             async for output in self._outputs(request_id):
                 yield output
-            yield await self._send_kv(request_id, decode_address)
+            yield await sending
         finally:
             self.streams.pop(request_id, None)
-            self.exports.pop(request_id, None)
+            self.outboxes.pop(request_id, None)
+            if sending is not None and not sending.done():
+                sending.cancel()
             await self._call(lambda: self.engine.abort(request_id))  # a prefill cut short frees its blocks
 
-    async def _send_kv(self, request_id: str, address: str) -> TransferStats:
+    async def _send_runs(self, request_id: str, address: str, outbox: _Outbox) -> TransferStats:
+        """Send the runs of blocks the engine thread queues, in order, until the last one."""
         assert self.sender is not None
-        export = self.exports.pop(request_id)
-        data = export.data.contiguous()
-        header = KVHeader(request_id=request_id, num_tokens=export.num_tokens, num_blocks=data.shape[2],
-                          block_size=data.shape[3], num_layers=data.shape[0], num_kv_heads=data.shape[4],
-                          head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
-                          first_token_id=export.first_token_id, nbytes=data.numel() * data.element_size())
-        started = time.perf_counter()
-        await self.sender.send(address, header, _bytes_of(data))
-        stats = TransferStats(request_id, header.nbytes, time.perf_counter() - started)
-        self.transfers.append(stats)
-        return stats
+        stats = TransferStats(request_id, 0, 0.0, frames=0)
+        while True:
+            export = await outbox.runs.get()
+            data = export.data
+            header = KVHeader(request_id=request_id, num_tokens=export.num_tokens, num_blocks=data.shape[0],
+                              block_size=data.shape[3], num_layers=data.shape[1], num_kv_heads=data.shape[4],
+                              head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
+                              first_token_id=export.first_token_id or 0, nbytes=data.numel() * data.element_size(),
+                              first_block=export.first_block, last=export.last)
+            started = time.perf_counter()
+            await self.sender.send(address, header, _bytes_of(data))
+            seconds = time.perf_counter() - started
+            stats.nbytes, stats.seconds, stats.frames = stats.nbytes + header.nbytes, stats.seconds + seconds, \
+                stats.frames + 1
+            if export.last:
+                stats.exposed_s = seconds
+                self.transfers.append(stats)
+                return stats
 
     # ---- decode role ---------------------------------------------------------------------------
 
@@ -256,7 +299,7 @@ class Worker:
             self.streams.pop(request_id, None)
             return None
         runner = self.engine.runner
-        staging = torch.empty((len(runner.kv_caches), 2, len(block_ids), *runner.kv_caches[0].shape[2:]),
+        staging = torch.empty((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
                               dtype=runner.dtype)
         arrived = self.receiver.expect(request_id, _bytes_of(staging))
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
@@ -296,6 +339,20 @@ class Worker:
                 yield output
         finally:
             await self._close_stream(request_id)
+
+
+@dataclass(slots=True)
+class _Outbox:
+    """A prefill's runs of KV blocks on their way from the engine thread to the sending task."""
+
+    queued: int = 0  # blocks handed to `runs` so far
+    runs: asyncio.Queue[KVExport] = field(default_factory=asyncio.Queue)
+
+
+def _raise_into(stream: asyncio.Queue[RequestOutput | BaseException], task: asyncio.Task[Any]) -> None:
+    """Hand a failed task's error to the stream its consumer reads (it raises there)."""
+    if not task.cancelled() and task.exception() is not None:
+        stream.put_nowait(task.exception())  # type: ignore[arg-type]
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

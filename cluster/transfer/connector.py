@@ -7,11 +7,13 @@ Who calls what, and who frees which blocks:
     engine.reserve_remote(...) -> block ids
     buffer = staging buffer for those blocks
     done = receiver.expect(request_id, buffer)
-    (tells the router receiver.address)  ──────>    engine runs the prompt, samples token 1,
-                                                    holds the blocks; payload = staging copy
-                                                    await sender.send(address, header, payload)
+    (tells the router receiver.address)  ──────>    engine runs the prompt chunk by chunk; after
+                                                    each step, the blocks that became final:
+                                                    await sender.send(address, header, run)
+                                                    ... the prompt finishes, token 1 is sampled:
+                                                    the last run, with token 1 (`last=True`);
                                                     engine.release_held(request_id)  # its blocks
-    header = await done
+    header = await done       (all runs landed in order, each at its offset in `buffer`)
     write buffer into the reserved blocks
     engine.admit_remote(request_id, header.first_token_id)
 
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 import msgpack
 
 MAX_HEADER_BYTES = 4096
-HEADER_VERSION = 1
+HEADER_VERSION = 2
 
 
 class TransferError(RuntimeError):
@@ -40,26 +42,35 @@ class TransferError(RuntimeError):
 
 class TransferState(enum.IntEnum):
     PENDING = 0  # expected, nothing arrived yet
-    RECEIVING = 1
+    RECEIVING = 1  # a frame's payload is landing
     DONE = 2
     FAILED = 3
     CANCELLED = 4
+    PARTIAL = 5  # some frames landed, more to come
 
 
 @dataclass(frozen=True, slots=True)
 class KVHeader:
-    """Describes one request's KV payload: layers x (key, value) x blocks x block_size x heads x dim."""
+    """Describes one frame of a request's KV: a run of `num_blocks` blocks starting at `first_block`,
+    laid out blocks x layers x (key, value) x block_size x heads x dim. A request's frames arrive in
+    order; the `last` one completes it and carries the first token (`first_token_id`)."""
 
     request_id: str
-    num_tokens: int  # prompt tokens whose keys and values the payload holds
-    num_blocks: int
+    num_tokens: int  # prompt tokens whose keys and values the whole transfer holds
+    num_blocks: int  # in this frame
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
-    first_token_id: int
-    nbytes: int
+    first_token_id: int  # meaningful on the last frame
+    nbytes: int  # of this frame's payload
+    first_block: int = 0
+    last: bool = True
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.nbytes // self.num_blocks
 
     def to_bytes(self) -> bytes:
         data: bytes = msgpack.packb({"version": HEADER_VERSION, **asdict(self)})
@@ -77,7 +88,7 @@ class KVHeader:
         except Exception as error:  # msgpack raises several types for malformed input
             raise TransferError(f"malformed header: {error}") from error
         if not isinstance(fields, dict) or fields.pop("version", None) != HEADER_VERSION:
-            raise TransferError("malformed header: not a version-1 KV header")
+            raise TransferError(f"malformed header: not a version-{HEADER_VERSION} KV header")
         try:
             header = cls(**fields)
         except TypeError as error:
@@ -87,12 +98,20 @@ class KVHeader:
 
     def validate(self) -> None:
         ints = (self.num_tokens, self.num_blocks, self.block_size, self.num_layers, self.num_kv_heads,
-                self.head_dim, self.first_token_id, self.nbytes)
+                self.head_dim, self.first_token_id, self.nbytes, self.first_block)
         if not isinstance(self.request_id, str) or not isinstance(self.dtype, str) or \
-                not all(isinstance(value, int) and value >= 0 for value in ints):
+                not isinstance(self.last, bool) or \
+                not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in ints):
             raise TransferError("malformed header: wrong field types")
-        if self.num_blocks * self.block_size < self.num_tokens or self.num_blocks == 0:
-            raise TransferError("malformed header: blocks cannot hold the tokens")
+        if self.num_blocks == 0 or self.nbytes % self.num_blocks:
+            raise TransferError("malformed header: a frame holds a whole number of blocks, at least one")
+        if self.num_tokens == 0 or self.block_size == 0:
+            raise TransferError("malformed header: no tokens")
+        # The last frame ends with the prompt's last block; the others stop before it.
+        last_block = (self.num_tokens - 1) // self.block_size
+        stop = self.first_block + self.num_blocks
+        if stop != last_block + 1 if self.last else stop > last_block:
+            raise TransferError("malformed header: the blocks do not match the tokens")
 
 
 class KVSender(Protocol):

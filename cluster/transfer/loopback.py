@@ -89,6 +89,8 @@ class _Slot:
     buffer: memoryview
     future: asyncio.Future[KVHeader]
     state: TransferState
+    landed: int = 0  # bytes of the frames landed so far (frames arrive in order)
+    frame: memoryview | None = None  # the part of `buffer` the frame being received fills
 
 
 class ReceiveTable:
@@ -132,8 +134,9 @@ class ReceiveTable:
     def admit(self, header: KVHeader) -> memoryview:
         """Accept a frame whose header was read (called by a receiver before the payload).
 
-        Returns the registered buffer and marks the id RECEIVING, or raises FrameRefused. A header
-        whose size differs from the buffer also fails the expected transfer: the sender and the
+        Returns the part of the registered buffer the frame fills and marks the id RECEIVING, or
+        raises FrameRefused. A frame that does not fit where the previous one ended (or that ends the
+        transfer short of the buffer's end) also fails the expected transfer: the sender and the
         receiver disagree on the layout, and the payload cannot be trusted.
         """
         slot = self._slots.get(header.request_id)
@@ -141,12 +144,16 @@ class ReceiveTable:
             raise self._refusal_for_unknown(header.request_id)
         if slot.state is TransferState.RECEIVING:
             raise FrameRefused(Refusal.BUSY, f"request {header.request_id!r} is already receiving")
-        if header.nbytes != slot.buffer.nbytes:
-            reason = f"request {header.request_id!r}: {header.nbytes} bytes, buffer holds {slot.buffer.nbytes}"
+        start = header.first_block * header.block_nbytes
+        stop = start + header.nbytes
+        if start != slot.landed or stop > slot.buffer.nbytes or (header.last and stop != slot.buffer.nbytes):
+            reason = (f"request {header.request_id!r}: frame of bytes [{start}, {stop}){' (last)' * header.last}"
+                      f" after {slot.landed} landed, buffer holds {slot.buffer.nbytes}")
             self.fail(header.request_id, FrameRefused(Refusal.WRONG_SIZE, reason))
             raise FrameRefused(Refusal.WRONG_SIZE, reason)
         slot.state = TransferState.RECEIVING
-        return slot.buffer
+        slot.frame = slot.buffer[start:stop]
+        return slot.frame
 
     def _refusal_for_unknown(self, request_id: str) -> FrameRefused:
         finished = self._finished.get(request_id)
@@ -157,10 +164,17 @@ class ReceiveTable:
         return FrameRefused(Refusal.NOT_EXPECTED, f"request {request_id!r} is not expected")
 
     def complete(self, header: KVHeader) -> None:
-        """The payload of `header` is in its buffer (called by the receiver): resolve the future."""
-        slot = self._finish(header.request_id, TransferState.DONE)
-        if slot is not None and not slot.future.done():
-            slot.future.set_result(header)
+        """The payload of `header` is in place (called by the receiver): resolve the future on the
+        last frame, else wait for the next one."""
+        slot = self._slots.get(header.request_id)
+        if slot is None:
+            return
+        slot.landed += header.nbytes
+        slot.state, slot.frame = TransferState.PARTIAL, None
+        if header.last:
+            self._finish(header.request_id, TransferState.DONE)
+            if not slot.future.done():
+                slot.future.set_result(header)
 
     def fail(self, request_id: str, error: TransferError) -> None:
         """The transfer cannot complete (wrong size, peer lost, timeout): fail its future."""
@@ -179,10 +193,10 @@ class ReceiveTable:
         if not slot.future.done():
             slot.future.cancel()
 
-    def is_live(self, request_id: str, buffer: memoryview) -> bool:
-        """Whether `buffer` is still the RECEIVING buffer of `request_id` (not cancelled meanwhile)."""
+    def is_live(self, request_id: str, frame: memoryview) -> bool:
+        """Whether `frame` (from `admit`) is still being received for `request_id` (not cancelled)."""
         slot = self._slots.get(request_id)
-        return slot is not None and slot.buffer is buffer and slot.state is TransferState.RECEIVING
+        return slot is not None and slot.frame is frame and slot.state is TransferState.RECEIVING
 
     def close(self, error: TransferError) -> None:
         """Fail every pending transfer (the receiver is closing) and refuse new expectations."""

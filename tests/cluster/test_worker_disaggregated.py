@@ -83,6 +83,8 @@ def test_concurrent_requests_match_the_engine_alone(checkpoint: Path, expected: 
             got = await asyncio.gather(*(serve(prefill, decode, f"r{i}", p) for i, p in enumerate(PROMPTS)))
             assert list(got) == expected
             assert len(prefill.transfers) == len(PROMPTS) and all(t.nbytes > 0 for t in prefill.transfers)
+            # The prefill's budget (6 tokens) computes long prompts in chunks: their KV left in several frames.
+            assert max(t.frames for t in prefill.transfers) >= 5
             await asyncio.sleep(0.1)
             assert_whole(prefill, decode)
 

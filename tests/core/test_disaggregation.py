@@ -47,6 +47,11 @@ def drain(engine: LLMEngine) -> dict[str, list[int]]:
     return results
 
 
+def by_token(blocks: torch.Tensor) -> torch.Tensor:
+    """[blocks, layers, 2, block_size, ...] -> [tokens, layers, 2, ...]."""
+    return blocks.transpose(1, 3).flatten(0, 1)
+
+
 def test_disaggregated_greedy_equals_engine_alone_and_kv_is_bit_exact(checkpoint: Path) -> None:
     alone = make_engine(checkpoint)
     expected = {f"r{i}": alone.generate([p], GREEDY)[0].token_ids for i, p in enumerate(PROMPTS)}
@@ -75,8 +80,8 @@ def test_exported_kv_equals_kv_computed_by_a_local_engine(checkpoint: Path) -> N
     local.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), request_id="b")
     local.step()
     tokens = len(prompt)
-    exported = prefill.export_kv("a").data.flatten(2, 3)[:, :, :tokens]
-    computed = local.runner.read_blocks(local.kv_cache.block_ids("b")).flatten(2, 3)[:, :, :tokens]
+    exported = by_token(prefill.export_kv("a").data)[:tokens]
+    computed = by_token(local.runner.read_blocks(local.kv_cache.block_ids("b")))[:tokens]
     torch.testing.assert_close(exported, computed, atol=1e-5, rtol=1e-5)  # chunked vs whole prefill
     prefill.release_held("a")
     local.abort("b")

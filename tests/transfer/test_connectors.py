@@ -4,6 +4,7 @@ payloads land bit for bit in the registered buffer and nowhere else, and everyth
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import msgpack
@@ -297,3 +298,78 @@ def test_send_refuses_a_payload_that_disagrees_with_its_header(pair: Pair) -> No
             await pair.sender.send(pair.receiver.address, header_for("r1", 1024), memoryview(random_payload(512)))
 
     pair.run(body())
+
+
+def frame_header(request_id: str, first_block: int, num_blocks: int, last: bool, block_nbytes: int = 512) -> KVHeader:
+    """A frame of a 4-block transfer (num_tokens 60, block_size 16): blocks [first, first + num)."""
+    return KVHeader(request_id=request_id, num_tokens=60, num_blocks=num_blocks, block_size=16, num_layers=2,
+                    num_kv_heads=1, head_dim=4, dtype="float32", first_token_id=9 if last else 0,
+                    nbytes=num_blocks * block_nbytes, first_block=first_block, last=last)
+
+
+def test_frames_land_in_order_at_their_offsets(pair: Pair) -> None:
+    payload, buffer = random_payload(4 * 512), poisoned(4 * 512)
+    flat = payload.reshape(-1)
+
+    async def body() -> None:
+        done = pair.receiver.expect("multi", memoryview(buffer))
+        for first, count, last in [(0, 1, False), (1, 2, False), (3, 1, True)]:
+            assert not done.done()
+            frame = np.ascontiguousarray(flat[first * 512:(first + count) * 512])
+            await pair.sender.send(pair.receiver.address, frame_header("multi", first, count, last),
+                                   memoryview(frame))
+            if not last:
+                assert pair.receiver.state("multi") is TransferState.PARTIAL
+        header = await asyncio.wait_for(done, 5)
+        assert header.last and header.first_token_id == 9
+        assert np.array_equal(buffer, flat)
+
+    pair.run(body())
+
+
+@pytest.mark.parametrize("frames", [[(1, 1, False)], [(0, 1, False), (0, 1, False)]], ids=["gap", "repeat"])
+def test_a_frame_out_of_place_fails_the_transfer(pair: Pair, frames: list[tuple[int, int, bool]]) -> None:
+    buffer = poisoned(4 * 512)
+
+    async def body() -> None:
+        done = pair.receiver.expect("odd", memoryview(buffer))
+        *good, (first, count, last) = frames
+        for frame in good:
+            await pair.sender.send(pair.receiver.address, frame_header("odd", *frame), memoryview(poisoned(512)))
+        with pytest.raises(FrameRefused) as refused:
+            await pair.sender.send(pair.receiver.address, frame_header("odd", first, count, last),
+                                   memoryview(random_payload(count * 512)))
+        assert refused.value.code is Refusal.WRONG_SIZE
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(done, 5)
+        assert pair.receiver.state("odd") is TransferState.FAILED
+
+    pair.run(body())
+
+
+def test_cancel_between_frames_refuses_the_rest(pair: Pair) -> None:
+    buffer = poisoned(4 * 512)
+
+    async def body() -> None:
+        done = pair.receiver.expect("half", memoryview(buffer))
+        await pair.sender.send(pair.receiver.address, frame_header("half", 0, 2, False),
+                               memoryview(random_payload(1024)))
+        pair.receiver.cancel("half")
+        with pytest.raises(asyncio.CancelledError):
+            await done
+        with pytest.raises(FrameRefused) as refused:
+            await pair.sender.send(pair.receiver.address, frame_header("half", 2, 2, True),
+                                   memoryview(random_payload(1024)))
+        assert refused.value.code is Refusal.CANCELLED
+        assert untouched(buffer[1024:])
+
+    pair.run(body())
+
+
+@pytest.mark.parametrize("fields", [{"first_block": 3, "num_blocks": 1, "last": False},  # the last block, not last
+                                    {"first_block": 0, "num_blocks": 3, "last": True},  # last, short of the end
+                                    {"num_tokens": 0}, {"last": 1}])
+def test_inconsistent_frame_headers_are_malformed(fields: dict[str, object]) -> None:
+    data = msgpack.packb({"version": 2, **dataclasses.asdict(frame_header("h", 0, 4, True)), **fields})
+    with pytest.raises(TransferError, match="malformed"):
+        KVHeader.from_bytes(data)
