@@ -2,11 +2,12 @@
 
 One request's path in disaggregated mode (see docs/cluster.md):
 1. the router orders decode workers by load and asks each in turn to reserve the prompt's blocks;
-2. it picks the least-loaded prefill worker, which computes the prompt, streams back the first
-   token at once, then sends the KV over UCX to the decode worker's receiver;
+2. it picks the prefill worker with the least prompt work ahead (its queue, less the prefix it
+   likely caches: `cluster.routing`), which computes the prompt, sends its KV over UCX to the
+   decode worker's receiver chunk by chunk as it computes, and streams back the first token;
 3. the decode worker lands the KV in the reserved blocks and admits the request; the router relays
-   its tokens. A failed send makes the decode worker recompute the prompt; a refusal or a decode
-   worker lost before its first token sends the request to the next decode worker.
+   its tokens. A failed send or a lost prefill worker makes the decode worker recompute the prompt;
+   a refusal or a decode worker lost before its first token sends the request to the next one.
 
 Across the process boundary a request's tokens travel as small `TokenEvent`s (diffs), never the
 whole output again.
@@ -14,6 +15,8 @@ whole output again.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -22,6 +25,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig
+from cluster.routing import LOAD_POLL_S, PrefixIndex, decode_rank, prefill_cost, prefix_hashes
 from cluster.sampling_params import SamplingParams
 from cluster.service import NoCapacityError
 from cluster.worker import TokenEvent, TransferStats, Worker, WorkerLoad
@@ -88,29 +92,76 @@ class WorkerActor:
 class Router:
     """Picks workers for each request and relays its tokens; holds no engine of its own."""
 
-    def __init__(self, prefill: list[Any], decode: list[Any], mode: str, lease_s: float) -> None:
+    def __init__(self, prefill: list[Any], decode: list[Any], mode: str, lease_s: float,
+                 block_size: int = 16) -> None:
         self.prefill, self.decode, self.mode, self.lease_s = prefill, decode, mode, lease_s
-        # Requests in flight per worker: the load signal, kept here so routing costs no round trip.
+        self.block_size = block_size
+        # Kept here so routing costs no round trip: requests in flight per worker, prompt tokens
+        # in flight per prefill worker, the prefixes sent to each, and the loads last polled.
         self.in_flight: dict[int, int] = {}
-        self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0}
+        self.queued_tokens: dict[int, int] = {}
+        self.prefixes = PrefixIndex()
+        self.loads: dict[int, WorkerLoad] = {}
+        self.poller: asyncio.Task[None] | None = None
+        self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0}
         self.dead: set[int] = set()  # workers found dead; Ray restarts come with fault handling
 
-    def _by_load(self, handles: list[Any]) -> list[Any]:
-        return sorted(handles, key=lambda handle: self.in_flight.get(id(handle), 0))
+    def _live(self, handles: list[Any]) -> list[Any]:
+        return [handle for handle in handles if id(handle) not in self.dead]
+
+    def _decode_order(self) -> list[Any]:
+        return sorted(self._live(self.decode),
+                      key=lambda h: decode_rank(self.in_flight.get(id(h), 0), self.loads.get(id(h))))
+
+    def _pick_prefill(self, prompt: list[int]) -> tuple[Any, list[int]] | None:
+        """The live prefill worker with the least prompt work before this one; its prefix hashes."""
+        live = self._live(self.prefill)
+        if not live:
+            return None
+        hashes = prefix_hashes(prompt, self.block_size)
+
+        def cost(handle: Any) -> int:
+            cached = self.prefixes.overlap(id(handle), hashes)
+            return prefill_cost(self.queued_tokens.get(id(handle), 0), len(prompt), cached, self.block_size)
+
+        best = min(live, key=cost)
+        if self.prefixes.overlap(id(best), hashes):
+            self.decisions["prefix_hits"] += 1
+        self.prefixes.record(id(best), hashes)
+        return best, hashes
+
+    async def _poll_loads(self) -> None:
+        """Refresh every worker's load (waiting queue, free blocks) in the background."""
+        while True:
+            for handle in self._live(self.prefill + self.decode):
+                try:
+                    self.loads[id(handle)] = await handle.load.remote()
+                except RayActorError:
+                    self._mark_dead(handle)
+                except Exception as error:  # a busy or restarting worker: keep its last load
+                    log.debug("load poll failed: %r", error)
+            await asyncio.sleep(LOAD_POLL_S)
+
+    def _mark_dead(self, handle: Any) -> None:
+        self.dead.add(id(handle))
+        self.prefixes.forget(id(handle))
+        self.loads.pop(id(handle), None)
 
     async def stats(self) -> dict[str, int]:
         return dict(self.decisions)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        if self.poller is None:
+            self.poller = asyncio.get_running_loop().create_task(self._poll_loads())
         if self.mode == "colocated":
-            worker = self._by_load(self.decode)[0]
-            async for event in self._relay(worker, worker.generate, request_id, prompt, params):
+            live = self._decode_order()
+            if not live:
+                raise NoCapacityError("no worker is alive")
+            async for event in self._relay(live[0], live[0].generate, request_id, prompt, params):
                 yield event
             return
         sent = 0
-        for decode in self._by_load(self.decode):
-            if id(decode) in self.dead:
-                continue
+        for decode in self._decode_order():
             try:
                 address = await decode.reserve.remote(request_id, prompt, params, self.lease_s)
                 if address is None:
@@ -128,7 +179,7 @@ class Router:
                         yield replace(event, index=sent, token_ids=[], text="", logprobs=[])
                 return
             except RayActorError:
-                self.dead.add(id(decode))
+                self._mark_dead(decode)
                 if sent > 1:  # it already streamed tokens of its own: resuming those is not done yet
                     raise
                 log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
@@ -137,15 +188,26 @@ class Router:
 
     async def _disaggregated(self, decode: Any, address: str, request_id: str, prompt: list[int],
                              params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        prefill = self._by_load(self.prefill)[0]
-        try:
-            async for item in self._relay(prefill, prefill.prefill, request_id, prompt, params, address):
-                if isinstance(item, TokenEvent):
-                    yield item
-        except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
-            log.warning("prefill of %s failed (%s): the decode worker recomputes it", request_id, error)
+        picked = self._pick_prefill(prompt)
+        if picked is None:  # every prefill worker is gone: the decode worker runs the prompt itself
             self.decisions["transfer_failed"] += 1
             await decode.recompute.remote(request_id)
+        else:
+            prefill, _ = picked
+            key = id(prefill)
+            self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
+            try:
+                async for item in self._relay(prefill, prefill.prefill, request_id, prompt, params, address):
+                    if isinstance(item, TokenEvent):
+                        yield item
+            except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
+                if isinstance(error, RayActorError):
+                    self._mark_dead(prefill)
+                log.warning("prefill of %s failed (%s): the decode worker recomputes it", request_id, error)
+                self.decisions["transfer_failed"] += 1
+                await decode.recompute.remote(request_id)
+            finally:
+                self.queued_tokens[key] -= len(prompt)
         async for event in self._relay(decode, decode.stream, request_id):
             yield event
 
@@ -158,5 +220,6 @@ class Router:
             self.in_flight[id(handle)] -= 1
 
     async def abort(self, request_id: str) -> None:
-        for handle in self.prefill + self.decode:
-            await handle.abort.remote(request_id)
+        for handle in self._live(self.prefill + self.decode):
+            with contextlib.suppress(RayActorError):
+                await handle.abort.remote(request_id)

@@ -64,7 +64,8 @@ class Cluster:
         self.max_model_len = min(max_model_len for _, max_model_len in infos)  # every worker must fit it
         self.tokenizer = Tokenizer.from_dir(resolve_model_path(self.config.engine.model.model))
         router_class = ray.remote(num_cpus=0)(Router)
-        self.router = router_class.remote(self.prefill, self.decode, self.config.mode, self.config.kv_lease_s)
+        self.router = router_class.remote(self.prefill, self.decode, self.config.mode, self.config.kv_lease_s,
+                                          self.config.engine.cache.block_size)
         return self
 
     def _pool(self, role: str, pool: PoolConfig) -> list[Any]:

@@ -81,6 +81,26 @@ def test_a_dead_decode_worker_sends_requests_to_the_other(checkpoint: Path) -> N
         cluster.stop()
 
 
+def test_lost_prefill_workers_leave_the_prompts_to_the_decode_workers(checkpoint: Path) -> None:
+    import ray
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
+    expected = [LLMEngine(engine_config).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    config = ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config)
+    cluster = Cluster(config).start()
+    try:
+        ray.kill(cluster.prefill[0])  # one gone: the other prefills (or the decode worker recomputes)
+        assert generate_all(cluster, PROMPTS, GREEDY) == expected
+        ray.kill(cluster.prefill[1])  # all gone: every prompt is computed on the decode worker
+        assert generate_all(cluster, PROMPTS, GREEDY) == expected
+        assert ray.get(cluster.router.stats.remote(), timeout=30)["transfer_failed"] >= len(PROMPTS)
+        cluster.prefill = []
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.slow
 def test_default_model_through_the_disaggregated_path(default_prompts: list[list[int]],
                                                       transformers_greedy: list[list[int]]) -> None:
