@@ -36,13 +36,15 @@ log = logging.getLogger(__name__)
 class WorkerActor:
     """The Ray face of `Worker`: builds the engine and the UCX connector inside the actor process."""
 
-    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, host: str = "127.0.0.1") -> None:
+    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, host: str = "127.0.0.1",
+                 overlap_transfer: bool = True) -> None:
         from cluster.engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
         sender = UCXSender() if role == "prefill" else None
         receiver = UCXReceiver(host=host) if role == "decode" else None
-        self.worker = Worker(worker_id, role, LLMEngine(engine_config), sender=sender, receiver=receiver)
+        self.worker = Worker(worker_id, role, LLMEngine(engine_config), sender=sender, receiver=receiver,
+                             overlap_transfer=overlap_transfer)
 
     async def start(self) -> str:
         await self.worker.start()

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import os
 import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,6 +47,7 @@ class Cluster:
         self.decode: list[Any] = []
         self.router: Any = None
         self.ids = itertools.count()
+        self.uid = uuid.uuid4().hex[:8]  # several clusters may share one Ray (benchmarks, tests)
         self.model_name = ""
         self.max_model_len = 0
         self.tokenizer: Tokenizer | None = None
@@ -73,7 +75,9 @@ class Cluster:
 
         actor_class = ray.remote(WorkerActor)
         return [actor_class.options(num_cpus=pool.num_cpus, resources=dict(pool.resources),
-                                    name=f"pdserve-{role}-{index}").remote(f"{role}-{index}", role, self.config.engine)
+                                    name=f"pdserve-{self.uid}-{role}-{index}").remote(
+                                        f"{role}-{index}", role, self.config.engine,
+                                        overlap_transfer=self.config.kv_overlap)
                 for index in range(pool.replicas)]
 
     async def generate(self, prompt: list[int], params: SamplingParams,

@@ -5,6 +5,8 @@ mode: disaggregated        # or colocated: every worker runs both phases (the ba
 prefill: {replicas: 1, num_cpus: 0.25, resources: {}}
 decode:  {replicas: 1, num_cpus: 0.25, resources: {}}
 transport: ucx             # how KV blocks travel between prefill and decode workers
+kv_overlap: true           # send KV blocks while the rest of the prompt computes
+kv_lease_s: 30             # a decode worker's reservation waits this long for its KV
 engine:
   model: default
   dtype: float32
@@ -53,6 +55,7 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(cache=CacheConfig(kv_cache_memory_gb=1.0)))
     ray_address: str = ""  # empty: start an embedded local Ray
     kv_lease_s: float = 30.0
+    kv_overlap: bool = True  # send a prompt's KV chunk by chunk as it computes (else once, at its end)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

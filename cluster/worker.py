@@ -84,11 +84,13 @@ class WorkerLoad:
 
 class Worker:
     def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,
-                 receiver: KVReceiver | None = None) -> None:
+                 receiver: KVReceiver | None = None, overlap_transfer: bool = True) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
         self.worker_id, self.role, self.engine = worker_id, role, engine
         self.sender, self.receiver = sender, receiver
+        # Send a prefill's blocks as they are computed (else all at once at its end: the baseline).
+        self.overlap_transfer = overlap_transfer
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -133,7 +135,8 @@ class Worker:
                     if output.finished and output.request_id in self.engine.scheduler.held:
                         self._export(output.request_id)
                     self._deliver(output.request_id, output)
-                self._export_computed_blocks()
+                if self.overlap_transfer:
+                    self._export_computed_blocks()
             if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
