@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint serve chat bench clean
+.PHONY: install test lint proto serve chat bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,6 +22,15 @@ lint: install
 
 test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The gRPC stubs, committed under cluster/grpc_stubs (after `make install`: grpcio-tools is a dev
+# dependency; tests/grpc runs this target into a temporary PROTO_OUT and fails if they differ). The
+# -I mapping files the proto as cluster/grpc_stubs/pdserve.proto, so the generated _grpc module
+# imports its pb2 as `cluster.grpc_stubs.pdserve_pb2`, not as a bare top-level module.
+PROTO_OUT ?= .
+proto:
+	$(PY) -m grpc_tools.protoc -Icluster/grpc_stubs=proto/pdserve/v1 --python_out=$(PROTO_OUT) \
+		--pyi_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) proto/pdserve/v1/pdserve.proto
 
 # The cluster (embedded Ray, 1 prefill + 1 decode worker, default model) with a console chat;
 # the HTTP and gRPC front doors come with a later issue.

@@ -91,6 +91,26 @@ class WorkerActor:
         return await self.worker.abort(request_id)
 
 
+class _Repeats:
+    """The decode worker restates the first token the prefill worker already streamed: drop the
+    repeat, keeping any text it adds (the prefill holds back a partial UTF-8 character)."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # tokens relayed so far
+        self.first_text = ""
+
+    def news(self, event: TokenEvent) -> TokenEvent | None:
+        if event.index == 0 and self.sent == 0:
+            self.first_text = event.text
+        if event.index >= self.sent:
+            self.sent = event.index + len(event.token_ids)
+            return event
+        extra = event.text.removeprefix(self.first_text) if event.text.startswith(self.first_text) else ""
+        if extra or event.finished:
+            return replace(event, index=self.sent, token_ids=[], text=extra, logprobs=[])
+        return None
+
+
 class Router:
     """Picks workers for each request and relays its tokens; holds no engine of its own."""
 
@@ -162,27 +182,21 @@ class Router:
             async for event in self._relay(live[0], live[0].generate, request_id, prompt, params):
                 yield event
             return
-        sent = 0
+        seen = _Repeats()
         for decode in self._decode_order():
             try:
                 address = await decode.reserve.remote(request_id, prompt, params, self.lease_s)
                 if address is None:
                     self.decisions["reserve_refused"] += 1
                     continue
-                # The decode worker restates the first token the prefill already streamed: drop repeats.
                 async for event in self._disaggregated(decode, address, request_id, prompt, params):
-                    skip = sent - event.index
-                    if skip < len(event.token_ids):
-                        sent = event.index + len(event.token_ids)
-                        yield event if skip <= 0 else replace(event, index=sent - len(event.token_ids[skip:]),
-                                                              token_ids=event.token_ids[skip:],
-                                                              logprobs=event.logprobs[skip:])
-                    elif event.finished:
-                        yield replace(event, index=sent, token_ids=[], text="", logprobs=[])
+                    news = seen.news(event)
+                    if news is not None:
+                        yield news
                 return
             except RayActorError:
                 self._mark_dead(decode)
-                if sent > 1:  # it already streamed tokens of its own: resuming those is not done yet
+                if seen.sent > 1:  # it already streamed tokens of its own: resuming those is not done yet
                     raise
                 log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
                 self.decisions["rerouted"] += 1

@@ -201,9 +201,20 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """End a request now, wherever it is; its blocks return to the pool at once."""
+        return self.abort_request(request_id) is not None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """`abort`, returning the request's last output (finish reason "abort") for whoever streams
+        it, or None if no such request was running."""
         request = self.scheduler.abort(request_id)
         self._release(request_id)
-        return request is not None
+        if request is None:
+            return None
+        return RequestOutput(
+            request_id=request_id, new_token_ids=[], new_text="", token_ids=request.output_token_ids,
+            index=request.num_output_tokens, text="", finished=True, finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
+            arrival_time=request.arrival_time, first_token_time=request.first_token_time)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -231,7 +242,9 @@ class LLMEngine:
 
     def _output(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         detokenizer = self.detokenizers[request.request_id]
-        new_text = detokenizer.add(token_id, final=request.finished)
+        # A prefill for another worker is not the request's end: text held back (a partial UTF-8
+        # character, a possible stop string) is the decode worker's to release, not flushed here.
+        new_text = detokenizer.add(token_id, final=request.finished and not request.hold_kv)
         if detokenizer.stopped and not request.finished:
             request.stop_reason = detokenizer.stop_string
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from cluster.engine import KVExport, LLMEngine, RequestOutput
-from cluster.request import TokenLogprobs
+from cluster.request import FinishReason, TokenLogprobs
 from cluster.sampling_params import SamplingParams
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
 
@@ -195,6 +195,7 @@ class Worker:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Run a request here from prompt to end (colocated), yielding each step's output."""
+        self._claim(request_id)
         self.streams[request_id] = asyncio.Queue()
         try:
             await self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id=request_id))
@@ -204,14 +205,28 @@ class Worker:
             await self._close_stream(request_id)
 
     async def abort(self, request_id: str) -> bool:
+        """End the request here (blocks freed at once); whoever streams it gets a last output with
+        finish reason "abort" instead of waiting forever."""
         if self.receiver is not None:
             self.receiver.cancel(request_id)
-        return await self._call(lambda: self.engine.abort(request_id))
+
+        def end() -> bool:
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(request_id, output)
+            return output is not None
+
+        return await self._call(end)
 
     async def load(self) -> WorkerLoad:
         stats = await self._call(self.engine.stats)
         return WorkerLoad(self.worker_id, self.role, stats.num_running, stats.num_waiting, stats.num_free_blocks,
                           stats.num_blocks, stats.kv_cache_usage)
+
+    def _claim(self, request_id: str) -> None:
+        """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use on {self.worker_id}")
 
     async def _outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         stream = self.streams[request_id]
@@ -243,7 +258,8 @@ class Worker:
         assert self.sender is not None, "a prefill worker needs a KV sender"
         first_params = SamplingParams(max_tokens=1, temperature=params.temperature, top_p=params.top_p,
                                       top_k=params.top_k, min_p=params.min_p, seed=params.seed,
-                                      ignore_eos=True, logprobs=params.logprobs)
+                                      ignore_eos=True, logprobs=params.logprobs, stop=params.stop)
+        self._claim(request_id)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.streams[request_id] = stream
         outbox = self.outboxes[request_id] = _Outbox()
@@ -255,6 +271,8 @@ class Worker:
             sending.add_done_callback(lambda task: _raise_into(stream, task))
             async for output in self._outputs(request_id):
                 yield output
+            if output.finish_reason == FinishReason.ABORT:
+                return  # aborted here: no last frame will come
             yield await sending
         finally:
             self.streams.pop(request_id, None)
@@ -295,6 +313,7 @@ class Worker:
         transfer fails or the lease ends first, the prompt is computed here instead.
         """
         assert self.receiver is not None, "a decode worker needs a KV receiver"
+        self._claim(request_id)
         self.streams[request_id] = asyncio.Queue()
         block_ids = await self._call(lambda: self.engine.reserve_remote(
             prompt_token_ids, params, request_id=request_id, lease_s=lease_s))

@@ -132,3 +132,25 @@ def test_kv_that_never_comes_is_recomputed_when_the_lease_ends(checkpoint: Path,
             assert_whole(decode)
 
     asyncio.run(main())
+
+
+def test_an_abort_from_elsewhere_ends_the_stream_and_ids_are_not_shared(checkpoint: Path) -> None:
+    async def main() -> None:
+        async with running_pair(checkpoint) as (prefill, decode, _):
+            params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            address = await decode.reserve("cut", PROMPTS[0], params)
+            assert address is not None
+            with pytest.raises(ValueError, match="already in use"):
+                await decode.reserve("cut", PROMPTS[0], params)
+            async for _ in prefill.prefill("cut", PROMPTS[0], params, address):
+                pass
+            outputs = []
+            async for output in decode.stream("cut"):
+                outputs.append(output)
+                if len(outputs) == 3:
+                    assert await decode.abort("cut")  # as the gateway or another router replica would
+            assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+            await asyncio.sleep(0.1)
+            assert_whole(prefill, decode)
+
+    asyncio.run(main())

@@ -1,0 +1,352 @@
+"""The gRPC API end to end: the SDK against a live server on a free port, a real engine behind it."""
+
+from __future__ import annotations
+
+import filecmp
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from cluster.client import AsyncClient, Client, ClientError
+from cluster.config import CacheConfig, EngineConfig
+from cluster.engine import LLMEngine
+from cluster.grpc_server import SERVICE_NAME, GrpcServer
+from cluster.sampling_params import SamplingParams
+from cluster.service import LocalService
+from tests.grpc.conftest import WAIT_S, ServerLoop, pool_is_whole, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "Hello world! How are you doing today?"
+GREEDY = dict(temperature=0, ignore_eos=True)
+LONG = 200  # tokens: seconds of work for the tiny model, which a test then cuts short
+
+
+def target(server: GrpcServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+# ---- results ---------------------------------------------------------------------------------------
+
+def test_stream_yields_one_token_per_chunk_and_matches_complete(client: Client) -> None:
+    with client.generate(PROMPT, max_tokens=12, **GREEDY) as stream:
+        chunks = list(stream)
+    assert [chunk.index for chunk in chunks] == list(range(12))
+    assert all(len(chunk.token_ids) == 1 for chunk in chunks)
+    assert [chunk.finished for chunk in chunks] == [False] * 11 + [True]
+    assert all(chunk.request_id == stream.request_id for chunk in chunks)
+    last = chunks[-1]
+    assert last.finish_reason == "length" and last.usage is not None
+    assert last.usage.completion_tokens == 12
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 12
+
+    completion = client.complete(PROMPT, max_tokens=12, **GREEDY)
+    assert completion.token_ids == [token for chunk in chunks for token in chunk.token_ids]
+    assert completion.text == "".join(chunk.text for chunk in chunks)
+    assert completion.finish_reason == "length"
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (last.usage.prompt_tokens, 12)
+
+
+def test_greedy_tokens_equal_the_engine_alone(client: Client, tiny_config: Callable[..., EngineConfig]) -> None:
+    alone = LLMEngine(tiny_config()).generate([PROMPT], SamplingParams(max_tokens=16, **GREEDY))[0]
+    assert client.complete(PROMPT, max_tokens=16, **GREEDY).token_ids == alone.token_ids
+
+
+def test_token_ids_chat_and_logprobs(client: Client, service: LocalService) -> None:
+    prompt_ids = service.tokenizer.encode(PROMPT)
+    by_text = client.complete(PROMPT, max_tokens=6, **GREEDY)
+    by_ids = client.complete(prompt_ids, max_tokens=6, logprobs=2, **GREEDY)
+    assert by_ids.token_ids == by_text.token_ids
+    assert [entry.token_id for entry in by_ids.logprobs] == by_ids.token_ids
+    assert all(len(entry.top) == 2 and entry.logprob <= 0 for entry in by_ids.logprobs)
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = client.complete(chat, max_tokens=5, **GREEDY)
+    expected = service.tokenizer.encode(service.tokenizer.apply_chat_template(chat), add_special_tokens=False)
+    assert answer.usage.prompt_tokens == len(expected)
+    assert client.list_models()[0].name == service.model_name
+
+
+def test_async_client(server_loop: ServerLoop, server: GrpcServer) -> None:
+    async def body() -> tuple[list[Any], Any, str, list[Any]]:
+        async with AsyncClient(target(server), timeout=WAIT_S) as client:
+            async with client.generate(PROMPT, max_tokens=8, **GREEDY) as stream:
+                chunks = [chunk async for chunk in stream]
+            return chunks, await client.complete(PROMPT, max_tokens=8, **GREEDY), await client.health(), \
+                await client.list_models()
+
+    chunks, completion, health, models = server_loop.run(body())
+    assert [chunk.index for chunk in chunks] == list(range(8))
+    assert "".join(chunk.text for chunk in chunks) == completion.text
+    assert health == "SERVING" and len(models) == 1
+
+
+# ---- cancellation frees the KV cache --------------------------------------------------------------
+
+def exceed_deadline(call: Callable[[float], object]) -> ClientError:
+    """The error of `call(timeout)`, with shorter timeouts until one passes before the work is done
+    (a fast machine may finish it inside the first)."""
+    for timeout in (0.5, 0.1, 0.02):
+        try:
+            call(timeout)
+        except ClientError as error:
+            return error
+    pytest.fail("every call finished before its deadline")
+
+
+def test_deadline_exceeded_aborts_the_request(client: Client, service: LocalService) -> None:
+    error = exceed_deadline(lambda timeout: list(client.generate(PROMPT, max_tokens=LONG, timeout=timeout, **GREEDY)))
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert str(error).startswith("DEADLINE_EXCEEDED") and "the call's timeout was" in str(error)
+    assert wait_until(lambda: pool_is_whole(service))
+
+    error = exceed_deadline(lambda timeout: client.complete(PROMPT, max_tokens=LONG, timeout=timeout, **GREEDY))
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: pool_is_whole(service))
+
+
+def test_leaving_a_stream_early_aborts_the_request(client: Client, service: LocalService,
+                                                    server_loop: ServerLoop, server: GrpcServer) -> None:
+    with client.generate(PROMPT, max_tokens=LONG, **GREEDY) as stream:
+        next(stream)
+        next(stream)
+        assert not pool_is_whole(service)  # the request holds blocks...
+    assert wait_until(lambda: pool_is_whole(service))  # ...until the stream is left
+
+    async def leave_early() -> None:
+        async with AsyncClient(target(server)) as async_client:
+            stream = async_client.generate(PROMPT, max_tokens=LONG, **GREEDY)
+            async for _ in stream:
+                break
+            await stream.aclose()
+    server_loop.run(leave_early())
+    assert wait_until(lambda: pool_is_whole(service))
+
+
+def test_abort_by_request_id(client: Client, service: LocalService) -> None:
+    stream = client.generate(PROMPT, max_tokens=LONG, **GREEDY)
+    next(stream)
+    client.abort(stream.request_id)
+    assert list(stream)[-1].finish_reason == "abort"
+    assert wait_until(lambda: pool_is_whole(service))
+
+
+# ---- retries --------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_retries_until_the_server_is_up(server_loop: ServerLoop, service: LocalService) -> None:
+    port = free_port()
+    results: list[Any] = []
+
+    def call() -> None:
+        with Client(f"127.0.0.1:{port}", max_attempts=10, timeout=WAIT_S) as late_client:
+            try:
+                results.append(list(late_client.generate(PROMPT, max_tokens=4, **GREEDY)))
+            except ClientError as error:
+                results.append(error)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    threading.Event().wait(0.3)  # the first attempts find nobody listening
+    server = server_loop.start_server(service, port=port)
+    caller.join(WAIT_S)
+    server_loop.run(server.stop(0))
+    assert len(results) == 1 and not isinstance(results[0], ClientError), results
+    assert [chunk.index for chunk in results[0]] == [0, 1, 2, 3]
+
+
+def test_no_retry_once_a_token_arrived(server_loop: ServerLoop, service: LocalService) -> None:
+    first = server_loop.start_server(service)
+    with Client(target(first), max_attempts=10, timeout=WAIT_S) as restart_client:
+        stream = restart_client.generate(PROMPT, max_tokens=LONG, **GREEDY)
+        assert next(stream).index == 0
+        server_loop.run(first.stop(0))
+        # A replacement on the same port: a retry would reach it and silently start the answer over.
+        second = server_loop.start_server(service, port=first.port)
+        with pytest.raises(ClientError) as caught:
+            indices = [chunk.index for chunk in stream]
+            assert 0 not in indices
+    server_loop.run(second.stop(0))
+    assert caught.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    assert wait_until(lambda: pool_is_whole(service))
+
+
+# ---- health, reflection, authentication -----------------------------------------------------------
+
+def test_health_follows_the_service_and_drain(server_loop: ServerLoop,
+                                              tiny_config: Callable[..., EngineConfig]) -> None:
+    service = LocalService.from_config(tiny_config())  # not started: not ready
+    server = server_loop.start_server(service)
+    with Client(target(server), timeout=WAIT_S) as health_client:
+        assert health_client.health() == "NOT_SERVING"
+        assert health_client.health(SERVICE_NAME) == "NOT_SERVING"
+        server_loop.run(service.start())
+        assert wait_until(lambda: health_client.health() == health_client.health(SERVICE_NAME) == "SERVING")
+        server_loop.run(server.drain())
+        assert health_client.health() == health_client.health(SERVICE_NAME) == "NOT_SERVING"
+        assert health_client.complete(PROMPT, max_tokens=2).finish_reason == "length"  # in-flight work goes on
+        with pytest.raises(ClientError) as caught:
+            health_client.health("no.such.Service")
+        assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    server_loop.run(server.stop(0))
+    server_loop.run(service.stop())
+
+
+def test_reflection_lists_the_services(server: GrpcServer) -> None:
+    with grpc.insecure_channel(target(server)) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
+
+
+def test_api_key(server_loop: ServerLoop, service: LocalService) -> None:
+    server = server_loop.start_server(service, api_key="s3cret")
+    try:
+        for key in (None, "wrong"):
+            with Client(target(server), api_key=key, max_attempts=1) as anonymous:
+                with pytest.raises(ClientError) as caught:
+                    anonymous.list_models()
+                assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(ClientError) as caught:
+                    list(anonymous.generate(PROMPT, max_tokens=2))
+                assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+                assert anonymous.health() == "SERVING"  # probes send no key
+        with Client(target(server), api_key="s3cret") as member:
+            assert member.complete(PROMPT, max_tokens=2).usage.completion_tokens == 2
+    finally:
+        server_loop.run(server.stop(0))
+
+
+def test_tls(server_loop: ServerLoop, service: LocalService) -> None:
+    certificate, key = self_signed_certificate()
+    server = server_loop.start_server(service, tls=(certificate, key))
+    try:
+        with Client(f"localhost:{server.port}", tls=certificate) as secure:
+            assert secure.complete(PROMPT, max_tokens=2).usage.completion_tokens == 2
+        with Client(f"localhost:{server.port}", max_attempts=1, timeout=WAIT_S) as plaintext, \
+                pytest.raises(ClientError):
+            plaintext.list_models()
+    finally:
+        server_loop.run(server.stop(0))
+
+
+def self_signed_certificate() -> tuple[bytes, bytes]:
+    """A certificate for "localhost" and its key, PEM, made with openssl (skips the test without it)."""
+    import tempfile
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    with tempfile.TemporaryDirectory() as directory:
+        cert, key = Path(directory, "cert.pem"), Path(directory, "key.pem")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                        "/CN=localhost", "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key),
+                        "-out", str(cert)], check=True, capture_output=True)
+        return cert.read_bytes(), key.read_bytes()
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("prompt", "options", "code"), [
+    (PROMPT, dict(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT),
+    (PROMPT, dict(top_p=0), grpc.StatusCode.INVALID_ARGUMENT),
+    ([], {}, grpc.StatusCode.INVALID_ARGUMENT),
+    ([5, 10**6], {}, grpc.StatusCode.INVALID_ARGUMENT),
+    ([5] * 300, {}, grpc.StatusCode.INVALID_ARGUMENT),  # longer than the context
+    ([{"role": "wizard", "content": "hi"}], {}, grpc.StatusCode.INVALID_ARGUMENT),  # the template refuses it
+    (PROMPT, dict(model="gpt-7"), grpc.StatusCode.NOT_FOUND),
+])
+def test_bad_requests(client: Client, prompt: Any, options: dict[str, Any], code: grpc.StatusCode) -> None:
+    for call in (client.complete, lambda *args, **kwargs: list(client.generate(*args, **kwargs))):
+        with pytest.raises(ClientError) as caught:
+            call(prompt, max_tokens=2, **options)
+        assert caught.value.code == code, caught.value
+
+
+def test_unknown_sampling_option_fails_in_the_client(client: Client) -> None:
+    with pytest.raises(TypeError, match="temprature"):
+        client.generate(PROMPT, temprature=0)
+
+
+def test_full_queue_is_resource_exhausted(server_loop: ServerLoop, tiny_config: Callable[..., EngineConfig]) -> None:
+    # One running request, one waiting: a third finds the waiting queue full.
+    service = server_loop.start_service(tiny_config(num_blocks=128, max_num_seqs=1, max_waiting_requests=1))
+    server = server_loop.start_server(service)
+    try:
+        with Client(target(server), timeout=WAIT_S * 3) as busy_client:
+            running = busy_client.generate(PROMPT, max_tokens=400, **GREEDY)
+            next(running)
+            waiting = busy_client.generate(PROMPT, max_tokens=400, **GREEDY)
+            # Its first `next` would block until it runs: start it on a thread, then watch the queue.
+            threading.Thread(target=lambda: _drain(waiting), daemon=True).start()
+            assert wait_until(lambda: server_loop.run(service.workers())[0].num_waiting == 1)
+            with pytest.raises(ClientError) as caught:
+                busy_client.complete(PROMPT, max_tokens=4)
+            assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            running.close()
+            busy_client.abort(waiting.request_id)  # not close(): its thread is inside next()
+            assert wait_until(lambda: pool_is_whole(service))
+    finally:
+        server_loop.run(server.stop(0))
+        server_loop.run(service.stop())
+
+
+def _drain(stream: Any) -> None:
+    try:
+        for _ in stream:
+            pass
+    except (ClientError, ValueError):  # cancelled by the test, or closed while in use
+        pass
+
+
+# ---- the committed stubs ---------------------------------------------------------------------------
+
+def test_committed_stubs_are_current(tmp_path: Path) -> None:
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    subprocess.run(["make", "-s", "proto", f"PROTO_OUT={tmp_path}", f"PY={sys.executable}"], cwd=ROOT,
+                   check=True, capture_output=True)
+    names = ["pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py"]
+    _, mismatch, errors = filecmp.cmpfiles(tmp_path / "cluster" / "grpc_stubs", ROOT / "cluster" / "grpc_stubs",
+                                           names, shallow=False)
+    assert not mismatch and not errors, f"stale gRPC stubs {mismatch + errors}: run `make proto`"
+
+
+def test_docs_examples_run(server: GrpcServer) -> None:
+    """Every ```python block of docs/client.md, pointed at this server (```py blocks are not run)."""
+    examples = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "client.md").read_text(), flags=re.DOTALL)
+    assert len(examples) >= 6
+    for example in examples:
+        code = compile(example.replace("localhost:50051", target(server)), "docs/client.md", "exec")
+        exec(code, {"__name__": "__main__"})
+
+
+# ---- the default model -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_default_model_answers_over_grpc(server_loop: ServerLoop) -> None:
+    service = server_loop.start_service(EngineConfig(cache=CacheConfig(kv_cache_memory_gb=0.25)))
+    server = server_loop.start_server(service)
+    try:
+        with Client(target(server), timeout=120) as default_client:
+            chat = [{"role": "user", "content": "What is the capital of France?"}]
+            answer = default_client.complete(chat, max_tokens=32, temperature=0)
+            streamed = "".join(chunk.text for chunk in default_client.generate(chat, max_tokens=32, temperature=0))
+    finally:
+        server_loop.run(server.stop(0))
+        server_loop.run(service.stop())
+    assert "Paris" in answer.text
+    assert streamed == answer.text
+
