@@ -32,10 +32,11 @@ proto:
 	$(PY) -m grpc_tools.protoc -Icluster/grpc_stubs=proto/pdserve/v1 --python_out=$(PROTO_OUT) \
 		--pyi_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) proto/pdserve/v1/pdserve.proto
 
-# The cluster (embedded Ray, 1 prefill + 1 decode worker, default model) with a console chat;
-# the HTTP and gRPC front doors come with a later issue.
+# The cluster (embedded Ray, 1 prefill + 1 decode worker, default model) behind the OpenAI-compatible
+# HTTP gateway on :8000 and the gRPC API on :50051, until Ctrl-C. SERVE_ARGS adds flags.
+SERVE_ARGS ?=
 serve: install
-	$(VENV)/bin/pdserve serve
+	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
 chat: install
 	$(VENV)/bin/pdserve chat

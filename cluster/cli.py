@@ -1,9 +1,10 @@
-"""`pdserve`: the command line. Subcommands: generate, chat, bench."""
+"""`pdserve`: the command line. Subcommands: serve, status, chat, generate, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -145,45 +146,60 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def command_serve(args: argparse.Namespace) -> int:
-    """Start the cluster (embedded Ray by default) and chat through its router.
-
-    The HTTP and gRPC front doors come with a later issue; until then the console is the client.
-    """
+    """Start the cluster (embedded Ray by default, or one engine here with --local) behind the
+    OpenAI-compatible HTTP gateway and the gRPC API; serve until Ctrl-C or SIGTERM."""
     import asyncio
+    import signal
 
-    from cluster.cluster import Cluster
     from cluster.cluster_config import load_cluster_config
     from cluster.default_model import resolve_model_path
+    from cluster.engine import served_model_name
+    from cluster.server import Backend, DeferredService, ServeOptions, serve
     from cluster.tokenizer import Tokenizer
 
     config = load_cluster_config(args.config, cluster_overrides(args))
-    params = sampling_params(args)
-    tokenizer = Tokenizer.from_dir(resolve_model_path(config.engine.model.model))
+    options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
+                           drain_s=args.drain_s)
     console = Console()
-    where = f"Ray at {config.ray_address}" if config.ray_address else "an embedded local Ray"
-    console.print(f"[bold]pdserve[/]: starting {config.mode} cluster ({config.prefill.replicas} prefill, "
-                  f"{config.decode.replicas} decode) on {where}...")
-    cluster = Cluster(config).start()
-    console.print("ready — empty line or Ctrl-D to stop")
+    model_dir = resolve_model_path(config.engine.model.model, progress=True)
+    service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
+    backend = Backend(config, local=args.local)
 
-    def respond(messages: list[dict[str, str]]) -> str:
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-        return asyncio.run(_stream_cluster(cluster, prompt, params))
+    def listening(url: str, grpc_port: int | None) -> None:
+        grpc = f", gRPC on port {grpc_port}" if grpc_port is not None else ""
+        console.print(f"[bold]pdserve[/]: HTTP on {url}{grpc}; starting {backend.describe()}...")
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM drains and stops as Ctrl-C does
     try:
-        return chat_loop(console, "", respond)
-    finally:
-        cluster.stop()
+        asyncio.run(serve(service, backend, options, on_listening=listening))
+    except KeyboardInterrupt:
+        console.print("pdserve: stopped")
+    return 0
 
 
-async def _stream_cluster(cluster, prompt: list[int], params: SamplingParams) -> str:  # type: ignore[no-untyped-def]
-    text = ""
-    async for event in cluster.generate(prompt, params):
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
-        text += event.text
-    sys.stdout.write("\n")
-    return text
+def command_status(args: argparse.Namespace) -> int:
+    """Ask a running server for its workers' load and KV usage, and show them as a table."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(args.url.rstrip("/") + "/v1/workers")
+    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            status = json.loads(response.read())
+    except (urllib.error.URLError, TimeoutError) as error:
+        print(f"pdserve: cannot reach {args.url}: {error}", file=sys.stderr)
+        return 1
+    table = Table(title=f"pdserve at {args.url}: {status['model']} ({'ready' if status['ready'] else 'NOT ready'})")
+    for column in ("worker", "role", "running", "waiting", "free KV blocks", "KV usage"):
+        table.add_column(column, justify="left" if column in ("worker", "role") else "right")
+    for w in status["workers"]:
+        table.add_row(w["worker_id"], w["role"], str(w["running"]), str(w["waiting"]),
+                      f"{w['free_blocks']}/{w['blocks']}", f"{100 * w['kv_cache_usage']:.1f}%")
+    Console().print(table)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,18 +218,29 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (generate, chat, bench):
         add_engine_arguments(sub)
         add_sampling_arguments(sub)
-    serve = commands.add_parser("serve", help="start the disaggregated cluster (embedded Ray by default)")
+    serve = commands.add_parser("serve", help="serve the model over HTTP (OpenAI API) and gRPC from a cluster "
+                                "of prefill and decode workers (embedded Ray by default)")
+    serve.add_argument("--host", default="0.0.0.0", help="address both servers listen on")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI-compatible API)")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (-1: no gRPC server)")
+    serve.add_argument("--api-key", default=None, help="require this key (default: $PDSERVE_API_KEY, if set)")
+    serve.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, let open requests finish this long")
+    serve.add_argument("--local", action="store_true", help="one engine in this process instead of a Ray cluster")
     serve.add_argument("--config", default=None, help="cluster YAML file (see cluster/cluster_config.py)")
     serve.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
     serve.add_argument("--num-prefill", type=int, default=None, help="prefill workers")
     serve.add_argument("--num-decode", type=int, default=None, help="decode workers")
-    serve.add_argument("--model", default=None)
+    serve.add_argument("--model", default=None, help="'default', a Hugging Face model directory or a .gguf file")
     serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--kv-cache-memory-gb", type=float, default=None, help="per worker")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
-    add_sampling_arguments(serve)
+    status = commands.add_parser("status", help="show a running server's workers, their load and KV usage")
+    status.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP address")
+    status.add_argument("--api-key", default=None, help="default: $PDSERVE_API_KEY")
+    status.add_argument("--timeout", type=float, default=10.0)
+    status.set_defaults(handler=command_status)
     serve.set_defaults(handler=command_serve)
     generate.set_defaults(handler=command_generate)
     chat.set_defaults(handler=command_chat)

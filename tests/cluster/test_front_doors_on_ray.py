@@ -1,0 +1,93 @@
+"""The front doors on the disaggregated Ray cluster: the HTTP gateway and the gRPC server in front of
+`ClusterService` give the engine's own tokens, and a client that leaves frees blocks on every worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from cluster.cluster import Cluster
+from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from
+from cluster.engine import LLMEngine
+from cluster.sampling_params import SamplingParams
+from cluster.service import ClusterService
+from tests.core.test_engine_outputs import PROMPTS
+from tests.helpers import build_tiny_llama_checkpoint
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Path) -> Iterator[Cluster]:
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config)
+    started = Cluster(config).start()
+    yield started
+    started.stop()
+
+
+def pools_whole(cluster: Cluster) -> bool:
+    import ray
+
+    return all(free == total for free, total in
+               ray.get([w.pool_state.remote() for w in cluster.prefill + cluster.decode], timeout=30))
+
+
+def test_gateway_and_grpc_on_the_cluster(cluster: Cluster, checkpoint: Path) -> None:
+    from cluster.client import AsyncClient
+    from cluster.grpc_server import GrpcServer
+    from cluster.http_gateway import HttpServer, build_app
+
+    engine = LLMEngine(engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128}))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    expected = [output.text for output in engine.generate(PROMPTS[:3], greedy)]
+
+    async def main() -> None:
+        service = ClusterService(cluster)
+        http = HttpServer(build_app(service, api_key=""), "127.0.0.1", 0)
+        grpc = GrpcServer(service, "127.0.0.1", 0, api_key="")
+        await http.start()
+        await grpc.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=http.url + "/v1", api_key="unused")
+            answers = await asyncio.gather(*(client.completions.create(
+                model=service.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True}) for prompt in PROMPTS[:3]))
+            assert [answer.choices[0].text for answer in answers] == expected
+            assert [answer.usage.prompt_tokens for answer in answers] == [len(p) for p in PROMPTS[:3]]
+            async with AsyncClient(f"127.0.0.1:{grpc.port}") as sdk:
+                result = await sdk.complete(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            assert result.text == expected[0]
+            await leave_mid_stream(http.url, service.model_name)
+            deadline = time.monotonic() + 20
+            while not pools_whole(cluster):
+                assert time.monotonic() < deadline, "blocks still held after the client left"
+                await asyncio.sleep(0.2)
+        finally:
+            await grpc.stop(1)
+            await http.stop()
+
+    asyncio.run(main())
+
+
+async def leave_mid_stream(url: str, model: str) -> None:
+    body = {"model": model, "prompt": PROMPTS[3], "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=30) as http, http.stream("POST", url + "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if line.startswith("data: "):
+                break  # the first token came: leave

@@ -1,0 +1,82 @@
+"""`pdserve serve` as operators run it: a process with both front doors, `pdserve status`, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main as cli_main
+from tests.helpers import build_tiny_llama_checkpoint
+
+START_TIMEOUT_S = 120.0
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def wait_for_url(process: subprocess.Popen[str]) -> tuple[str, int]:
+    """The HTTP URL and gRPC port the server printed once listening."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        found = re.search(r"HTTP on (http://\S+?), gRPC on port (\d+)", line)
+        if found:
+            return found.group(1), int(found.group(2))
+        if not line and process.poll() is not None:
+            break
+    pytest.fail(f"the server did not start (exit code {process.poll()})")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--local", "--model", str(checkpoint), "--host",
+               "127.0.0.1", "--port", "0", "--grpc-port", "0", "--max-num-seqs", "8"]
+    env = {**os.environ, "PDSERVE_API_KEY": ""}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url, grpc_port = wait_for_url(process)
+        assert get(url + "/health")[0] == 200
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while get(url + "/ready")[0] != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.2)
+        model = get(url + "/v1/models")[1]["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 5, "temperature": 0}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 5
+        status, workers = get(url + "/v1/workers")
+        assert status == 200 and workers["ready"] and workers["workers"][0]["role"] == "colocated"
+        assert cli_main(["status", "--url", url]) == 0
+        assert "local-0" in capsys.readouterr().out
+        assert grpc_port > 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_status_of_nothing_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["status", "--url", "http://127.0.0.1:9", "--timeout", "2"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
