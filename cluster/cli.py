@@ -151,6 +151,8 @@ def command_serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
+    # gRPC's C core logs a line each time Ray forks a process while the server runs: errors only.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from cluster.cluster_config import load_cluster_config
     from cluster.default_model import resolve_model_path
     from cluster.engine import served_model_name

@@ -98,6 +98,10 @@ class Backend:
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
             self.cluster = None
+            if not self.config.ray_address:  # the embedded Ray is ours: stop its processes too
+                import ray
+
+                await asyncio.to_thread(ray.shutdown)
 
 
 async def serve(service: DeferredService, backend: Backend, options: ServeOptions,
