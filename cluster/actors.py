@@ -214,8 +214,8 @@ class Router:
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
             try:
                 async for item in self._relay(prefill, prefill.prefill, request_id, prompt, params, address):
-                    if isinstance(item, TokenEvent):
-                        yield item
+                    if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
+                        yield replace(item, finished=False, finish_reason=None)
             except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
                 if isinstance(error, RayActorError):
                     self._mark_dead(prefill)

@@ -64,7 +64,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: logged, never received
 MAX_REQUEST_ID_LENGTH = 128
-QUIET_PATHS = ("/health", "/ready")  # probed every few seconds: logged at DEBUG only
+QUIET_PATHS = ("/health", "/ready", "/metrics")  # probed every few seconds: logged at DEBUG only
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.cluster import Cluster
 from cluster.cluster_config import ClusterConfig
+from cluster.metrics import CONTENT_TYPE, ClusterMetrics, MeteredService
 from cluster.sampling_params import SamplingParams
 from cluster.service import ClusterService, LocalService, Service, ServiceUnavailable
 from cluster.tokenizer import Tokenizer
@@ -90,6 +91,12 @@ class Backend:
         self.cluster = await asyncio.to_thread(Cluster(self.config).start)
         return ClusterService(self.cluster)
 
+    async def counters(self) -> dict[str, Any]:
+        """The router's decisions, for /metrics (none for a local engine)."""
+        if self.cluster is None or self.cluster.router is None:
+            return {}
+        return {"decisions": await self.cluster.router.stats.remote()}
+
     async def stop(self) -> None:
         """Stop whatever started; safe to call twice."""
         if self.local_service is not None:
@@ -110,14 +117,18 @@ async def serve(service: DeferredService, backend: Backend, options: ServeOption
     from cluster.grpc_server import GrpcServer
     from cluster.http_gateway import HttpServer, build_app
 
-    app = build_app(service, api_key=options.api_key)
-    add_status_route(app, service)
+    metrics = ClusterMetrics(service.model_name)
+    metrics.sources.append(backend.counters)
+    metered = MeteredService(service, metrics.requests)  # both front doors: every request is timed
+    app = build_app(metered, api_key=options.api_key)
+    add_status_route(app, metered)
+    add_metrics_route(app, metrics, metered)
     http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s)
     await http.start()
     grpc = None
     try:
         if options.grpc_port >= 0:
-            grpc = GrpcServer(service, options.host, options.grpc_port, api_key=options.api_key)
+            grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=options.api_key)
             await grpc.start()
         if on_listening is not None:
             on_listening(http.url, grpc.port if grpc is not None else None)
@@ -129,6 +140,15 @@ async def serve(service: DeferredService, backend: Backend, options: ServeOption
         if grpc is not None:
             await grpc.stop(options.drain_s)
         await backend.stop()
+
+
+def add_metrics_route(app: Any, metrics: ClusterMetrics, service: Service) -> None:
+    """GET /metrics: Prometheus text format, the whole cluster in one scrape (no API key)."""
+    from fastapi import Response
+
+    @app.get("/metrics", include_in_schema=False)
+    async def scrape() -> Response:
+        return Response(await metrics.exposition(service), media_type=CONTENT_TYPE)
 
 
 def add_status_route(app: Any, service: Service) -> None:

@@ -38,9 +38,14 @@ class NoCapacityError(RuntimeError):
 
 
 class Service(Protocol):
-    model_name: str
-    max_model_len: int
-    tokenizer: Tokenizer
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     @property
     def ready(self) -> bool:

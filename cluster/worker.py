@@ -12,6 +12,7 @@ KV and streams the rest (`reserve`, `stream`), "colocated" does both phases itse
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -30,6 +31,7 @@ from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05
+RECENT_TRANSFERS = 1024  # per-transfer stats kept (the totals count them all)
 
 
 @dataclass(slots=True)
@@ -73,6 +75,8 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class WorkerLoad:
+    """A worker's load and counters since it started: what the router ranks by and /metrics shows."""
+
     worker_id: str
     role: str
     num_running: int
@@ -80,6 +84,13 @@ class WorkerLoad:
     num_free_blocks: int
     num_blocks: int
     kv_cache_usage: float
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    kv_transfers: int = 0  # sent (prefill workers)
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
 
 
 class Worker:
@@ -97,7 +108,9 @@ class Worker:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self.stopped = False
-        self.transfers: list[TransferStats] = []
+        self.transfers: collections.deque[TransferStats] = collections.deque(maxlen=RECENT_TRANSFERS)
+        # Since start, for the metrics: transfers sent, their bytes and seconds on the wire, failures.
+        self.transfer_count, self.transfer_bytes, self.transfer_seconds, self.transfer_failures = 0, 0, 0.0, 0
         # Prefills whose KV goes out while they compute: runs of blocks queued by the engine thread,
         # sent by `prefill` on the event loop. request id -> (blocks queued so far, the queue).
         self.outboxes: dict[str, _Outbox] = {}
@@ -221,7 +234,9 @@ class Worker:
     async def load(self) -> WorkerLoad:
         stats = await self._call(self.engine.stats)
         return WorkerLoad(self.worker_id, self.role, stats.num_running, stats.num_waiting, stats.num_free_blocks,
-                          stats.num_blocks, stats.kv_cache_usage)
+                          stats.num_blocks, stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
+                          stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
+                          self.transfer_failures)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
@@ -294,13 +309,20 @@ class Worker:
                               first_token_id=export.first_token_id or 0, nbytes=data.numel() * data.element_size(),
                               first_block=export.first_block, last=export.last)
             started = time.perf_counter()
-            await self.sender.send(address, header, _bytes_of(data))
+            try:
+                await self.sender.send(address, header, _bytes_of(data))
+            except Exception:
+                self.transfer_failures += 1
+                raise
             seconds = time.perf_counter() - started
             stats.nbytes, stats.seconds, stats.frames = stats.nbytes + header.nbytes, stats.seconds + seconds, \
                 stats.frames + 1
             if export.last:
                 stats.exposed_s = seconds
                 self.transfers.append(stats)
+                self.transfer_count += 1
+                self.transfer_bytes += stats.nbytes
+                self.transfer_seconds += stats.seconds
                 return stats
 
     # ---- decode role ---------------------------------------------------------------------------

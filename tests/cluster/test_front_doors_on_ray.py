@@ -15,9 +15,12 @@ import pytest
 from cluster.cluster import Cluster
 from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from
 from cluster.engine import LLMEngine
+from cluster.metrics import ClusterMetrics, MeteredService
 from cluster.sampling_params import SamplingParams
+from cluster.server import add_metrics_route
 from cluster.service import ClusterService
 from tests.core.test_engine_outputs import PROMPTS
+from tests.gateway.test_metrics import samples, value
 from tests.helpers import build_tiny_llama_checkpoint
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -56,8 +59,16 @@ def test_gateway_and_grpc_on_the_cluster(cluster: Cluster, checkpoint: Path) -> 
     expected = [output.text for output in engine.generate(PROMPTS[:3], greedy)]
 
     async def main() -> None:
-        service = ClusterService(cluster)
-        http = HttpServer(build_app(service, api_key=""), "127.0.0.1", 0)
+        metrics = ClusterMetrics(cluster.model_name)
+
+        async def router_decisions() -> dict[str, dict[str, int]]:
+            return {"decisions": await cluster.router.stats.remote()}
+
+        metrics.sources.append(router_decisions)
+        service = MeteredService(ClusterService(cluster), metrics.requests)
+        app = build_app(service, api_key="")
+        add_metrics_route(app, metrics, service)
+        http = HttpServer(app, "127.0.0.1", 0)
         grpc = GrpcServer(service, "127.0.0.1", 0, api_key="")
         await http.start()
         await grpc.start()
@@ -71,6 +82,7 @@ def test_gateway_and_grpc_on_the_cluster(cluster: Cluster, checkpoint: Path) -> 
             async with AsyncClient(f"127.0.0.1:{grpc.port}") as sdk:
                 result = await sdk.complete(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
             assert result.text == expected[0]
+            await check_metrics(http.url)
             await leave_mid_stream(http.url, service.model_name)
             deadline = time.monotonic() + 20
             while not pools_whole(cluster):
@@ -81,6 +93,20 @@ def test_gateway_and_grpc_on_the_cluster(cluster: Cluster, checkpoint: Path) -> 
             await http.stop()
 
     asyncio.run(main())
+
+
+async def check_metrics(url: str) -> None:
+    """One scrape shows the cluster: requests at the gateway, transfers on the prefill worker, the router."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        scraped = samples((await http.get(url + "/metrics")).text)
+    assert value(scraped, "vllm:request_success_total", finished_reason="length") == 4  # 3 HTTP + 1 gRPC
+    assert value(scraped, "vllm:generation_tokens_total") == 4 * MAX_TOKENS
+    assert value(scraped, "pdserve:kv_transfers_total", role="prefill") == 4
+    assert value(scraped, "pdserve:kv_transfer_bytes_total", role="prefill") > 0
+    assert value(scraped, "pdserve:kv_transfer_failures_total", role="prefill") == 0
+    assert value(scraped, "vllm:num_requests_running", role="decode") == 0
+    assert value(scraped, "pdserve:router_decisions_total", decision="transfer_failed") == 0
+    assert value(scraped, "pdserve:workers", role="prefill") == 1
 
 
 async def leave_mid_stream(url: str, model: str) -> None:

@@ -1,0 +1,131 @@
+"""Redis dies or hangs under `ResilientState`: every call still answers quickly with its fallback, and
+the state goes back to Redis by itself once Redis is back. Each test has a redis-server of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import pytest
+
+from cluster.redis_state import RedisState
+from cluster.resilient_state import ResilientState
+from cluster.shared_state import WorkerInfo
+from tests.state.conftest import RedisServer, free_port
+from tests.state.test_shared_state import eventually, listed
+
+T = TypeVar("T")
+QUICK_S = 0.5  # a call's timeout is 0.25 s: twice that, for a loaded machine
+RECOVERY_S = 15.0  # the backoff is 1 s doubling to 10 s: a short outage is over well within this
+PREFILL = WorkerInfo("p1", "prefill", "actor-p1")
+
+
+async def quickly(call: Awaitable[T]) -> T:
+    start = time.monotonic()
+    result = await call
+    assert time.monotonic() - start < QUICK_S, "a call took longer than its timeout allows"
+    return result
+
+
+async def serves_fallbacks(state: ResilientState) -> None:
+    """Every method, each within QUICK_S, with its safe answer."""
+    assert await quickly(state.match([1, 2], ["p1"])) == {}
+    for _ in range(3):  # fails open, however often
+        assert (await quickly(state.take("key", 1, rate_per_s=0.001, burst=1))).allowed
+    assert await quickly(state.workers()) == [PREFILL]  # the last list Redis gave
+    await quickly(state.register(WorkerInfo("d1", "decode", "actor-d1"), ttl_s=30))
+    assert [info.worker_id for info in await quickly(state.workers())] == ["d1", "p1"]  # and ours
+    assert await quickly(state.workers("prefill")) == [PREFILL]
+    await quickly(state.publish_blocks("p1", [3], []))
+    assert await quickly(state.heartbeat("p1", ttl_s=30)) is True
+    await quickly(state.deregister("d1"))
+    assert await quickly(state.workers()) == [PREFILL]
+
+
+async def is_back(state: ResilientState) -> bool:
+    await state.match([1], ["p1"])
+    return state.healthy
+
+
+def test_redis_killed_then_restarted(dedicated_redis: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="cluster.resilient_state")
+
+    async def check() -> None:
+        state = ResilientState(RedisState(dedicated_redis.url))
+        await state.register(PREFILL, ttl_s=30)
+        await state.publish_blocks("p1", [1, 2], [])
+        assert await state.match([1, 2], ["p1"]) == {"p1": 2} and await state.workers() == [PREFILL]
+        assert state.healthy and state.fallbacks.total() == 0
+
+        dedicated_redis.stop()
+        await serves_fallbacks(state)
+        assert not state.healthy
+        assert state.fallbacks["take"] == 3 and state.fallbacks["match"] == 1 and state.fallbacks.total() >= 11
+
+        dedicated_redis.start()  # same port, empty
+        assert await eventually(lambda: is_back(state), RECOVERY_S), "not back on Redis 15 s after it restarted"
+        # Redis lost everything: a heartbeat of a worker registered here registers it again.
+        assert await state.match([1, 2], ["p1"]) == {"p1": 0}
+        assert await state.heartbeat("p1", ttl_s=30) is True
+        assert await state.primary.workers() == [PREFILL]
+        await state.close()
+
+    asyncio.run(check())
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("Redis unavailable" in m for m in messages) == 1, messages  # not one per fallback
+    assert sum("Redis back" in m for m in messages) == 1, messages
+
+
+def test_redis_hung_then_resumed(dedicated_redis: RedisServer) -> None:
+    async def check() -> None:
+        state = ResilientState(RedisState(dedicated_redis.url))
+        await state.register(PREFILL, ttl_s=30)
+        assert await state.workers() == [PREFILL]
+        dedicated_redis.pause()
+        try:
+            await serves_fallbacks(state)  # the first call times out; the rest skip Redis
+            assert not state.healthy
+        finally:
+            dedicated_redis.resume()
+        assert await eventually(lambda: is_back(state), RECOVERY_S), "not back on Redis 15 s after it resumed"
+        assert [info.worker_id for info in await state.workers()] == ["p1"]
+        await state.close()
+
+    asyncio.run(check())
+
+
+def test_redis_never_there(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: connections are refused
+
+    async def check() -> None:
+        state = ResilientState(RedisState(url))
+        for _ in range(20):
+            assert await quickly(state.match([1], ["p1"])) == {}
+            assert await quickly(state.workers()) == []
+        assert not state.healthy and state.fallbacks.total() == 40
+        await state.close()
+
+    caplog.set_level(logging.WARNING, logger="cluster.resilient_state")
+    asyncio.run(check())
+    assert sum("Redis unavailable" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_silent_worker_still_expires(redis_server: RedisServer) -> None:
+    """Re-registering on heartbeat is for workers Redis lost, not for those that stopped beating."""
+
+    async def check() -> None:
+        state = ResilientState(RedisState(redis_server.url, prefix="silent", timeout_s=2.0), timeout_s=5.0)
+        await state.register(PREFILL, ttl_s=0.3)
+
+        async def gone() -> bool:
+            return await listed(state) == []
+
+        assert await eventually(gone)
+        assert await state.heartbeat("p1", ttl_s=30) is False
+        assert await listed(state) == []
+        await state.close()
+
+    asyncio.run(check())
