@@ -19,15 +19,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig
-from cluster.routing import LOAD_POLL_S, PrefixIndex, decode_rank, prefill_cost, prefix_hashes
+from cluster.routing import LOAD_POLL_S, decode_rank, prefill_cost, prefix_hashes
 from cluster.sampling_params import SamplingParams
 from cluster.service import NoCapacityError
+from cluster.shared_state import connect_state
 from cluster.worker import TokenEvent, TransferStats, Worker, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -37,14 +38,15 @@ class WorkerActor:
     """The Ray face of `Worker`: builds the engine and the UCX connector inside the actor process."""
 
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, host: str = "127.0.0.1",
-                 overlap_transfer: bool = True) -> None:
+                 overlap_transfer: bool = True, redis_url: str = "") -> None:
         from cluster.engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
         sender = UCXSender() if role == "prefill" else None
         receiver = UCXReceiver(host=host) if role == "decode" else None
+        state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
         self.worker = Worker(worker_id, role, LLMEngine(engine_config), sender=sender, receiver=receiver,
-                             overlap_transfer=overlap_transfer)
+                             overlap_transfer=overlap_transfer, state=state)
 
     async def start(self) -> str:
         await self.worker.start()
@@ -111,20 +113,35 @@ class _Repeats:
         return None
 
 
-class Router:
-    """Picks workers for each request and relays its tokens; holds no engine of its own."""
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    mode: str = "disaggregated"
+    lease_s: float = 30.0
+    block_size: int = 16
+    model_name: str = ""  # the prefix hashes chain from it, as the workers' caches do
+    redis_url: str = ""  # shared with other router replicas and fed by the workers; else this router's own
 
-    def __init__(self, prefill: list[Any], decode: list[Any], mode: str, lease_s: float,
-                 block_size: int = 16) -> None:
-        self.prefill, self.decode, self.mode, self.lease_s = prefill, decode, mode, lease_s
-        self.block_size = block_size
+
+class Router:
+    """Picks workers for each request and relays its tokens; holds no engine of its own.
+
+    `prefill` and `decode` are (worker id, actor handle) pairs.
+    """
+
+    def __init__(self, prefill: list[tuple[str, Any]], decode: list[tuple[str, Any]], config: RouterConfig) -> None:
+        self.config, self.mode, self.lease_s, self.block_size = config, config.mode, config.lease_s, config.block_size
+        self.ids = {id(handle): worker_id for worker_id, handle in prefill + decode}
+        self.prefill = [handle for _, handle in prefill]
+        self.decode = [handle for _, handle in decode]
         # Kept here so routing costs no round trip: requests in flight per worker, prompt tokens
-        # in flight per prefill worker, the prefixes sent to each, and the loads last polled.
+        # in flight per prefill worker, and the loads last polled.
         self.in_flight: dict[int, int] = {}
         self.queued_tokens: dict[int, int] = {}
-        self.prefixes = PrefixIndex()
         self.loads: dict[int, WorkerLoad] = {}
         self.poller: asyncio.Task[None] | None = None
+        # Which prefixes each worker holds: published by the workers into Redis, or (no Redis) this
+        # router's own record of where it sent which prompts.
+        self.state = connect_state(config.redis_url)
         self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0}
         self.dead: set[int] = set()  # workers found dead; Ray restarts come with fault handling
 
@@ -135,22 +152,25 @@ class Router:
         return sorted(self._live(self.decode),
                       key=lambda h: decode_rank(self.in_flight.get(id(h), 0), self.loads.get(id(h))))
 
-    def _pick_prefill(self, prompt: list[int]) -> tuple[Any, list[int]] | None:
-        """The live prefill worker with the least prompt work before this one; its prefix hashes."""
+    async def _pick_prefill(self, prompt: list[int]) -> Any | None:
+        """The live prefill worker with the least prompt work before this one (its queue plus the
+        part of this prompt it does not hold cached)."""
         live = self._live(self.prefill)
         if not live:
             return None
-        hashes = prefix_hashes(prompt, self.block_size)
+        hashes = prefix_hashes(prompt, self.block_size, self.config.model_name)
+        cached = await self.state.match(hashes, [self.ids[id(h)] for h in live]) if hashes else {}
 
         def cost(handle: Any) -> int:
-            cached = self.prefixes.overlap(id(handle), hashes)
-            return prefill_cost(self.queued_tokens.get(id(handle), 0), len(prompt), cached, self.block_size)
+            held = cached.get(self.ids[id(handle)], 0)
+            return prefill_cost(self.queued_tokens.get(id(handle), 0), len(prompt), held, self.block_size)
 
         best = min(live, key=cost)
-        if self.prefixes.overlap(id(best), hashes):
+        if cached.get(self.ids[id(best)], 0):
             self.decisions["prefix_hits"] += 1
-        self.prefixes.record(id(best), hashes)
-        return best, hashes
+        if not self.config.redis_url and hashes:  # no worker publishes here: keep our own record
+            await self.state.publish_blocks(self.ids[id(best)], hashes, [])
+        return best
 
     async def _poll_loads(self) -> None:
         """Refresh every worker's load (waiting queue, free blocks) in the background."""
@@ -166,11 +186,14 @@ class Router:
 
     def _mark_dead(self, handle: Any) -> None:
         self.dead.add(id(handle))
-        self.prefixes.forget(id(handle))
         self.loads.pop(id(handle), None)
 
     async def stats(self) -> dict[str, int]:
         return dict(self.decisions)
+
+    async def state_fallbacks(self) -> int:
+        """Calls to the shared state (Redis) answered by a fallback since start: routing by load only."""
+        return sum(getattr(self.state, "fallbacks", {}).values())
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         if self.poller is None:
@@ -204,12 +227,11 @@ class Router:
 
     async def _disaggregated(self, decode: Any, address: str, request_id: str, prompt: list[int],
                              params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        picked = self._pick_prefill(prompt)
-        if picked is None:  # every prefill worker is gone: the decode worker runs the prompt itself
+        prefill = await self._pick_prefill(prompt)
+        if prefill is None:  # every prefill worker is gone: the decode worker runs the prompt itself
             self.decisions["transfer_failed"] += 1
             await decode.recompute.remote(request_id)
         else:
-            prefill, _ = picked
             key = id(prefill)
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
             try:

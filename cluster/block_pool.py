@@ -14,7 +14,7 @@ prompt (least likely to be shared) is evicted before its beginning.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(eq=False, slots=True)
@@ -23,6 +23,14 @@ class Block:
     ref_count: int = 0
     # Hash of this block's tokens chained with all blocks before it; set once the block is full.
     block_hash: int | None = None
+
+
+@dataclass(slots=True)
+class CacheEvents:
+    """Hashes of blocks that entered and left the prefix cache, in order (see `record_events`)."""
+
+    stored: list[int] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
 
 
 class BlockPool:
@@ -35,6 +43,7 @@ class BlockPool:
         # Insertion order is eviction order: front = least recently freed.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
+        self.events: CacheEvents | None = None  # see `record_events`
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,6 +93,21 @@ class BlockPool:
         if block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if self.events is not None:
+                self.events.stored.append(block_hash)
+
+    def record_events(self) -> None:
+        """From now on keep the hashes of blocks cached and evicted, for `take_events` (a worker
+        publishes them so routers know which prefixes it holds)."""
+        if self.events is None:
+            self.events = CacheEvents()
+
+    def take_events(self) -> CacheEvents:
+        """The events since the last call (empty if not recording)."""
+        if self.events is None:
+            return CacheEvents()
+        taken, self.events = self.events, CacheEvents()
+        return taken
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.free_queue.values()):
@@ -94,4 +118,6 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.evicted.append(block.block_hash)
         block.block_hash = None

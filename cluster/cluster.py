@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.actors import Router, TokenEvent, WorkerActor
+from cluster.actors import Router, RouterConfig, TokenEvent, WorkerActor
 from cluster.cluster_config import ClusterConfig, PoolConfig
 from cluster.default_model import resolve_model_path
 from cluster.sampling_params import SamplingParams
@@ -66,9 +66,17 @@ class Cluster:
         self.max_model_len = min(max_model_len for _, max_model_len in infos)  # every worker must fit it
         self.tokenizer = Tokenizer.from_dir(resolve_model_path(self.config.engine.model.model))
         router_class = ray.remote(num_cpus=0)(Router)
-        self.router = router_class.remote(self.prefill, self.decode, self.config.mode, self.config.kv_lease_s,
-                                          self.config.engine.cache.block_size)
+        router_config = RouterConfig(self.config.mode, self.config.kv_lease_s, self.config.engine.cache.block_size,
+                                     self.model_name, self.config.redis_url)
+        self.router = router_class.remote(self._named("prefill", self.prefill),
+                                          self._named("colocated" if colocated else "decode", self.decode),
+                                          router_config)
         return self
+
+    @staticmethod
+    def _named(role: str, handles: list[Any]) -> list[tuple[str, Any]]:
+        """(worker id, handle) pairs: the ids the workers were given (`_pool`)."""
+        return [(f"{role}-{index}", handle) for index, handle in enumerate(handles)]
 
     def _pool(self, role: str, pool: PoolConfig) -> list[Any]:
         import ray
@@ -77,7 +85,7 @@ class Cluster:
         return [actor_class.options(num_cpus=pool.num_cpus, resources=dict(pool.resources),
                                     name=f"pdserve-{self.uid}-{role}-{index}").remote(
                                         f"{role}-{index}", role, self.config.engine,
-                                        overlap_transfer=self.config.kv_overlap)
+                                        overlap_transfer=self.config.kv_overlap, redis_url=self.config.redis_url)
                 for index in range(pool.replicas)]
 
     async def generate(self, prompt: list[int], params: SamplingParams,

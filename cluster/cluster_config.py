@@ -7,6 +7,7 @@ decode:  {replicas: 1, num_cpus: 0.25, resources: {}}
 transport: ucx             # how KV blocks travel between prefill and decode workers
 kv_overlap: true           # send KV blocks while the rest of the prompt computes
 kv_lease_s: 30             # a decode worker's reservation waits this long for its KV
+redis_url: ""              # redis://host:6379/0: workers publish their cached blocks for KV-aware routing
 engine:
   model: default
   dtype: float32
@@ -56,6 +57,7 @@ class ClusterConfig:
     ray_address: str = ""  # empty: start an embedded local Ray
     kv_lease_s: float = 30.0
     kv_overlap: bool = True  # send a prompt's KV chunk by chunk as it computes (else once, at its end)
+    redis_url: str = ""  # state shared by router replicas and workers (prefix index); empty: the router's own
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -98,7 +98,9 @@ class LLMEngine:
             attention_backend=config.attention_backend, max_model_len=self.max_model_len,
             block_size=config.cache.block_size, num_blocks=self.num_blocks)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
-        self.kv_cache = KVCacheManager(pool, config.cache.block_size, model_name=str(self.model_dir.resolve()))
+        # Hashes chain from the served model name, so every worker of a cluster (and the routers that
+        # match prompts against the blocks workers publish) compute the same ones, whatever the path.
+        self.kv_cache = KVCacheManager(pool, config.cache.block_size, model_name=self.model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    num_swap_blocks=config.cache.num_swap_blocks or self.num_blocks)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

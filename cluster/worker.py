@@ -26,11 +26,14 @@ import torch
 from cluster.engine import KVExport, LLMEngine, RequestOutput
 from cluster.request import FinishReason, TokenLogprobs
 from cluster.sampling_params import SamplingParams
+from cluster.shared_state import SharedState, WorkerInfo
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05
+PUBLISH_S = 0.1  # how often the prefix cache's events go to the shared state
+HEARTBEAT_TTL_S = 10.0
 RECENT_TRANSFERS = 1024  # per-transfer stats kept (the totals count them all)
 
 
@@ -95,13 +98,17 @@ class WorkerLoad:
 
 class Worker:
     def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,
-                 receiver: KVReceiver | None = None, overlap_transfer: bool = True) -> None:
+                 receiver: KVReceiver | None = None, overlap_transfer: bool = True,
+                 state: SharedState | None = None) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
         self.worker_id, self.role, self.engine = worker_id, role, engine
         self.sender, self.receiver = sender, receiver
         # Send a prefill's blocks as they are computed (else all at once at its end: the baseline).
         self.overlap_transfer = overlap_transfer
+        # Where this worker publishes the blocks its prefix cache stores and evicts (KV-aware routing).
+        self.state = state
+        self.publisher: asyncio.Task[None] | None = None
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -123,8 +130,31 @@ class Worker:
             await self.receiver.start()
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
+        if self.state is not None and self.role in ("prefill", "colocated"):
+            self.engine.kv_cache.pool.record_events()
+            self.publisher = asyncio.create_task(self._publish_blocks())
+
+    async def _publish_blocks(self) -> None:
+        """Every PUBLISH_S, the prefix cache's stored and evicted block hashes go to the shared state
+        (registered with a heartbeat, so routers see this worker come and go)."""
+        assert self.state is not None
+        info = WorkerInfo(self.worker_id, self.role, self.worker_id)
+        await self.state.register(info, HEARTBEAT_TTL_S)
+        await self.state.forget_worker(self.worker_id)  # a restarted worker's cache starts empty
+        beat = time.monotonic()
+        while not self.stopped:
+            await asyncio.sleep(PUBLISH_S)
+            events = await self._call(self.engine.kv_cache.pool.take_events)
+            if events.stored or events.evicted:
+                await self.state.publish_blocks(self.worker_id, events.stored, events.evicted)
+            if time.monotonic() - beat > HEARTBEAT_TTL_S / 3:
+                beat = time.monotonic()
+                if not await self.state.heartbeat(self.worker_id, HEARTBEAT_TTL_S):
+                    await self.state.register(info, HEARTBEAT_TTL_S)
 
     async def stop(self) -> None:
+        if self.publisher is not None:
+            self.publisher.cancel()
         self.stopped = True
         self.wake.set()
         if self.thread is not None:

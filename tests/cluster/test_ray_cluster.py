@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,77 @@ def test_config_file_with_overrides_and_clear_errors(tmp_path: Path) -> None:
         load_cluster_config(None, {"decode": {"replicas": 0}})
     with pytest.raises(ValueError, match="unknown cluster config keys"):
         load_cluster_config(None, {"pools": 3})
+
+
+def test_kv_aware_routing_with_blocks_the_workers_publish_to_redis(checkpoint: Path, redis_server: Any) -> None:
+    """Two prefill workers publish their cached blocks to Redis; prompts sharing a long prefix go to
+    the worker that holds it, and the tokens are still the engine's own."""
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
+    shared = list(range(200, 240))  # a 40-token "system prompt": 10 blocks
+    prompts = [shared + [7 + i, 8 + i, 9 + i] for i in range(4)]
+    expected = [LLMEngine(engine_config).generate([p], GREEDY)[0].token_ids for p in prompts]
+    config = ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, redis_url=redis_server.url)
+    cluster = Cluster(config).start()
+    try:
+        # The prefix goes to the second prefill worker, past the router: by load alone (a tie) the
+        # router would pick the first.
+        asyncio.run(prefill_on(cluster, cluster.prefill[1], prompts[0]))
+        assert asyncio.run(wait_for_published_prefix(redis_server.url, cluster, shared)) == "prefill-1"
+        got, prefill_ids = generate_with_workers(cluster, prompts[1:])
+        assert got == expected[1:]
+        assert prefill_ids == ["prefill-1"] * 3  # all to the worker holding the prefix
+        assert ray_stats(cluster)["prefix_hits"] >= 3
+    finally:
+        cluster.stop()
+
+
+async def prefill_on(cluster: Cluster, prefill: Any, prompt: list[int]) -> None:
+    """One request through a chosen prefill worker, doing the router's part by hand."""
+    decode = cluster.decode[0]
+    address = await decode.reserve.remote("seed", prompt, GREEDY, 30.0)
+    async for ref in prefill.prefill.options(num_returns="streaming").remote("seed", prompt, GREEDY, address):
+        await ref
+    async for ref in decode.stream.options(num_returns="streaming").remote("seed"):
+        await ref
+
+
+async def wait_for_published_prefix(url: str, cluster: Cluster, prefix: list[int]) -> str:
+    """The prefill worker whose published blocks hold the prefix (polled: they publish every 0.1 s)."""
+    from cluster.routing import prefix_hashes
+    from cluster.shared_state import connect_state
+
+    state = connect_state(url)
+    hashes = prefix_hashes(prefix, 4, cluster.model_name)
+    try:
+        for _ in range(100):
+            held = await state.match(hashes, ["prefill-0", "prefill-1"])
+            full = [worker for worker, count in held.items() if count == len(hashes)]
+            if full:
+                return full[0]
+            await asyncio.sleep(0.1)
+    finally:
+        await state.close()
+    raise AssertionError("no prefill worker published the prefix's blocks")
+
+
+def generate_with_workers(cluster: Cluster, prompts: list[list[int]]) -> tuple[list[list[int]], list[str]]:
+    """Tokens of each prompt, one after the other, and the worker that sent each one's first token."""
+    async def one(index: int, prompt: list[int]) -> tuple[list[int], str]:
+        tokens, first_worker = [], ""
+        async for event in cluster.generate(prompt, GREEDY, request_id=f"kv-{index}"):
+            first_worker = first_worker or event.worker_id
+            tokens += event.token_ids
+        return tokens, first_worker
+
+    async def in_order() -> list[tuple[list[int], str]]:
+        return [await one(i, p) for i, p in enumerate(prompts)]
+
+    results = asyncio.run(in_order())
+    return [tokens for tokens, _ in results], [worker for _, worker in results]
+
+
+def ray_stats(cluster: Cluster) -> dict[str, int]:
+    import ray
+
+    return dict(ray.get(cluster.router.stats.remote(), timeout=30))

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from cluster.actors import Router
-from cluster.routing import PrefixIndex, decode_rank, prefill_cost, prefix_hashes
+import asyncio
+from pathlib import Path
+
+from cluster.actors import Router, RouterConfig
+from cluster.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine import LLMEngine
+from cluster.routing import decode_rank, prefill_cost, prefix_hashes
+from cluster.sampling_params import SamplingParams
 from cluster.worker import WorkerLoad
+from tests.helpers import build_tiny_llama_checkpoint
 
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
 
@@ -17,29 +24,32 @@ def test_prefix_hashes_are_chained_per_full_block() -> None:
     assert changed_first[0] != hashes[0] and changed_first[1] != hashes[1]  # a block's hash covers its prefix
 
 
-def test_prefix_index_counts_leading_blocks_and_forgets_the_oldest() -> None:
-    index = PrefixIndex(capacity=3)
-    hashes = prefix_hashes(PROMPT + PROMPT, 16)  # 5 blocks
-    index.record("a", hashes[:2])
-    assert index.overlap("a", hashes) == 2 and index.overlap("b", hashes) == 0
-    index.record("a", [11, 12])  # capacity 3: the first block's hash goes
-    assert index.overlap("a", hashes) == 0
-    index.forget("a")
-    assert index.overlap("a", [12]) == 0
+def test_prefix_hashes_are_the_workers_cache_hashes(tmp_path: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(build_tiny_llama_checkpoint(tmp_path))),
+                                    cache=CacheConfig(block_size=4, num_blocks=32)))
+    engine.kv_cache.pool.record_events()
+    prompt = list(range(10, 23))  # 3 full blocks of 4
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    stored = engine.kv_cache.pool.take_events().stored
+    assert stored[:3] == prefix_hashes(prompt, 4, engine.model_name)
+    assert engine.kv_cache.pool.take_events().stored == []  # taken once
 
 
 def test_prefill_prefers_the_worker_with_the_prefix_unless_its_queue_outweighs_it() -> None:
     assert prefill_cost(queued_tokens=0, prompt_tokens=40, cached_blocks=2, block_size=16) == 8
-    router = Router(prefill=["p0", "p1"], decode=[], mode="disaggregated", lease_s=1.0, block_size=16)
-    first, _ = router._pick_prefill(PROMPT)  # type: ignore[misc]
-    again, _ = router._pick_prefill(PROMPT)  # type: ignore[misc]
-    assert again == first and router.decisions["prefix_hits"] == 1
-    router.queued_tokens[id(first)] = 1000  # busy with long prompts: the cached prefix is not worth the wait
-    other, _ = router._pick_prefill(PROMPT)  # type: ignore[misc]
-    assert other != first
-    router.dead.add(id(other))
-    router.dead.add(id(first))
-    assert router._pick_prefill(PROMPT) is None  # none alive: the decode worker will recompute
+    router = Router(prefill=[("p0", "handle-0"), ("p1", "handle-1")], decode=[], config=RouterConfig())
+
+    async def main() -> None:
+        first = await router._pick_prefill(PROMPT)
+        again = await router._pick_prefill(PROMPT)
+        assert again == first and router.decisions["prefix_hits"] == 1
+        router.queued_tokens[id(first)] = 1000  # busy with long prompts: the cached prefix is not worth the wait
+        other = await router._pick_prefill(PROMPT)
+        assert other != first
+        router.dead.update({id(other), id(first)})
+        assert await router._pick_prefill(PROMPT) is None  # none alive: the decode worker will recompute
+
+    asyncio.run(main())
 
 
 def test_decode_workers_rank_by_requests_then_queue_then_free_blocks() -> None:
