@@ -134,6 +134,9 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         overrides["mode"] = args.mode
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
+    redis_url = args.redis_url or os.environ.get("PDSERVE_REDIS_URL")
+    if redis_url:
+        overrides["redis_url"] = redis_url
     for pool in ("prefill", "decode"):
         replicas = getattr(args, f"num_{pool}")
         if replicas is not None:
@@ -161,7 +164,8 @@ def command_serve(args: argparse.Namespace) -> int:
 
     config = load_cluster_config(args.config, cluster_overrides(args))
     options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
-                           drain_s=args.drain_s)
+                           drain_s=args.drain_s, redis_url=config.redis_url, rate_limit_rps=args.rate_limit_rps,
+                           rate_limit_tpm=args.rate_limit_tpm)
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
@@ -230,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--local", action="store_true", help="one engine in this process instead of a Ray cluster")
     serve.add_argument("--config", default=None, help="cluster YAML file (see cluster/cluster_config.py)")
     serve.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
+    serve.add_argument("--redis-url", default="", help="shared state for KV-aware routing and rate limits "
+                       "(default: $PDSERVE_REDIS_URL; none: each router keeps its own)")
+    serve.add_argument("--rate-limit-rps", type=float, default=0.0, help="requests per second per API key (0: none)")
+    serve.add_argument("--rate-limit-tpm", type=float, default=0.0,
+                       help="prompt + max tokens per minute per API key (0: none)")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
     serve.add_argument("--num-prefill", type=int, default=None, help="prefill workers")
     serve.add_argument("--num-decode", type=int, default=None, help="decode workers")

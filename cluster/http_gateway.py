@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import socket
 import time
@@ -53,6 +54,7 @@ from cluster.openai_protocol import (
     ResponseFormat,
     Usage,
 )
+from cluster.rate_limits import RateLimited, RateLimits
 from cluster.sampling_params import SamplingParams
 from cluster.service import NoCapacityError, QueueFullError, Service, ServiceUnavailable
 from cluster.worker import TokenEvent
@@ -101,6 +103,9 @@ def service_errors(request_id: str) -> Iterator[None]:
     except (QueueFullError, NoCapacityError) as error:
         raise ApiError(429, str(error), code="rate_limit_exceeded",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from error
+    except RateLimited as error:
+        raise ApiError(429, str(error), code="rate_limit_exceeded",
+                       headers={"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}) from error
     except ServiceUnavailable as error:
         raise ApiError(503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)}) from error
     except Exception as error:
@@ -278,8 +283,9 @@ async def _disconnected(receive: Receive) -> None:
 class Gateway:
     """What the routes share: the service, and whether new requests are accepted (`draining`)."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, limits: RateLimits | None = None) -> None:
         self.service = service
+        self.limits = limits
         self.draining = False
         self.runs: set[Run] = set()
 
@@ -319,6 +325,8 @@ class Gateway:
         with service_errors(request_id):
             prompt = body.prompt_ids(self.service.tokenizer)
             params = body.sampling_params(len(prompt), self.service.max_model_len)
+            if self.limits is not None and self.limits.enabled:
+                await self.limits.check(_client_key(request), len(prompt) + sum(p.max_tokens for p in params))
         run = Run(self.service, request_id, prompt, params, self.runs)
         streaming = False
         try:
@@ -474,6 +482,14 @@ class ApiKeyMiddleware:
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key)
 
 
+def _client_key(request: Request) -> str:
+    """Whom the rate limits count against: the API key sent, else the client's address."""
+    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return "key:" + key.strip()  # the shared state hashes it before it names anything in Redis
+    return "addr:" + (request.client.host if request.client else "unknown")
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -485,12 +501,12 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              ) -> FastAPI:
+              limits: RateLimits | None = None) -> FastAPI:
     """The gateway app. `api_key` None reads `$PDSERVE_API_KEY`; an empty key (or none at all) leaves
     the API open. The `Gateway` (draining) is `gateway_of(app)`."""
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
-    gateway = Gateway(service)
+    gateway = Gateway(service, limits)
     app.state.gateway = gateway
     _add_routes(app, gateway)
     app.add_exception_handler(ApiError, _api_error)

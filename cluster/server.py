@@ -19,8 +19,10 @@ from typing import Any
 from cluster.cluster import Cluster
 from cluster.cluster_config import ClusterConfig
 from cluster.metrics import CONTENT_TYPE, ClusterMetrics, MeteredService
+from cluster.rate_limits import RateLimits
 from cluster.sampling_params import SamplingParams
 from cluster.service import ClusterService, LocalService, Service, ServiceUnavailable
+from cluster.shared_state import SharedState, connect_state
 from cluster.tokenizer import Tokenizer
 from cluster.worker import TokenEvent, WorkerLoad
 
@@ -34,6 +36,9 @@ class ServeOptions:
     grpc_port: int = 50051  # 0 picks a free port; -1 turns gRPC off
     api_key: str | None = None  # None: $PDSERVE_API_KEY, if set
     drain_s: float = 30.0
+    redis_url: str = ""  # the rate limits' buckets (shared by gateway replicas); empty: this process's
+    rate_limit_rps: float = 0.0  # requests per second per API key; 0: none
+    rate_limit_tpm: float = 0.0  # prompt + max tokens per minute per API key; 0: none
 
 
 class DeferredService:
@@ -95,7 +100,9 @@ class Backend:
         """The router's decisions, for /metrics (none for a local engine)."""
         if self.cluster is None or self.cluster.router is None:
             return {}
-        return {"decisions": await self.cluster.router.stats.remote()}
+        router = self.cluster.router
+        return {"decisions": await router.stats.remote(),
+                "counters": {"pdserve:router_redis_fallbacks": await router.state_fallbacks.remote()}}
 
     async def stop(self) -> None:
         """Stop whatever started; safe to call twice."""
@@ -118,9 +125,12 @@ async def serve(service: DeferredService, backend: Backend, options: ServeOption
     from cluster.http_gateway import HttpServer, build_app
 
     metrics = ClusterMetrics(service.model_name)
+    state = connect_state(options.redis_url)
     metrics.sources.append(backend.counters)
+    metrics.sources.append(lambda: _state_counters(state))
     metered = MeteredService(service, metrics.requests)  # both front doors: every request is timed
-    app = build_app(metered, api_key=options.api_key)
+    limits = RateLimits(state, options.rate_limit_rps, options.rate_limit_tpm)
+    app = build_app(metered, api_key=options.api_key, limits=limits)
     add_status_route(app, metered)
     add_metrics_route(app, metrics, metered)
     http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s)
@@ -140,6 +150,13 @@ async def serve(service: DeferredService, backend: Backend, options: ServeOption
         if grpc is not None:
             await grpc.stop(options.drain_s)
         await backend.stop()
+        await state.close()
+
+
+async def _state_counters(state: SharedState) -> dict[str, Any]:
+    """Calls to Redis answered by a fallback (rate limits failed open) in this gateway."""
+    fallbacks = getattr(state, "fallbacks", None)
+    return {"counters": {"pdserve:gateway_redis_fallbacks": sum(fallbacks.values())}} if fallbacks is not None else {}
 
 
 def add_metrics_route(app: Any, metrics: ClusterMetrics, service: Service) -> None:

@@ -15,6 +15,3 @@ def ray_session() -> Iterator[None]:
     init_ray()
     yield
     ray.shutdown()
-
-
-from tests.state.conftest import redis_server  # noqa: E402, F401  (the real redis-server, shared per session)

@@ -1,0 +1,85 @@
+"""Per-key rate limits and token quotas at the gateway: 429 with Retry-After, shared through Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cluster.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.http_gateway import HttpServer, build_app
+from cluster.rate_limits import RateLimits
+from cluster.service import LocalService
+from cluster.shared_state import connect_state
+from tests.helpers import build_tiny_llama_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def body(model: str, max_tokens: int = 5) -> dict[str, Any]:
+    return {"model": model, "prompt": [5, 17, 33, 9], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+async def gateways(checkpoint: Path, redis_url: str, count: int, **limits: float) -> tuple[LocalService, list]:
+    """`count` gateways in front of one engine, each with its own connection to the shared state."""
+    service = await LocalService.from_config(EngineConfig(model=ModelConfig(model=str(checkpoint)),
+                                                          cache=CacheConfig(block_size=4, num_blocks=64))).start()
+    servers = []
+    for _ in range(count):
+        server = HttpServer(build_app(service, api_key="", limits=RateLimits(connect_state(redis_url), **limits)),
+                            "127.0.0.1", 0)
+        await server.start()
+        servers.append(server)
+    return service, servers
+
+
+@pytest.mark.parametrize("where", ["in_process", "redis"])
+def test_requests_per_second_per_key_shared_by_replicas(checkpoint: Path, redis_server: Any, where: str) -> None:
+    url = redis_server.url if where == "redis" else ""
+
+    async def main() -> None:
+        # One gateway without Redis (its own buckets); two replicas sharing Redis's.
+        service, servers = await gateways(checkpoint, url, 2 if url else 1, requests_per_s=0.2)
+        try:
+            key = {"Authorization": f"Bearer key-{where}"}
+            async with httpx.AsyncClient(timeout=60) as client:
+                first = await client.post(servers[0].url + "/v1/completions", json=body(service.model_name),
+                                          headers=key)
+                assert first.status_code == 200
+                second = await client.post(servers[-1].url + "/v1/completions", json=body(service.model_name),
+                                           headers=key)
+                assert second.status_code == 429  # burst of 1, refilled in 5 s: on the other replica too
+                assert int(second.headers["Retry-After"]) >= 1
+                assert second.json()["error"]["code"] == "rate_limit_exceeded"
+                other = await client.post(servers[-1].url + "/v1/completions", json=body(service.model_name),
+                                          headers={"Authorization": "Bearer someone-else"})
+                assert other.status_code == 200  # buckets are per key
+        finally:
+            for server in servers:
+                await server.stop()
+            await service.stop()
+
+    asyncio.run(main())
+
+
+def test_tokens_per_minute_quota(checkpoint: Path) -> None:
+    async def main() -> None:
+        service, (server,) = await gateways(checkpoint, "", 1, tokens_per_min=30)
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                statuses = [(await client.post("/v1/completions", json=body(service.model_name))).status_code
+                            for _ in range(4)]
+                assert statuses == [200, 200, 200, 429]  # 4 + 5 tokens each: 27 of 30, then 36
+                too_big = await client.post("/v1/completions", json=body(service.model_name, max_tokens=40))
+                assert too_big.status_code == 400 and "quota" in too_big.json()["error"]["message"]
+        finally:
+            await server.stop()
+            await service.stop()
+
+    asyncio.run(main())
