@@ -120,6 +120,7 @@ class RouterConfig:
     block_size: int = 16
     model_name: str = ""  # the prefix hashes chain from it, as the workers' caches do
     redis_url: str = ""  # shared with other router replicas and fed by the workers; else this router's own
+    policy: str = "kv-aware"  # prefill workers by queue and cached prefix; "load": queue only; "round-robin"
 
 
 class Router:
@@ -144,6 +145,7 @@ class Router:
         self.state = connect_state(config.redis_url)
         self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0}
         self.dead: set[int] = set()  # workers found dead; Ray restarts come with fault handling
+        self.turn = 0
 
     def _live(self, handles: list[Any]) -> list[Any]:
         return [handle for handle in handles if id(handle) not in self.dead]
@@ -158,8 +160,12 @@ class Router:
         live = self._live(self.prefill)
         if not live:
             return None
+        if self.config.policy == "round-robin":  # the baselines the benchmark compares against
+            self.turn += 1
+            return live[self.turn % len(live)]
         hashes = prefix_hashes(prompt, self.block_size, self.config.model_name)
-        cached = await self.state.match(hashes, [self.ids[id(h)] for h in live]) if hashes else {}
+        kv_aware = self.config.policy == "kv-aware" and hashes
+        cached = await self.state.match(hashes, [self.ids[id(h)] for h in live]) if kv_aware else {}
 
         def cost(handle: Any) -> int:
             held = cached.get(self.ids[id(handle)], 0)
@@ -168,7 +174,7 @@ class Router:
         best = min(live, key=cost)
         if cached.get(self.ids[id(best)], 0):
             self.decisions["prefix_hits"] += 1
-        if not self.config.redis_url and hashes:  # no worker publishes here: keep our own record
+        if not self.config.redis_url and kv_aware:  # no worker publishes here: keep our own record
             await self.state.publish_blocks(self.ids[id(best)], hashes, [])
         return best
 

@@ -67,7 +67,7 @@ class Cluster:
         self.tokenizer = Tokenizer.from_dir(resolve_model_path(self.config.engine.model.model))
         router_class = ray.remote(num_cpus=0)(Router)
         router_config = RouterConfig(self.config.mode, self.config.kv_lease_s, self.config.engine.cache.block_size,
-                                     self.model_name, self.config.redis_url)
+                                     self.model_name, self.config.redis_url, self.config.routing)
         self.router = router_class.remote(self._named("prefill", self.prefill),
                                           self._named("colocated" if colocated else "decode", self.decode),
                                           router_config)

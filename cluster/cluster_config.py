@@ -8,6 +8,7 @@ transport: ucx             # how KV blocks travel between prefill and decode wor
 kv_overlap: true           # send KV blocks while the rest of the prompt computes
 kv_lease_s: 30             # a decode worker's reservation waits this long for its KV
 redis_url: ""              # redis://host:6379/0: workers publish their cached blocks for KV-aware routing
+routing: kv-aware          # prefill workers by queue and cached prefix; or load, or round-robin
 engine:
   model: default
   dtype: float32
@@ -32,6 +33,7 @@ from cluster.config import CacheConfig, EngineConfig
 
 MODES = ("disaggregated", "colocated")
 TRANSPORTS = ("ucx",)
+ROUTING = ("kv-aware", "load", "round-robin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +60,15 @@ class ClusterConfig:
     kv_lease_s: float = 30.0
     kv_overlap: bool = True  # send a prompt's KV chunk by chunk as it computes (else once, at its end)
     redis_url: str = ""  # state shared by router replicas and workers (prefix index); empty: the router's own
+    routing: str = "kv-aware"  # how prefill workers are picked: "kv-aware", "load" or "round-robin"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.routing not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, got {self.routing!r}")
         if self.decode.replicas < 1:
             raise ValueError("decode.replicas must be >= 1: decode workers serve every request")
         if self.mode == "disaggregated" and self.prefill.replicas < 1:
