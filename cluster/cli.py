@@ -159,9 +159,11 @@ def command_serve(args: argparse.Namespace) -> int:
     from cluster.cluster_config import load_cluster_config
     from cluster.default_model import resolve_model_path
     from cluster.engine import served_model_name
+    from cluster.logs import configure_logging
     from cluster.server import Backend, DeferredService, ServeOptions, serve
     from cluster.tokenizer import Tokenizer
 
+    configure_logging(args.log_format, args.log_level)
     config = load_cluster_config(args.config, cluster_overrides(args))
     options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
                            drain_s=args.drain_s, redis_url=config.redis_url, rate_limit_rps=args.rate_limit_rps,
@@ -232,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this key (default: $PDSERVE_API_KEY, if set)")
     serve.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, let open requests finish this long")
     serve.add_argument("--local", action="store_true", help="one engine in this process instead of a Ray cluster")
+    serve.add_argument("--log-format", choices=["text", "json"], default="text",
+                       help="json: one object per line with request ids and timings")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--config", default=None, help="cluster YAML file (see cluster/cluster_config.py)")
     serve.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
     serve.add_argument("--redis-url", default="", help="shared state for KV-aware routing and rate limits "

@@ -194,8 +194,10 @@ class Run:
                     await self.service.abort(request_id)
         self.runs.discard(self)
         reasons = ",".join(choice.finish_reason or "aborted" for choice in self.choices)
-        log.info("%s: %d prompt + %d completion tokens, finish %s", self.request_id, len(self.prompt),
-                 self.usage().completion_tokens, reasons)
+        completion = self.usage().completion_tokens
+        log.info("%s: %d prompt + %d completion tokens, finish %s", self.request_id, len(self.prompt), completion,
+                 reasons, extra={"request_id": self.request_id, "prompt_tokens": len(self.prompt),
+                                 "completion_tokens": completion, "finish_reason": reasons})
 
     async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:
         try:
@@ -424,8 +426,10 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
-            log.log(level, "%s: %s %s -> %d in %.3fs", request_id, scope["method"], scope["path"], status,
-                    time.perf_counter() - started)
+            duration = time.perf_counter() - started
+            log.log(level, "%s: %s %s -> %d in %.3fs", request_id, scope["method"], scope["path"], status, duration,
+                    extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
+                           "status": status, "duration_s": round(duration, 6)})
 
     def _request_id(self, scope: Scope) -> str:
         given = _header(scope, b"x-request-id")
