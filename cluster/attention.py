@@ -69,8 +69,8 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchAttentionBackend()
     if name == "triton":
         try:
-            from kernels.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
+            from kernels.triton_backend import TritonAttentionBackend
         except ImportError as error:
             raise ValueError(f"the triton attention backend is not available here: {error}") from error
-        return TritonAttentionBackend()  # type: ignore[no-any-return]
+        return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}: use 'auto', 'torch' or 'triton'")

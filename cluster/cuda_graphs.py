@@ -12,13 +12,16 @@ Block tables keep a row per request of the longest context, so any step's table 
 a row's blocks are never read. Everything else (prefills, mixed steps, batches over the largest
 bucket) runs eagerly. A bucket is captured the first time a step needs it, after one eager run that
 compiles the Triton kernels; attention is captured for the longest context (`max_model_len`), which
-fixes its split-K factor per bucket. The graphs need the Triton backend: the torch backend's gather
-would be sized for the longest context at every step.
+fixes its split-K factor per bucket. A failed capture leaves every later step eager, with a warning.
+The graphs need the Triton backend: the torch backend's gather would be sized for the longest
+context at every step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,8 +46,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(size, max_blocks_per_request, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool: tuple[int, int] | None = None  # one memory pool shared by every bucket's graph
+        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.pool: Any = None  # one CUDA graph memory pool shared by every bucket
         self.enabled = True
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
@@ -58,10 +61,11 @@ class DecodeGraphs:
             bucket: int) -> torch.Tensor:
         """Hidden states of the step's tokens ([batch, hidden]), valid until the next replay."""
         self._load(input_ids, positions, metadata, bucket)
-        if bucket not in self.graphs:
-            self._capture(bucket)
-        graph, hidden = self.graphs[bucket]
-        graph.replay()
+        if bucket in self.graphs:
+            replay, hidden = self.graphs[bucket]
+            replay()
+        else:
+            hidden = self._capture(bucket)
         return hidden[:input_ids.shape[0]]
 
     def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -75,20 +79,35 @@ class DecodeGraphs:
         self.seq_lens[batch:bucket].zero_()
         self.block_tables[:batch, :width].copy_(metadata.block_tables)
 
-    def _capture(self, bucket: int) -> None:
+    def _capture(self, bucket: int) -> torch.Tensor:
+        """Capture the bucket's graph; returns the step's hidden states from the eager run before it."""
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables[:bucket],
             seq_lens=self.seq_lens[:bucket], query_start_loc=self.query_start_loc[:bucket + 1],
             num_decodes=bucket, max_seq_len=self.max_model_len, seq_lens_list=[self.max_model_len] * bucket,
             query_start_list=list(range(bucket + 1)))
-        args = (self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata)
-        # The eager run compiles the kernels (no compilation may happen inside a capture); it writes
-        # the same keys and values into the same slots as the replay that follows.
-        self.model(*args)
+
+        def forward() -> torch.Tensor:
+            return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata)
+
+        # The eager run compiles the kernels (nothing may compile inside a capture) and answers this
+        # step; the captured pass writes the same keys and values into the same slots again.
+        eager = forward()
+        try:
+            self.graphs[bucket] = self._record(forward)
+        except RuntimeError as error:
+            logger.warning("CUDA graph capture failed, decode steps run eagerly from now on: %s", error)
+            self.enabled = False
+            return eager
+        logger.info("captured the CUDA graph of decode steps of up to %d sequences", bucket)
+        return eager
+
+    def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Capture `forward` as a CUDA graph: its replay, and the output tensor every replay rewrites."""
         torch.cuda.synchronize()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(*args)
-        self.pool = graph.pool()
-        self.graphs[bucket] = (graph, hidden)
-        logger.info("captured the CUDA graph of decode steps of up to %d sequences", bucket)
+            hidden = forward()
+        return graph.replay, hidden

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from cluster.attention import AttentionMetadata, get_attention_backend
+from cluster.cuda_graphs import DecodeGraphs
 from cluster.model import ArchitectureConfig, LlamaForCausalLM
 from cluster.request import TokenLogprobs
 from cluster.sampler import Sampler
@@ -110,6 +111,11 @@ class ModelRunner:
         self.swap_store: dict[str, list[torch.Tensor]] = {}
         self.sampler = Sampler(arch.vocab_size)
         self.block_tables = BlockTables(-(-max_model_len // block_size))
+        # Decode-only steps replay as CUDA graphs on CUDA devices with Triton attention (None: all eager).
+        self.decode_graphs = None
+        if self.device.type == "cuda" and backend.name == "triton":
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
+                                              max_model_len)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -120,7 +126,7 @@ class ModelRunner:
         if not output.scheduled:
             return ModelRunnerOutput()
         batch = self.build_batch(output.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        hidden = self._forward(batch)
         if not batch.sample_rows:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -132,6 +138,14 @@ class ModelRunner:
             if logprobs is not None:
                 result.logprobs[request.request_id] = logprobs
         return result
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """A CUDA graph replay for a decode-only step that fits a bucket, else the eager model."""
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(batch.metadata) if graphs is not None else None
+        if graphs is None or bucket is None:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        return graphs.run(batch.input_ids, batch.positions, batch.metadata, bucket)
 
     def build_batch(self, scheduled: list[ScheduledRequest]) -> Batch:
         return build_batch(scheduled, self.block_tables, self.block_size, self.device)
