@@ -93,6 +93,13 @@ class WorkerActor:
         return await self.worker.abort(request_id)
 
 
+MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
+
+
+class _WorkerLost(RuntimeError):
+    """The worker running a request died after it had streamed tokens of its own."""
+
+
 class _Repeats:
     """The decode worker restates the first token the prefill worker already streamed: drop the
     repeat, keeping any text it adds (the prefill holds back a partial UTF-8 character)."""
@@ -143,7 +150,8 @@ class Router:
         # Which prefixes each worker holds: published by the workers into Redis, or (no Redis) this
         # router's own record of where it sent which prompts.
         self.state = connect_state(config.redis_url)
-        self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0}
+        self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0, "resumed": 0}
+        self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
         self.dead: set[int] = set()  # workers found dead; Ray restarts come with fault handling
         self.turn = 0
 
@@ -202,15 +210,50 @@ class Router:
         return sum(getattr(self.state, "fallbacks", {}).values())
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens. A worker lost after it streamed tokens of its own is replaced:
+        the request runs again elsewhere from its prompt plus the tokens already sent (exact for
+        greedy decoding), and the client sees one unbroken stream."""
         if self.poller is None:
             self.poller = asyncio.get_running_loop().create_task(self._poll_loads())
+        sent: list[int] = []
+        for attempt in range(MAX_RESUMES + 1):
+            left = params.max_tokens - len(sent)
+            if left <= 0:  # the lost worker had streamed every token: only the ending was missing
+                yield TokenEvent(request_id, len(sent), [], "", True, "length", len(prompt), "router")
+                return
+            attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
+            self.attempts[request_id] = attempt_id
+            resumed = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)))
+            before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
+            try:
+                async for event in self._attempt(attempt_id, prompt + sent, resumed):
+                    event = replace(event, request_id=request_id, index=event.index + before,
+                                    num_prompt_tokens=len(prompt))
+                    sent += event.token_ids
+                    yield event
+                return
+            except _WorkerLost as lost:
+                log.warning("%s: %s lost after %d tokens; resuming elsewhere", request_id, lost, len(sent))
+                self.decisions["resumed"] += 1
+            finally:
+                self.attempts.pop(request_id, None)
+        raise NoCapacityError(f"{request_id}: workers kept failing ({MAX_RESUMES} resumes)")
+
+    async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """One run of the request; raises `_WorkerLost` if its worker dies after streaming tokens."""
         if self.mode == "colocated":
-            live = self._decode_order()
-            if not live:
-                raise NoCapacityError("no worker is alive")
-            async for event in self._relay(live[0], live[0].generate, request_id, prompt, params):
-                yield event
-            return
+            for worker in self._decode_order():
+                streamed = False
+                try:
+                    async for event in self._relay(worker, worker.generate, request_id, prompt, params):
+                        streamed = streamed or bool(event.token_ids)
+                        yield event
+                    return
+                except RayActorError as error:
+                    self._mark_dead(worker)
+                    if streamed:
+                        raise _WorkerLost(f"worker {self.ids.get(id(worker))}") from error
+            raise NoCapacityError("no worker is alive")
         seen = _Repeats()
         for decode in self._decode_order():
             try:
@@ -223,10 +266,10 @@ class Router:
                     if news is not None:
                         yield news
                 return
-            except RayActorError:
+            except RayActorError as error:
                 self._mark_dead(decode)
-                if seen.sent > 1:  # it already streamed tokens of its own: resuming those is not done yet
-                    raise
+                if seen.sent > 1:  # it streamed tokens of its own: the caller resumes after them
+                    raise _WorkerLost(f"decode worker {self.ids.get(id(decode))}") from error
                 log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
                 self.decisions["rerouted"] += 1
         raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
@@ -264,6 +307,7 @@ class Router:
             self.in_flight[id(handle)] -= 1
 
     async def abort(self, request_id: str) -> None:
+        request_id = self.attempts.get(request_id, request_id)  # a resumed request runs under another id
         for handle in self._live(self.prefill + self.decode):
             with contextlib.suppress(RayActorError):
                 await handle.abort.remote(request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,41 @@ def ray_stats(cluster: Cluster) -> dict[str, int]:
     import ray
 
     return dict(ray.get(cluster.router.stats.remote(), timeout=30))
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_worker_killed_mid_stream_is_resumed_elsewhere(checkpoint: Path, mode: str) -> None:
+    """Every request finishes with the engine's own tokens, each sent once, though the worker
+    streaming half of them dies midway."""
+    import ray
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 256})
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    expected = [LLMEngine(engine_config).generate([p], params)[0].token_ids for p in PROMPTS]
+    config = ClusterConfig(mode=mode, prefill=PoolConfig(replicas=1 if mode == "disaggregated" else 0, num_cpus=0.1),
+                           decode=PoolConfig(replicas=2, num_cpus=0.1), engine=engine_config)
+    cluster = Cluster(config).start()
+    received: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(index: int, prompt: list[int]) -> None:
+        async for event in cluster.generate(prompt, params, request_id=f"kill-{index}"):
+            assert event.index == len(received[index])  # in order, nothing repeated
+            received[index] += event.token_ids
+
+    async def everything() -> None:
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(PROMPTS)]
+        deadline = time.monotonic() + 120
+        while min(len(tokens) for tokens in received) < 10:  # every request is streaming
+            assert not any(task.done() for task in tasks) and time.monotonic() < deadline, "not all streaming"
+            await asyncio.sleep(0.005)
+        ray.kill(cluster.decode[0])
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    try:
+        asyncio.run(everything())
+        assert received == expected
+        assert ray.get(cluster.router.stats.remote(), timeout=30)["resumed"] >= 1
+        cluster.decode = cluster.decode[1:]
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
