@@ -1,0 +1,440 @@
+"""The Helm chart, rendered by Helm's own template engine and checked offline.
+
+Helm comes from `helm-python-sdk` (Helm's Go SDK behind a C ABI, no helm binary). Every rendered
+object validates against the Kubernetes API schemas that `kubernetes-validate` ships (strict: an
+unknown field fails) and the RayCluster and ServiceMonitor against their CRDs' openAPIV3Schema,
+copied into helm/schemas/. The cluster.yaml the gateway mounts must load in pdserve and fit the
+worker groups, and the gateway's command line must parse with `pdserve serve`'s own parser. The
+files under deploy/ are checked against what they describe: the dashboard against the metrics
+cluster/metrics.py exports, the Ray launcher config against Ray's schema.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.resources
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm  # Helm's Go SDK: the dev dependency helm-python-sdk
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pdserve"
+SCHEMAS = ROOT / "helm" / "schemas"
+DEPLOY = ROOT / "deploy"
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml"}
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest the schemas know.
+KUBE_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())  # both have a -local-strict folder
+RELEASE, NAMESPACE = "demo", "llm"
+
+EVERYTHING_ON = {
+    "ray": {"enableInTreeAutoscaling": True,
+            "decodeGroups": [{"groupName": "decode-a", "replicas": 2, "minReplicas": 0, "maxReplicas": 3,
+                              "workersPerPod": 2, "idleTimeoutSeconds": 120, "shmSize": "1Gi",
+                              "resources": {"limits": {"cpu": "4", "memory": "8Gi"}}},
+                             {"groupName": "decode-b", "replicas": 1, "workersPerPod": 1, "shmSize": "1Gi",
+                              "resources": {"limits": {"cpu": "2", "memory": "8Gi"}}}]},
+    "gateway": {"ingress": {"enabled": True, "className": "nginx",
+                            "tls": [{"secretName": "tls", "hosts": ["pdserve.example.com"]}]},
+                "podDisruptionBudget": {"maxUnavailable": 1}},
+    "apiKey": {"value": "a-key-from-values"},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+}
+COLOCATED_EXTERNAL = {
+    "cluster": {"mode": "colocated"},
+    "redis": {"externalUrl": "redis://redis.shared.svc:6379/3"},
+    "apiKey": {"enabled": False},
+    "networkPolicy": {"enabled": False},
+    "grafanaDashboard": {"enabled": False},
+}
+
+
+def examples() -> dict[str, dict[str, Any]]:
+    return {path.stem: yaml.safe_load(path.read_text()) for path in sorted((CHART / "examples").glob("*.yaml"))}
+
+
+CASES = {"defaults": {}, **examples(), "everything-on": EVERYTHING_ON, "colocated-external-redis": COLOCATED_EXTERNAL}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Any:
+    with helm.Chart.load(str(CHART)) as loaded:
+        yield loaded
+
+
+@functools.cache
+def render_case(case: str) -> list[dict[str, Any]]:
+    with helm.Chart.load(str(CHART)) as loaded:
+        return render(loaded, CASES[case])
+
+
+def render(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every object the chart renders with these values (as `helm template -f values.yaml`)."""
+    manifests = chart.render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".yaml"):
+            objects += [document for document in yaml.safe_load_all(text) if document]
+    return objects
+
+
+def one(objects: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"expected one {kind} named *{suffix}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    specs = [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in objects
+             if o["kind"] in ("Deployment", "StatefulSet")]
+    for cluster in (o for o in objects if o["kind"] == "RayCluster"):
+        specs.append(("ray-head", cluster["spec"]["headGroupSpec"]["template"]["spec"]))
+        specs += [(group["groupName"], group["template"]["spec"]) for group in cluster["spec"]["workerGroupSpecs"]]
+    return specs
+
+
+# ---- schemas -------------------------------------------------------------------------------------
+
+
+@functools.cache
+def crd_validator(kind: str, version: str) -> Any:
+    crd = yaml.load((SCHEMAS / CRD_FILES[kind]).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    for served in crd["spec"]["versions"]:
+        if served["name"] == version:
+            schema = closed(served["schema"]["openAPIV3Schema"])
+            return jsonschema.Draft7Validator(schema)
+    raise AssertionError(f"{CRD_FILES[kind]} has no version {version}")
+
+
+def closed(schema: Any) -> Any:
+    """The schema with unknown fields refused, as the API server's strict field validation does: an
+    object with `properties` allows no others unless it says it preserves unknown fields."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {key: closed(value) for key, value in schema.items()}
+    if ("properties" in result and "additionalProperties" not in result
+            and not result.get("x-kubernetes-preserve-unknown-fields")):
+        result["additionalProperties"] = False
+    return result
+
+
+@functools.cache
+def kubernetes_validator(kind: str, api_version: str, kube_version: str) -> Any:
+    """kubernetes-validate's strict schema of a kind (as its `validate` picks it), loaded once."""
+    from referencing import Registry, Resource
+
+    schemas = importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema"
+    folder = schemas / f"v{kube_version}-local-strict"
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # apps/v1 -> apps-v1
+    schema = json.loads((folder / f"{kind.lower()}-{group_version}.json").read_text())
+    definitions = json.loads((folder / "_definitions.json").read_text())
+    registry = Registry().with_resources([(document["$id"], Resource.from_contents(document))
+                                          for document in (schema, definitions)])
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def validate(resource: dict[str, Any], kube_version: str) -> None:
+    kind = resource["kind"]
+    if kind in CRD_FILES:
+        validator = crd_validator(kind, resource["apiVersion"].split("/")[-1])
+        where = kind
+    else:
+        validator = kubernetes_validator(kind, resource["apiVersion"], kube_version)
+        where = f"{kind} (Kubernetes {kube_version})"
+    errors = sorted(validator.iter_errors(resource), key=lambda e: list(e.path))
+    assert not errors, f"{where} {resource['metadata']['name']}: " + "; ".join(
+        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_renders_and_every_object_validates(case: str) -> None:
+    objects = render_case(case)
+    kinds = {o["kind"] for o in objects}
+    assert {"RayCluster", "ConfigMap", "Deployment", "Service", "ServiceAccount"} <= kinds
+    for resource in objects:
+        assert resource["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+        for kube_version in KUBE_VERSIONS:
+            validate(resource, kube_version)
+
+
+def test_the_validation_refuses_a_misspelt_field() -> None:
+    objects = render_case("defaults")
+    cluster = copy.deepcopy(one(objects, "RayCluster"))
+    cluster["spec"]["workerGroupSpecs"][0]["replica"] = 2
+    with pytest.raises(AssertionError, match="replica"):
+        validate(cluster, KUBE_VERSIONS[-1])
+    gateway = copy.deepcopy(one(objects, "Deployment", "-gateway"))
+    gateway["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(AssertionError, match="readinesProbe"):
+        validate(gateway, KUBE_VERSIONS[-1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_helm_lint_is_clean(case: str) -> None:
+    report = helm.lint(str(CHART), copy.deepcopy(CASES[case]), strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], report
+
+
+# ---- what the objects mean -----------------------------------------------------------------------
+
+
+def pool_offers(group: dict[str, Any]) -> dict[str, float]:
+    """The custom resources a group's pod offers, as `ray start --resources` receives them after
+    KubeRay puts the value into a bash command line."""
+    (value,) = shlex.split(group["rayStartParams"]["resources"])
+    return json.loads(value)
+
+
+def cluster_yaml(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return yaml.safe_load(one(objects, "ConfigMap", "-cluster")["data"]["cluster.yaml"])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_pools_fit_the_worker_groups_that_hold_them(case: str) -> None:
+    from cluster.cluster_config import cluster_config_from
+
+    objects = render_case(case)
+    config = cluster_config_from(cluster_yaml(objects))  # loads in pdserve, every value checked
+    groups = one(objects, "RayCluster")["spec"]["workerGroupSpecs"]
+    pools = [("decode", config.decode)] + ([] if config.mode == "colocated" else [("prefill", config.prefill)])
+    assert {name for group in groups for name in pool_offers(group)} == {f"{name}_node" for name, _ in pools}
+    for name, pool in pools:
+        (resource,) = pool.resources  # one unit of its group's resource per worker
+        assert resource == f"{name}_node" and pool.resources[resource] == 1
+        offered = sum(group["replicas"] * pool_offers(group).get(resource, 0) for group in groups)
+        assert offered == pool.replicas >= 1, f"{name}: groups offer {offered} workers, the pool has {pool.replicas}"
+        for group in groups:
+            assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    model = CASES[case].get("model", {})
+    assert config.engine.model.model == model.get("name", "default")
+
+
+def gateway_command(objects: list[dict[str, Any]]) -> list[str]:
+    container = one(objects, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    (script,) = container["args"]
+    (line,) = [line for line in script.splitlines() if line.strip().startswith("exec pdserve serve")]
+    return shlex.split(line)[2:]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_gateway_runs_serve_on_the_mounted_config_and_drains_within_its_grace(case: str) -> None:
+    from cluster.cli import build_parser
+
+    objects = render_case(case)
+    deployment = one(objects, "Deployment", "-gateway")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = build_parser().parse_args(gateway_command(objects))  # every flag is one serve knows
+    cluster = one(objects, "RayCluster")
+    head_port = cluster["spec"]["headGroupSpec"]["rayStartParams"]["port"]
+    assert args.ray_address == f"{cluster['metadata']['name']}-head-svc:{head_port}"  # KubeRay's head Service
+    assert args.host == "0.0.0.0"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": args.port, "grpc": args.grpc_port}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "cluster-config")
+    assert Path(args.config).parent == Path(mount["mountPath"])
+    volume = next(v for v in pod["volumes"] if v["name"] == "cluster-config")
+    assert volume["configMap"]["name"] == one(objects, "ConfigMap", "-cluster")["metadata"]["name"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pre_stop + args.drain_s < pod["terminationGracePeriodSeconds"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+    service = one(objects, "Service", "-gateway")
+    assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc"}
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    budget = one(objects, "PodDisruptionBudget", "-gateway")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_api_key_and_redis_come_to_the_gateway_from_the_release(case: str) -> None:
+    objects = render_case(case)
+    values = CASES[case]
+    container = one(objects, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    api_key = values.get("apiKey", {})
+    if api_key.get("enabled", True):
+        reference = env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+        if api_key.get("existingSecret"):
+            assert reference["name"] == api_key["existingSecret"]
+            assert not [o for o in objects if o["kind"] == "Secret"]
+        else:
+            secret = one(objects, "Secret", "-api-key")
+            assert reference["name"] == secret["metadata"]["name"] and reference["key"] in secret["data"]
+    else:
+        assert "PDSERVE_API_KEY" not in env
+    redis = values.get("redis", {})
+    url = env["PDSERVE_REDIS_URL"]["value"]
+    if redis.get("externalUrl"):
+        assert url == redis["externalUrl"] and not [o for o in objects if o["kind"] == "StatefulSet"]
+    else:
+        service = one(objects, "Service", "-redis")
+        assert url == f"redis://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
+        statefulset = one(objects, "StatefulSet", "-redis")
+        assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pods_run_as_non_root_with_shared_memory_for_ray(case: str) -> None:
+    objects = render_case(case)
+    autoscaling = one(objects, "RayCluster")["spec"]["enableInTreeAutoscaling"]
+    for name, spec in pod_specs(objects):
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
+        # Only the autoscaler, beside the head, talks to the API server (with the account KubeRay makes).
+        assert spec.get("automountServiceAccountToken", True) is (autoscaling and name == "ray-head"), name
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, name
+            assert context["readOnlyRootFilesystem"] is True, name
+            assert context["capabilities"]["drop"] == ["ALL"], name
+        if name.endswith("-redis"):
+            continue
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory", name
+        assert "emptyDir" in volumes[mounts["/tmp"]], name  # Ray's session files; the root is read-only
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert mounts[env["PDSERVE_CACHE_DIR"]] == "model-cache", name
+
+
+def test_worker_groups_carry_their_scheduling_and_gpus() -> None:
+    values = CASES["values-gpu-rdma"]
+    cluster = one(render_case("values-gpu-rdma"), "RayCluster")
+    assert cluster["spec"]["enableInTreeAutoscaling"] is True
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    wanted = {values["ray"]["prefill"].get("groupName", "prefill"): values["ray"]["prefill"],
+              **{g["groupName"]: g for g in values["ray"]["decodeGroups"]}}
+    assert groups.keys() == wanted.keys()
+    for name, group in groups.items():
+        spec = group["template"]["spec"]
+        assert spec["nodeSelector"] == wanted[name]["nodeSelector"]
+        assert spec["tolerations"] == wanted[name]["tolerations"]
+        assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        bounds = (wanted[name]["minReplicas"], wanted[name]["maxReplicas"])
+        assert (group["minReplicas"], group["maxReplicas"]) == bounds
+        assert group.get("idleTimeoutSeconds") == wanted[name].get("idleTimeoutSeconds")
+        assert "IPC_LOCK" in spec["containers"][0]["securityContext"]["capabilities"]["add"]
+
+
+def test_monitoring_objects_select_the_gateway() -> None:
+    objects = render_case("everything-on")
+    monitor = one(objects, "ServiceMonitor")
+    service = one(objects, "Service", "-gateway")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    dashboard = one(objects, "ConfigMap", "-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["pdserve.json"]) == json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    assert "ServiceMonitor" not in {o["kind"] for o in render_case("defaults")}  # needs the operator's CRD
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"gateway": {"replicas": 2}}, "at '/gateway/replicas': value must be 1"),  # values.schema.json
+    ({"ray": {"prefill": {"workerPerPod": 2}}}, "'workerPerPod' not allowed"),
+    ({"gateway": {"drainSeconds": 60, "terminationGracePeriodSeconds": 60}}, "drainSeconds must be shorter"),
+    ({"gateway": {"drainSeconds": 50, "preStopSleepSeconds": 10, "terminationGracePeriodSeconds": 60}},
+     "preStopSleepSeconds"),
+    ({"ray": {"decodeGroups": []}}, "at least one decode worker"),
+    ({"ray": {"prefill": {"replicas": 0}}}, "ray.prefill.replicas must be >= 1"),
+    ({"ray": {"enableInTreeAutoscaling": True, "autoscalerOptions": {"version": "v1"},
+              "prefill": {"idleTimeoutSeconds": 60}}}, "idleTimeoutSeconds needs the v2 autoscaler"),
+])
+def test_values_that_cannot_work_fail_with_a_message(chart: Any, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(chart, values)
+
+
+def test_the_api_key_secret_keeps_a_key_given_in_values(chart: Any) -> None:
+    import base64
+
+    secret = one(render(chart, {"apiKey": {"value": "s3cret"}}), "Secret", "-api-key")
+    assert base64.b64decode(secret["data"]["api-key"]).decode() == "s3cret"
+    generated = one(render_case("defaults"), "Secret", "-api-key")
+    assert len(base64.b64decode(generated["data"]["api-key"])) == 40
+
+
+# ---- deploy/ -------------------------------------------------------------------------------------
+
+
+def exported_metrics() -> set[str]:
+    """The sample names /metrics can show, from the registry cluster/metrics.py builds."""
+    from cluster.metrics import ClusterMetrics
+
+    names: set[str] = set()
+    for family in ClusterMetrics("model").registry.collect():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        names |= {family.name + suffix for suffix in suffixes}
+    return names
+
+
+def test_the_dashboard_charts_metrics_the_gateway_exports() -> None:
+    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    assert (CHART / "dashboards" / "pdserve.json").read_text() == (DEPLOY / "grafana-dashboard.json").read_text()
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    used = {name for expr in expressions for name in re.findall(r"\b(?:vllm|pdserve):[a-z0-9_]+", expr)}
+    assert used <= exported_metrics(), f"not exported: {sorted(used - exported_metrics())}"
+    wanted = {"vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+              "vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_running", "vllm:num_requests_waiting",
+              "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+              "vllm:request_success_total", "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+              "vllm:prefix_cache_hits_total", "pdserve:kv_transfer_bytes_total", "pdserve:kv_transfer_seconds_total",
+              "pdserve:kv_transfer_failures_total", "pdserve:router_decisions_total", "pdserve:workers"}
+    assert wanted <= used, f"not charted: {sorted(wanted - used)}"
+    for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert any(f"histogram_quantile(0.99, sum by (le) (rate(vllm:{metric}_bucket" in e for e in expressions)
+    assert any('by (role, worker)' in e and "vllm:kv_cache_usage_perc" in e for e in expressions)
+
+
+def test_prometheus_scrapes_the_gateway() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "pdserve"]
+    assert job["metrics_path"] == "/metrics"
+    assert all(target.endswith(":8000") for group in job["static_configs"] for target in group["targets"])
+
+
+def test_the_ray_launcher_config_is_valid_and_pins_the_pools() -> None:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    validate_config(prepare_config(copy.deepcopy(config)))  # what `ray up` checks first
+    assert config["provider"]["type"] == "local"
+    workers = " ".join(config["worker_start_ray_commands"])
+    assert '{"prefill_node": 1}' in workers and '{"decode_node": 1}' in workers
+    assert "--num-cpus=0" in " ".join(config["head_start_ray_commands"])
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_the_images_are_multi_stage_non_root_with_the_cache_as_a_volume(name: str) -> None:
+    lines = [line.strip() for line in (DEPLOY / name).read_text().splitlines() if line.strip()]
+    stages = [line for line in lines if line.startswith("FROM ")]
+    assert len(stages) >= 2 and all(" AS " in line for line in stages)
+    final = lines[lines.index(stages[-1]):]
+    (user,) = [line.split()[1] for line in final if line.startswith("USER ")]
+    assert user.split(":")[0].isdigit() and int(user.split(":")[0]) != 0
+    env = " ".join(line for line in final if line.startswith("ENV") or line.endswith("\\") or "=" in line)
+    cache_dir = re.search(r"PDSERVE_CACHE_DIR=(\S+)", env)
+    assert cache_dir, "the image sets PDSERVE_CACHE_DIR"
+    (volume,) = [line for line in final if line.startswith("VOLUME")]
+    assert cache_dir.group(1) in volume
+    assert any("--from=build" in line for line in final)
+    for line in lines:  # what the build copies exists in the repository
+        if line.startswith("COPY ") and "--from" not in line:
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"{name}: {source} is missing"
