@@ -21,7 +21,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The gRPC stubs, committed under cluster/grpc_stubs (after `make install`: grpcio-tools is a dev
 # dependency; tests/grpc runs this target into a temporary PROTO_OUT and fails if they differ). The

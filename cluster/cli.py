@@ -110,6 +110,12 @@ def chat_loop(console: Console, system: str, respond: Callable[[list[dict[str, s
 
 
 def command_bench(args: argparse.Namespace) -> int:
+    """The serving benchmark against a running server with --url or --grpc; else the offline one,
+    which loads the engine here and pushes a synthetic workload through it."""
+    if args.url or args.grpc:
+        from cluster.serving_bench import command
+
+        return command(args)
     from cluster.bench import run_workload, synthetic_workload
 
     engine = make_engine(args)
@@ -219,10 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     chat = commands.add_parser("chat", help="interactive chat with the model")
     chat.add_argument("--system", default="", help="system prompt")
-    bench = commands.add_parser("bench", help="offline throughput benchmark of the engine")
+    bench = commands.add_parser("bench", help="benchmark a running server (--url or --grpc: latencies, "
+                                "throughput, goodput), or without them the engine offline (throughput)")
     bench.add_argument("--num-requests", type=int, default=64)
-    bench.add_argument("--output-cap", type=int, default=512)
+    bench.add_argument("--output-cap", type=int, default=512, help="offline: longest output")
     bench.add_argument("--json", default="", help="write the result to this JSON file")
+    from cluster.serving_bench import add_arguments as add_serving_bench_arguments  # no torch: --help stays fast
+
+    add_serving_bench_arguments(bench)
     for sub in (generate, chat, bench):
         add_engine_arguments(sub)
         add_sampling_arguments(sub)
