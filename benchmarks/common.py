@@ -39,8 +39,9 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def machine() -> dict[str, Any]:
-    """What the numbers were measured on; the load average tells how noisy the machine was."""
+def machine(module: str = "benchmarks.engine") -> dict[str, Any]:
+    """What the numbers were measured on (the load average tells how noisy the machine was), and the
+    command that reproduces them (`python -m <module> <this run's arguments>`)."""
     import transformers
 
     return {
@@ -48,7 +49,7 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
         "python": platform.python_version(), "load_average_at_start": os.getloadavg(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.engine " + shlex.join(sys.argv[1:]),
+        "command": f"python -m {module} " + shlex.join(sys.argv[1:]),
         "git": git_state(),
     }
 

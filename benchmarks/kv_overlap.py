@@ -25,18 +25,14 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, console, cpu_model, git_state, print_table  # noqa: E402
+from benchmarks.common import RESULTS, console, machine, print_table  # noqa: E402
 from cluster.cluster import Cluster, init_ray  # noqa: E402
 from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
 from cluster.sampling_params import SamplingParams  # noqa: E402
@@ -140,10 +136,7 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     init_ray()
-    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "load_average_at_start": os.getloadavg(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": "python -m benchmarks.kv_overlap " + shlex.join(sys.argv[1:]), "git": git_state()}
+    info = machine("benchmarks.kv_overlap")
     rows = run(args)
     summary = summarize(rows, args.lengths)
     print_table("KV transfer overlapped with compute (medians)",
