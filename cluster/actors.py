@@ -137,7 +137,7 @@ class Router:
     """
 
     def __init__(self, prefill: list[tuple[str, Any]], decode: list[tuple[str, Any]], config: RouterConfig) -> None:
-        self.config, self.mode, self.lease_s, self.block_size = config, config.mode, config.lease_s, config.block_size
+        self.config = config
         self.ids = {id(handle): worker_id for worker_id, handle in prefill + decode}
         self.prefill = [handle for _, handle in prefill]
         self.decode = [handle for _, handle in decode]
@@ -171,13 +171,13 @@ class Router:
         if self.config.policy == "round-robin":  # the baselines the benchmark compares against
             self.turn += 1
             return live[self.turn % len(live)]
-        hashes = prefix_hashes(prompt, self.block_size, self.config.model_name)
+        hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name)
         kv_aware = self.config.policy == "kv-aware" and hashes
         cached = await self.state.match(hashes, [self.ids[id(h)] for h in live]) if kv_aware else {}
 
         def cost(handle: Any) -> int:
             held = cached.get(self.ids[id(handle)], 0)
-            return prefill_cost(self.queued_tokens.get(id(handle), 0), len(prompt), held, self.block_size)
+            return prefill_cost(self.queued_tokens.get(id(handle), 0), len(prompt), held, self.config.block_size)
 
         best = min(live, key=cost)
         if cached.get(self.ids[id(best)], 0):
@@ -241,7 +241,7 @@ class Router:
 
     async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """One run of the request; raises `_WorkerLost` if its worker dies after streaming tokens."""
-        if self.mode == "colocated":
+        if self.config.mode == "colocated":
             for worker in self._decode_order():
                 streamed = False
                 try:
@@ -257,7 +257,7 @@ class Router:
         seen = _Repeats()
         for decode in self._decode_order():
             try:
-                address = await decode.reserve.remote(request_id, prompt, params, self.lease_s)
+                address = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s)
                 if address is None:
                     self.decisions["reserve_refused"] += 1
                     continue

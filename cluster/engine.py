@@ -141,11 +141,14 @@ class LLMEngine:
         request.hold_kv = True
         return request
 
-    def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
-        """Copy a finished (held) prefill's KV from block `first_block` to the end, with its first token."""
-        request = self.scheduler.held[request_id]
-        data = self.runner.read_blocks(self.kv_cache.block_ids(request_id)[first_block:])
-        return KVExport(request_id, request.num_prompt_tokens, first_block, data, request.output_token_ids[0])
+    def export_kv(self, request_id: str, first_block: int = 0, stop_block: int | None = None) -> KVExport:
+        """Copy blocks [first_block, stop_block) of a prefill's KV: of a running one (sent while the
+        rest computes), or of a finished, held one, then with its first token."""
+        held = self.scheduler.held.get(request_id)
+        request = held or self.scheduler.requests[request_id]
+        data = self.runner.read_blocks(self.kv_cache.block_ids(request_id)[first_block:stop_block])
+        first_token_id = request.output_token_ids[0] if held is not None else None
+        return KVExport(request_id, request.num_prompt_tokens, first_block, data, first_token_id)
 
     def computed_blocks(self, request_id: str) -> int:
         """Blocks of a running prefill whose KV is final: full ones, below the last prompt block (which
@@ -156,12 +159,6 @@ class LLMEngine:
         block_size = self.config.cache.block_size
         last_block = (request.num_prompt_tokens - 1) // block_size
         return min(request.num_computed_tokens // block_size, last_block)
-
-    def export_blocks(self, request_id: str, first_block: int, stop_block: int) -> KVExport:
-        """Copy blocks [first_block, stop_block) of a running prefill: sent while the rest computes."""
-        request = self.scheduler.requests[request_id]
-        data = self.runner.read_blocks(self.kv_cache.block_ids(request_id)[first_block:stop_block])
-        return KVExport(request_id, request.num_prompt_tokens, first_block, data)
 
     def release_held(self, request_id: str) -> None:
         self.scheduler.release_held(request_id)

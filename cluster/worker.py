@@ -190,7 +190,7 @@ class Worker:
         for request_id, outbox in list(self.outboxes.items()):
             computed = self.engine.computed_blocks(request_id)
             if computed > outbox.queued:
-                self._post(outbox, self.engine.export_blocks(request_id, outbox.queued, computed))
+                self._post(outbox, self.engine.export_kv(request_id, outbox.queued, computed))
 
     def _export(self, request_id: str) -> None:
         """Queue a finished prefill's last blocks (with its first token) and free its blocks right

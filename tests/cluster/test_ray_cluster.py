@@ -11,6 +11,7 @@ import pytest
 
 from cluster.cluster import Cluster
 from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from, load_cluster_config
+from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.sampling_params import SamplingParams
 from tests.conftest import MAX_TOKENS
@@ -23,6 +24,16 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def engine_config_for(checkpoint: Path, num_blocks: int = 128) -> EngineConfig:
+    return engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": num_blocks})
+
+
+def alone(engine_config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's tokens from one engine, one request at a time: what the cluster must reproduce."""
+    engine = LLMEngine(engine_config)
+    return [engine.generate([prompt], params)[0].token_ids for prompt in prompts]
 
 
 def generate_all(cluster: Cluster, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -51,8 +62,8 @@ def assert_pools_whole(cluster: Cluster) -> None:
 def test_two_prefill_two_decode_equal_the_engine_alone(checkpoint: Path, mode: str) -> None:
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
-    expected = [LLMEngine(engine_config).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    engine_config = engine_config_for(checkpoint)
+    expected = alone(engine_config, PROMPTS, GREEDY)
     config = ClusterConfig(mode=mode, prefill=PoolConfig(replicas=2, num_cpus=0.1),
                            decode=PoolConfig(replicas=2, num_cpus=0.1), engine=engine_config)
     cluster = Cluster(config).start()
@@ -69,8 +80,8 @@ def test_two_prefill_two_decode_equal_the_engine_alone(checkpoint: Path, mode: s
 def test_a_dead_decode_worker_sends_requests_to_the_other(checkpoint: Path) -> None:
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
-    expected = [LLMEngine(engine_config).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    engine_config = engine_config_for(checkpoint)
+    expected = alone(engine_config, PROMPTS, GREEDY)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
                            engine=engine_config)
     cluster = Cluster(config).start()
@@ -87,8 +98,8 @@ def test_a_dead_decode_worker_sends_requests_to_the_other(checkpoint: Path) -> N
 def test_lost_prefill_workers_leave_the_prompts_to_the_decode_workers(checkpoint: Path) -> None:
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
-    expected = [LLMEngine(engine_config).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    engine_config = engine_config_for(checkpoint)
+    expected = alone(engine_config, PROMPTS, GREEDY)
     config = ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config)
     cluster = Cluster(config).start()
@@ -137,10 +148,10 @@ def test_config_file_with_overrides_and_clear_errors(tmp_path: Path) -> None:
 def test_kv_aware_routing_with_blocks_the_workers_publish_to_redis(checkpoint: Path, redis_server: Any) -> None:
     """Two prefill workers publish their cached blocks to Redis; prompts sharing a long prefix go to
     the worker that holds it, and the tokens are still the engine's own."""
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
+    engine_config = engine_config_for(checkpoint)
     shared = list(range(200, 240))  # a 40-token "system prompt": 10 blocks
     prompts = [shared + [7 + i, 8 + i, 9 + i] for i in range(4)]
-    expected = [LLMEngine(engine_config).generate([p], GREEDY)[0].token_ids for p in prompts]
+    expected = alone(engine_config, prompts, GREEDY)
     config = ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config, redis_url=redis_server.url)
     cluster = Cluster(config).start()
@@ -214,9 +225,9 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere(checkpoint: Path, mode:
     streaming half of them dies midway."""
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 256})
+    engine_config = engine_config_for(checkpoint, num_blocks=256)
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    expected = [LLMEngine(engine_config).generate([p], params)[0].token_ids for p in PROMPTS]
+    expected = alone(engine_config, PROMPTS, params)
     config = ClusterConfig(mode=mode, prefill=PoolConfig(replicas=1 if mode == "disaggregated" else 0, num_cpus=0.1),
                            decode=PoolConfig(replicas=2, num_cpus=0.1), engine=engine_config)
     cluster = Cluster(config).start()
