@@ -25,42 +25,58 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from cluster.config import EngineConfig
-from cluster.routing import LOAD_POLL_S, decode_rank, prefill_cost, prefix_hashes
+from cluster.routing import LOAD_POLL_S, POLL_TIMEOUT_S, decode_rank, prefill_cost, prefix_hashes
 from cluster.sampling_params import SamplingParams
 from cluster.service import NoCapacityError
-from cluster.shared_state import connect_state
+from cluster.shared_state import WorkerInfo, connect_state
 from cluster.worker import TokenEvent, TransferStats, Worker, WorkerLoad
 
 log = logging.getLogger(__name__)
+RAY_NAMESPACE = "pdserve"  # workers' actor names live here, so other drivers (gateway replicas) find them
 
 
 class WorkerActor:
-    """The Ray face of `Worker`: builds the engine and the UCX connector inside the actor process."""
+    """The Ray face of `Worker`: builds the engine and the UCX connector inside the actor process.
+
+    The worker starts on its first call, whichever it is: when Ray restarts a dead worker (the actor's
+    `max_restarts`) it runs `__init__` again and nothing else, and the routers' next load poll brings
+    it back into service."""
 
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, host: str = "127.0.0.1",
-                 overlap_transfer: bool = True, redis_url: str = "") -> None:
+                 overlap_transfer: bool = True, redis_url: str = "", address: str = "") -> None:
         from cluster.engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
         sender = UCXSender() if role == "prefill" else None
         receiver = UCXReceiver(host=host) if role == "decode" else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
-        self.worker = Worker(worker_id, role, LLMEngine(engine_config), sender=sender, receiver=receiver,
-                             overlap_transfer=overlap_transfer, state=state)
+        engine = LLMEngine(engine_config)
+        # Router replicas find the worker in the registry by its Ray actor name.
+        listing = WorkerInfo(worker_id, role, address or worker_id,
+                             {"namespace": RAY_NAMESPACE, "model": engine.model_name})
+        self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
+                             overlap_transfer=overlap_transfer, state=state, listing=listing)
+        self.started: asyncio.Task[None] | None = None
+
+    async def _ready(self) -> Worker:
+        if self.started is None:
+            self.started = asyncio.get_running_loop().create_task(self.worker.start())
+        await asyncio.shield(self.started)
+        return self.worker
 
     async def start(self) -> str:
-        await self.worker.start()
-        return self.worker.worker_id
+        return (await self._ready()).worker_id
 
     async def stop(self) -> None:
-        await self.worker.stop()
+        if self.started is not None:
+            await self.worker.stop()
 
     async def load(self) -> WorkerLoad:
-        return await self.worker.load()
+        return await (await self._ready()).load()
 
     async def pool_state(self) -> tuple[int, int]:
         """(free blocks, total blocks): whole when equal and nothing runs."""
-        load = await self.worker.load()
+        load = await self.load()
         return load.num_free_blocks, load.num_blocks
 
     async def info(self) -> tuple[str, int]:
@@ -71,26 +87,29 @@ class WorkerActor:
         return list(self.worker.transfers)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        async for output in self.worker.generate(request_id, prompt, params):
-            yield TokenEvent.of(output, self.worker.worker_id)
+        worker = await self._ready()
+        async for output in worker.generate(request_id, prompt, params):
+            yield TokenEvent.of(output, worker.worker_id)
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
                       address: str) -> AsyncIterator[TokenEvent | TransferStats]:
-        async for item in self.worker.prefill(request_id, prompt, params, address):
-            yield item if isinstance(item, TransferStats) else TokenEvent.of(item, self.worker.worker_id)
+        worker = await self._ready()
+        async for item in worker.prefill(request_id, prompt, params, address):
+            yield item if isinstance(item, TransferStats) else TokenEvent.of(item, worker.worker_id)
 
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float) -> str | None:
-        return await self.worker.reserve(request_id, prompt, params, lease_s)
+        return await (await self._ready()).reserve(request_id, prompt, params, lease_s)
 
     async def recompute(self, request_id: str) -> None:
-        await self.worker.recompute(request_id)
+        await (await self._ready()).recompute(request_id)
 
     async def stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
-        async for output in self.worker.stream(request_id):
-            yield TokenEvent.of(output, self.worker.worker_id)
+        worker = await self._ready()
+        async for output in worker.stream(request_id):
+            yield TokenEvent.of(output, worker.worker_id)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.worker.abort(request_id)
+        return await (await self._ready()).abort(request_id)
 
 
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
@@ -150,9 +169,10 @@ class Router:
         # Which prefixes each worker holds: published by the workers into Redis, or (no Redis) this
         # router's own record of where it sent which prompts.
         self.state = connect_state(config.redis_url)
-        self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0, "resumed": 0}
+        self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0, "resumed": 0,
+                          "rejoined": 0}
         self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
-        self.dead: set[int] = set()  # workers found dead; Ray restarts come with fault handling
+        self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
         self.turn = 0
 
     def _live(self, handles: list[Any]) -> list[Any]:
@@ -187,20 +207,55 @@ class Router:
         return best
 
     async def _poll_loads(self) -> None:
-        """Refresh every worker's load (waiting queue, free blocks) in the background."""
+        """In the background: add the workers the shared registry lists, and refresh every worker's
+        load (waiting queue, free blocks). A dead worker that answers again (Ray restarted it) rejoins."""
         while True:
-            for handle in self._live(self.prefill + self.decode):
-                try:
-                    self.loads[id(handle)] = await handle.load.remote()
-                except RayActorError:
-                    self._mark_dead(handle)
-                except Exception as error:  # a busy or restarting worker: keep its last load
-                    log.debug("load poll failed: %r", error)
+            if self.config.redis_url:
+                await self._discover()
+            await asyncio.gather(*(self._poll(handle) for handle in self.prefill + self.decode))
             await asyncio.sleep(LOAD_POLL_S)
+
+    async def _poll(self, handle: Any) -> None:
+        try:
+            self.loads[id(handle)] = await asyncio.wait_for(handle.load.remote(), POLL_TIMEOUT_S)
+        except RayActorError:
+            self._mark_dead(handle)
+            return
+        except Exception as error:  # a busy or restarting worker: keep its last load
+            log.debug("load poll failed: %r", error)
+            return
+        if id(handle) in self.dead:
+            self.dead.discard(id(handle))
+            log.warning("worker %s answers again: routing to it", self.ids[id(handle)])
+            self.decisions["rejoined"] += 1
+            if not self.config.redis_url:  # it restarted with an empty cache
+                await self.state.forget_worker(self.ids[id(handle)])
+
+    async def _discover(self) -> None:
+        """Add the workers listed in the shared registry that this router does not know yet: those
+        another gateway started, or added since (router replicas share the pools this way)."""
+        import ray
+
+        roles = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
+        known = set(self.ids.values())
+        for info in await self.state.workers():
+            if info.role not in roles or info.worker_id in known or info.meta.get("model") != self.config.model_name:
+                continue
+            try:
+                handle = ray.get_actor(info.address, namespace=info.meta.get("namespace", RAY_NAMESPACE))
+            except ValueError:  # listed, but the actor is gone (its registration has not expired yet)
+                continue
+            self.ids[id(handle)] = info.worker_id
+            (self.prefill if info.role == "prefill" else self.decode).append(handle)
+            log.info("found %s worker %s in the registry", info.role, info.worker_id)
 
     def _mark_dead(self, handle: Any) -> None:
         self.dead.add(id(handle))
         self.loads.pop(id(handle), None)
+
+    async def live_workers(self) -> list[str]:
+        """The ids of the workers this router sends requests to now."""
+        return sorted(self.ids[id(handle)] for handle in self._live(self.prefill + self.decode))
 
     async def stats(self) -> dict[str, int]:
         return dict(self.decisions)

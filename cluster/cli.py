@@ -143,6 +143,10 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
     redis_url = args.redis_url or os.environ.get("PDSERVE_REDIS_URL")
     if redis_url:
         overrides["redis_url"] = redis_url
+    if args.attach:
+        overrides["attach"] = True
+    if args.routers is not None:
+        overrides["routers"] = args.routers
     for pool in ("prefill", "decode"):
         replicas = getattr(args, f"num_{pool}")
         if replicas is not None:
@@ -171,6 +175,8 @@ def command_serve(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_format, args.log_level)
     config = load_cluster_config(args.config, cluster_overrides(args))
+    if config.attach and not config.ray_address:
+        raise ValueError("--attach serves the workers of a running Ray cluster: give its --ray-address")
     options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
                            drain_s=args.drain_s, redis_url=config.redis_url, rate_limit_rps=args.rate_limit_rps,
                            rate_limit_tpm=args.rate_limit_tpm)
@@ -255,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rate-limit-tpm", type=float, default=0.0,
                        help="prompt + max tokens per minute per API key (0: none)")
     serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    serve.add_argument("--routers", type=int, default=None, help="router replicas (Ray actors) to spread requests over")
+    serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "
+                       "listed in --redis-url's registry (a second gateway; needs --ray-address and --redis-url)")
     serve.add_argument("--num-prefill", type=int, default=None, help="prefill workers")
     serve.add_argument("--num-decode", type=int, default=None, help="decode workers")
     serve.add_argument("--model", default=None, help="'default', a Hugging Face model directory or a .gguf file")

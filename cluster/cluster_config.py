@@ -9,6 +9,9 @@ kv_overlap: true           # send KV blocks while the rest of the prompt compute
 kv_lease_s: 30             # a decode worker's reservation waits this long for its KV
 redis_url: ""              # redis://host:6379/0: workers publish their cached blocks for KV-aware routing
 routing: kv-aware          # prefill workers by queue and cached prefix; or load, or round-robin
+routers: 1                 # router replicas (Ray actors); with redis_url they share the prefix index
+worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always); it rejoins routing
+attach: false              # start no workers: route to those listed in redis_url's registry
 engine:
   model: default
   dtype: float32
@@ -61,6 +64,9 @@ class ClusterConfig:
     kv_overlap: bool = True  # send a prompt's KV chunk by chunk as it computes (else once, at its end)
     redis_url: str = ""  # state shared by router replicas and workers (prefix index); empty: the router's own
     routing: str = "kv-aware"  # how prefill workers are picked: "kv-aware", "load" or "round-robin"
+    routers: int = 1  # router replicas; requests are spread over them, each sees every worker
+    worker_max_restarts: int = 3  # Ray restarts a dead worker (its requests resume elsewhere meanwhile)
+    attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -69,6 +75,12 @@ class ClusterConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {self.routing!r}")
+        if self.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if self.worker_max_restarts < -1:
+            raise ValueError(f"worker_max_restarts must be >= -1 (-1: always), got {self.worker_max_restarts}")
+        if self.attach and not self.redis_url:
+            raise ValueError("attach needs redis_url: the workers to attach to are listed in its registry")
         if self.decode.replicas < 1:
             raise ValueError("decode.replicas must be >= 1: decode workers serve every request")
         if self.mode == "disaggregated" and self.prefill.replicas < 1:

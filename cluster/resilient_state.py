@@ -86,7 +86,7 @@ class ResilientState(SharedState):
     writes dropped. `fallbacks` counts them per method, for metrics. It recovers by itself.
 
     Heartbeats of workers registered through this object re-register them when Redis has lost them
-    (restarted empty), so a Redis outage needs nothing from the caller."""
+    (restarted empty), and answer False so the worker publishes its cached blocks again."""
 
     def __init__(self, primary: SharedState, *, timeout_s: float = 0.25, min_backoff_s: float = 1.0,
                  max_backoff_s: float = 10.0, log_every_s: float = 30.0) -> None:
@@ -161,9 +161,10 @@ class ResilientState(SharedState):
         if expires_at <= time.monotonic():
             return False  # silent past its ttl: expired here too
         # Alive by our count but unknown to Redis: Redis restarted empty. Register it again (if Redis
-        # is away once more, the next heartbeat does).
+        # is away once more, the next heartbeat does), and say it was not listed: whatever else the
+        # worker had published (its cached blocks) is gone too.
         await self.register(info, ttl_s)
-        return True
+        return False
 
     async def deregister(self, worker_id: str) -> None:
         self.local.pop(worker_id, None)

@@ -17,6 +17,7 @@ from cluster.kv_cache_manager import hash_block_tokens, model_root_hash
 from cluster.worker import WorkerLoad
 
 LOAD_POLL_S = 0.5
+POLL_TIMEOUT_S = 5.0  # a worker that takes longer to tell its load keeps the last one (it may be restarting)
 
 
 def prefix_hashes(prompt: Sequence[int], block_size: int, model_name: str = "") -> list[int]:

@@ -100,9 +100,7 @@ class Backend:
         """The router's decisions, for /metrics (none for a local engine)."""
         if self.cluster is None or self.cluster.router is None:
             return {}
-        router = self.cluster.router
-        return {"decisions": await router.stats.remote(),
-                "counters": {"pdserve:router_redis_fallbacks": await router.state_fallbacks.remote()}}
+        return await self.cluster.router_stats()
 
     async def stop(self) -> None:
         """Stop whatever started; safe to call twice."""

@@ -94,12 +94,13 @@ class WorkerLoad:
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
+    kv_frames: int = 0  # frames sent: a transfer of several chunks sends several
 
 
 class Worker:
     def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,
                  receiver: KVReceiver | None = None, overlap_transfer: bool = True,
-                 state: SharedState | None = None) -> None:
+                 state: SharedState | None = None, listing: WorkerInfo | None = None) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
         self.worker_id, self.role, self.engine = worker_id, role, engine
@@ -108,6 +109,8 @@ class Worker:
         self.overlap_transfer = overlap_transfer
         # Where this worker publishes the blocks its prefix cache stores and evicts (KV-aware routing).
         self.state = state
+        # How routers find this worker in the shared registry (router replicas discover workers there).
+        self.listing = listing or WorkerInfo(worker_id, role, worker_id)
         self.publisher: asyncio.Task[None] | None = None
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -118,6 +121,7 @@ class Worker:
         self.transfers: collections.deque[TransferStats] = collections.deque(maxlen=RECENT_TRANSFERS)
         # Since start, for the metrics: transfers sent, their bytes and seconds on the wire, failures.
         self.transfer_count, self.transfer_bytes, self.transfer_seconds, self.transfer_failures = 0, 0, 0.0, 0
+        self.frame_count = 0
         # Prefills whose KV goes out while they compute: runs of blocks queued by the engine thread,
         # sent by `prefill` on the event loop. request id -> (blocks queued so far, the queue).
         self.outboxes: dict[str, _Outbox] = {}
@@ -130,31 +134,55 @@ class Worker:
             await self.receiver.start()
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
-        if self.state is not None and self.role in ("prefill", "colocated"):
-            self.engine.kv_cache.pool.record_events()
-            self.publisher = asyncio.create_task(self._publish_blocks())
+        if self.state is not None:
+            if self.role in ("prefill", "colocated"):  # their prefix caches steer the routers
+                self.engine.kv_cache.pool.record_events()
+            self.publisher = asyncio.create_task(self._publish())
 
-    async def _publish_blocks(self) -> None:
-        """Every PUBLISH_S, the prefix cache's stored and evicted block hashes go to the shared state
-        (registered with a heartbeat, so routers see this worker come and go)."""
+    async def _publish(self) -> None:
+        """Keep this worker listed in the shared registry (a heartbeat), and every PUBLISH_S send the
+        prefix cache's stored and evicted block hashes. Whenever the index may have missed events
+        (Redis restarted empty, or calls fell back while it was away) send the whole cache again."""
         assert self.state is not None
-        info = WorkerInfo(self.worker_id, self.role, self.worker_id)
-        await self.state.register(info, HEARTBEAT_TTL_S)
+        await self.state.register(self.listing, HEARTBEAT_TTL_S)
         await self.state.forget_worker(self.worker_id)  # a restarted worker's cache starts empty
-        beat = time.monotonic()
+        beat, fallbacks = time.monotonic(), self._state_fallbacks()
         while not self.stopped:
             await asyncio.sleep(PUBLISH_S)
-            events = await self._call(self.engine.kv_cache.pool.take_events)
-            if events.stored or events.evicted:
-                await self.state.publish_blocks(self.worker_id, events.stored, events.evicted)
+            resync = self._state_fallbacks() != fallbacks
             if time.monotonic() - beat > HEARTBEAT_TTL_S / 3:
                 beat = time.monotonic()
                 if not await self.state.heartbeat(self.worker_id, HEARTBEAT_TTL_S):
-                    await self.state.register(info, HEARTBEAT_TTL_S)
+                    await self.state.register(self.listing, HEARTBEAT_TTL_S)
+                    resync = True
+            if resync and getattr(self.state, "healthy", True):
+                fallbacks = self._state_fallbacks()
+                await self._publish_cache()
+                continue
+            events = await self._call(self.engine.kv_cache.pool.take_events)
+            if events.stored or events.evicted:
+                await self.state.publish_blocks(self.worker_id, events.stored, events.evicted)
+
+    async def _publish_cache(self) -> None:
+        """Replace this worker's entry in the prefix index by every block its cache holds now."""
+        assert self.state is not None
+        pool = self.engine.kv_cache.pool
+        snapshot = await self._call(lambda: (pool.take_events(), list(pool.cached))[1])
+        await self.state.forget_worker(self.worker_id)
+        if snapshot:
+            await self.state.publish_blocks(self.worker_id, snapshot, [])
+        log.info("%s: published its whole prefix cache again (%d blocks)", self.worker_id, len(snapshot))
+
+    def _state_fallbacks(self) -> int:
+        """Calls to the shared state answered by a fallback since start (each may have lost events)."""
+        return sum(getattr(self.state, "fallbacks", {}).values())
 
     async def stop(self) -> None:
         if self.publisher is not None:
             self.publisher.cancel()
+        if self.state is not None:  # routers stop seeing it now, not when its registration expires
+            await self.state.deregister(self.worker_id)
+            await self.state.close()
         self.stopped = True
         self.wake.set()
         if self.thread is not None:
@@ -266,7 +294,7 @@ class Worker:
         return WorkerLoad(self.worker_id, self.role, stats.num_running, stats.num_waiting, stats.num_free_blocks,
                           stats.num_blocks, stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
                           stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
-                          self.transfer_failures)
+                          self.transfer_failures, self.frame_count)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
@@ -345,6 +373,7 @@ class Worker:
                 self.transfer_failures += 1
                 raise
             seconds = time.perf_counter() - started
+            self.frame_count += 1
             stats.nbytes, stats.seconds, stats.frames = stats.nbytes + header.nbytes, stats.seconds + seconds, \
                 stats.frames + 1
             if export.last:

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine import LLMEngine
-from tests.state.conftest import redis_server  # noqa: F401  (a real redis-server per session, for every package)
+from tests.state.conftest import dedicated_redis, redis_server  # noqa: F401  (real redis-servers, for every package)
 
 QUESTIONS = [
     "What is the capital of France?",

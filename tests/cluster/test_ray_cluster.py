@@ -95,24 +95,61 @@ def test_a_dead_decode_worker_sends_requests_to_the_other(checkpoint: Path) -> N
         cluster.stop()
 
 
-def test_lost_prefill_workers_leave_the_prompts_to_the_decode_workers(checkpoint: Path) -> None:
+def test_prefill_workers_killed_mid_transfer(checkpoint: Path) -> None:
+    """Both prefill workers die while they send KV chunk by chunk: the decode worker recomputes every
+    prompt cut short, each request still ends with the engine's own tokens. The worker Ray restarts
+    rejoins and carries the next prompts' KV again; the one killed for good stays out."""
     import ray
 
-    engine_config = engine_config_for(checkpoint)
-    expected = alone(engine_config, PROMPTS, GREEDY)
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512,
+                                        "max_num_batched_tokens": 8})  # long prompts: many chunks, many frames
+    prompts = [[3 + (7 * i + 11 * j) % 290 for j in range(96)] for i in range(6)]
+    expected = alone(engine_config, prompts, GREEDY)
     config = ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config)
     cluster = Cluster(config).start()
+
+    async def kill_mid_transfer() -> list[list[int]]:
+        run = asyncio.gather(*(collect_tokens(cluster, prompt, f"mid-{i}") for i, prompt in enumerate(prompts)))
+        deadline = time.monotonic() + 60
+        while True:  # some frames sent, not every transfer finished
+            loads = [await worker.load.remote() for worker in cluster.prefill]
+            if sum(load.kv_frames for load in loads) and sum(load.kv_transfers for load in loads) < len(prompts):
+                break
+            assert time.monotonic() < deadline, "no transfer under way"
+            await asyncio.sleep(0.01)
+        ray.kill(cluster.prefill[0], no_restart=False)  # a crash: Ray starts it again
+        ray.kill(cluster.prefill[1])  # gone for good
+        return list(await asyncio.wait_for(run, 120))
+
     try:
-        ray.kill(cluster.prefill[0])  # one gone: the other prefills (or the decode worker recomputes)
-        assert generate_all(cluster, PROMPTS, GREEDY) == expected
-        ray.kill(cluster.prefill[1])  # all gone: every prompt is computed on the decode worker
-        assert generate_all(cluster, PROMPTS, GREEDY) == expected
-        assert ray.get(cluster.router.stats.remote(), timeout=30)["transfer_failed"] >= len(PROMPTS)
-        cluster.prefill = []
+        assert asyncio.run(kill_mid_transfer()) == expected
+        assert ray_stats(cluster)["transfer_failed"] >= 1
+        wait_until_rejoined(cluster, 1)
+        assert generate_all(cluster, PROMPTS, GREEDY) == alone(engine_config, PROMPTS, GREEDY)
+        restarted = ray.get(cluster.prefill[0].load.remote(), timeout=30)
+        assert restarted.kv_transfers == len(PROMPTS) and restarted.kv_transfer_failures == 0
+        cluster.prefill = cluster.prefill[:1]
         assert_pools_whole(cluster)
     finally:
         cluster.stop()
+
+
+async def collect_tokens(cluster: Cluster, prompt: list[int], request_id: str,
+                         params: SamplingParams = GREEDY) -> list[int]:
+    tokens: list[int] = []
+    async for event in cluster.generate(prompt, params, request_id=request_id):
+        assert event.index == len(tokens)  # in order, each token once
+        tokens += event.token_ids
+    return tokens
+
+
+def wait_until_rejoined(cluster: Cluster, count: int) -> None:
+    """Until the router has taken `count` restarted workers back (it polls every 0.5 s)."""
+    deadline = time.monotonic() + 60
+    while ray_stats(cluster)["rejoined"] < count:
+        assert time.monotonic() < deadline, "the restarted worker never rejoined"
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -220,9 +257,9 @@ def ray_stats(cluster: Cluster) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_a_worker_killed_mid_stream_is_resumed_elsewhere(checkpoint: Path, mode: str) -> None:
+def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint: Path, mode: str) -> None:
     """Every request finishes with the engine's own tokens, each sent once, though the worker
-    streaming half of them dies midway."""
+    streaming half of them dies midway. Ray restarts it, and it serves new requests again."""
     import ray
 
     engine_config = engine_config_for(checkpoint, num_blocks=256)
@@ -244,14 +281,22 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere(checkpoint: Path, mode:
         while min(len(tokens) for tokens in received) < 10:  # every request is streaming
             assert not any(task.done() for task in tasks) and time.monotonic() < deadline, "not all streaming"
             await asyncio.sleep(0.005)
-        ray.kill(cluster.decode[0])
+        ray.kill(cluster.decode[0], no_restart=False)  # a crash: Ray starts it again
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    async def served_by() -> set[str]:
+        workers: set[str] = set()
+        for i, prompt in enumerate(PROMPTS):
+            async for event in cluster.generate(prompt, GREEDY, request_id=f"after-{i}"):
+                workers.add(event.worker_id)
+        return workers
 
     try:
         asyncio.run(everything())
         assert received == expected
-        assert ray.get(cluster.router.stats.remote(), timeout=30)["resumed"] >= 1
-        cluster.decode = cluster.decode[1:]
+        assert ray_stats(cluster)["resumed"] >= 1
+        wait_until_rejoined(cluster, 1)
+        assert ("decode-0" if mode == "disaggregated" else "colocated-0") in asyncio.run(served_by())
         assert_pools_whole(cluster)
     finally:
         cluster.stop()

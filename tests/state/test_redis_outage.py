@@ -7,13 +7,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
+from cluster.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine import LLMEngine
 from cluster.redis_state import RedisState
 from cluster.resilient_state import ResilientState
-from cluster.shared_state import WorkerInfo
+from cluster.routing import prefix_hashes
+from cluster.sampling_params import SamplingParams
+from cluster.shared_state import WorkerInfo, connect_state
+from cluster.worker import HEARTBEAT_TTL_S, Worker
+from tests.helpers import build_tiny_llama_checkpoint
 from tests.state.conftest import RedisServer, free_port
 from tests.state.test_shared_state import eventually, listed
 
@@ -67,9 +74,10 @@ def test_redis_killed_then_restarted(dedicated_redis: RedisServer, caplog: pytes
 
         dedicated_redis.start()  # same port, empty
         assert await eventually(lambda: is_back(state), RECOVERY_S), "not back on Redis 15 s after it restarted"
-        # Redis lost everything: a heartbeat of a worker registered here registers it again.
+        # Redis lost everything: a heartbeat of a worker registered here registers it again and says
+        # it was not listed (its blocks are gone too).
         assert await state.match([1, 2], ["p1"]) == {"p1": 0}
-        assert await state.heartbeat("p1", ttl_s=30) is True
+        assert await state.heartbeat("p1", ttl_s=30) is False
         assert await state.primary.workers() == [PREFILL]
         await state.close()
 
@@ -129,3 +137,38 @@ def test_a_silent_worker_still_expires(redis_server: RedisServer) -> None:
         await state.close()
 
     asyncio.run(check())
+
+
+def test_a_worker_publishes_its_cache_again_after_redis_restarts(dedicated_redis: RedisServer,
+                                                                tmp_path: Path) -> None:
+    """Redis restarts empty: the worker's heartbeat finds itself unlisted, and the worker lists itself
+    and its whole prefix cache again, so KV-aware routing sees the prefix it still holds."""
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(build_tiny_llama_checkpoint(tmp_path))),
+                                    cache=CacheConfig(block_size=4, num_blocks=64)))
+    prompt = list(range(100, 120))  # 5 full blocks
+    hashes = prefix_hashes(prompt, 4, engine.model_name)
+
+    async def held(state: ResilientState) -> int:
+        return (await state.match(hashes, ["w1"])).get("w1", 0)
+
+    async def check() -> None:
+        worker = Worker("w1", "colocated", engine, state=connect_state(dedicated_redis.url))
+        reader = ResilientState(RedisState(dedicated_redis.url))
+        await worker.start()
+        try:
+            async for _ in worker.generate("r1", prompt, SamplingParams(max_tokens=2)):
+                pass
+            assert await eventually(lambda: _equals(held(reader), len(hashes)))
+            dedicated_redis.stop()
+            dedicated_redis.start()  # same port, empty
+            assert await eventually(lambda: _equals(held(reader), len(hashes)), RECOVERY_S + HEARTBEAT_TTL_S)
+            assert [info.worker_id for info in await reader.workers()] == ["w1"]
+        finally:
+            await worker.stop()
+            await reader.close()
+
+    asyncio.run(check())
+
+
+async def _equals(value: Awaitable[T], expected: T) -> bool:
+    return await value == expected

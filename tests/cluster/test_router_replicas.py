@@ -1,0 +1,124 @@
+"""Router replicas: several routers over one set of pools, and a second cluster (as a second gateway
+would run) that starts no workers and finds them in the registry the workers keep in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.actors import RAY_NAMESPACE, WorkerActor
+from cluster.cluster import Cluster
+from cluster.cluster_config import ClusterConfig, PoolConfig
+from cluster.shared_state import connect_state
+from tests.cluster.test_ray_cluster import alone, assert_pools_whole, collect_tokens, engine_config_for
+from tests.core.test_engine_outputs import GREEDY, PROMPTS
+from tests.helpers import build_tiny_llama_checkpoint
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def served(cluster: Cluster, prefix: str) -> tuple[list[list[int]], set[str]]:
+    """Every prompt's tokens, all at once, and the workers that sent them."""
+    workers: set[str] = set()
+
+    async def one(index: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for event in cluster.generate(prompt, GREEDY, request_id=f"{prefix}-{index}"):
+            assert event.index == len(tokens)
+            tokens += event.token_ids
+            workers.add(event.worker_id)
+        return tokens
+
+    async def everything() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+    return asyncio.run(everything()), workers
+
+
+def live_workers(router: Any) -> list[str]:
+    import ray
+
+    return list(ray.get(router.live_workers.remote(), timeout=30))
+
+
+def registered(url: str) -> list[str]:
+    async def listed() -> list[str]:
+        state = connect_state(url)
+        try:
+            return [info.worker_id for info in await state.workers()]
+        finally:
+            await state.close()
+
+    return asyncio.run(listed())
+
+
+def wait_for(condition: Any, what: str, within_s: float = 60) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: Path, dedicated_redis: Any) -> None:
+    """Two routers and an attached cluster serve the same workers; Redis killed under load and
+    restarted leaves every request served (routing by load alone meanwhile) and the registry whole
+    again; a worker that joins later is found by every router."""
+    import ray
+
+    redis_server = dedicated_redis
+    engine_config = engine_config_for(checkpoint)
+    expected = alone(engine_config, PROMPTS, GREEDY)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, redis_url=redis_server.url, routers=2)
+    first = Cluster(config).start()
+    second = Cluster(ClusterConfig(engine=engine_config, redis_url=redis_server.url, attach=True)).start()
+    extra = None
+    try:
+        assert served(first, "a")[0] == expected  # spread over both routers
+        assert second.model_name == first.model_name
+        assert live_workers(second.router) == ["decode-0", "prefill-0"]
+        assert served(second, "b")[0] == expected
+
+        async def redis_killed_under_load() -> list[list[int]]:
+            run = asyncio.gather(*(collect_tokens(first, p, f"outage-{i}") for i, p in enumerate(PROMPTS)))
+            await asyncio.sleep(0.2)
+            redis_server.stop()
+            return list(await asyncio.wait_for(run, 120))
+
+        assert asyncio.run(redis_killed_under_load()) == expected
+        assert served(first, "while-down")[0] == expected
+        redis_server.start()  # empty: the workers list themselves and their caches again
+        wait_for(lambda: registered(redis_server.url) == ["decode-0", "prefill-0"], "not registered again")
+        assert asyncio.run(first.router_stats())["counters"]["pdserve:router_redis_fallbacks"] > 0
+
+        # A decode worker that joins later is found in the registry by every router; with the first
+        # decode worker gone for good, the new one serves both clusters.
+        name = f"pdserve-{first.uid}-decode-extra"
+        extra = ray.remote(WorkerActor).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0.1).remote(
+            "decode-extra", "decode", engine_config, redis_url=redis_server.url, address=name)
+        ray.get(extra.start.remote(), timeout=120)
+        for router in first.routers + second.routers:
+            wait_for(lambda router=router: "decode-extra" in live_workers(router), "the new worker was not found")
+        ray.kill(first.decode[0])
+        tokens, workers = served(second, "c")
+        assert tokens == expected and "decode-extra" in workers
+        assert asyncio.run(collect_tokens(first, PROMPTS[0], "d")) == expected[0]
+
+        second.stop()  # an attached cluster leaves the workers running
+        assert asyncio.run(collect_tokens(first, PROMPTS[1], "e")) == expected[1]
+        first.decode = [extra]
+        assert_pools_whole(first)
+    finally:
+        second.stop()
+        first.stop()
+        if extra is not None:
+            ray.kill(extra)
