@@ -53,10 +53,10 @@ async def run_requests(cluster: Cluster, prompts: list[list[int]], params: Sampl
     return done - started, crashed_at
 
 
-def rejoined(cluster: Cluster) -> int:
+def decisions(cluster: Cluster) -> dict[str, int]:
     import ray
 
-    return int(ray.get(cluster.router.stats.remote(), timeout=30)["rejoined"])
+    return dict(ray.get(cluster.router.stats.remote(), timeout=30))
 
 
 def main() -> None:
@@ -80,19 +80,21 @@ def main() -> None:
         asyncio.run(run_requests(cluster, prompts, params, "warm"))
         for run in range(args.runs):
             baseline_s, _ = asyncio.run(run_requests(cluster, prompts, params, f"base{run}"))
-            before = rejoined(cluster)
+            before = decisions(cluster)
             crash = run_requests(cluster, prompts, params, f"crash{run}", cluster.decode[0])
             crashed_s, crashed_at = asyncio.run(crash)
             done_at = time.monotonic()
-            while rejoined(cluster) == before:
+            while decisions(cluster)["rejoined"] == before["rejoined"]:
                 time.sleep(0.05)
             runs.append({"baseline_s": baseline_s, "with_crash_s": crashed_s, "slowdown": crashed_s / baseline_s,
+                         "resumed_requests": decisions(cluster)["resumed"] - before["resumed"],
                          "crash_to_requests_done_s": done_at - crashed_at,
                          "crash_to_rejoined_s": time.monotonic() - crashed_at})
             print(runs[-1], flush=True)
     finally:
         cluster.stop()
-    summary = {"machine": machine(), "requests": args.requests, "max_tokens": args.max_tokens, "runs": runs,
+    summary = {"machine": machine("benchmarks.recovery"), "requests": args.requests, "max_tokens": args.max_tokens,
+               "runs": runs,
                "median_slowdown": statistics.median(r["slowdown"] for r in runs),
                "median_crash_to_rejoined_s": statistics.median(r["crash_to_rejoined_s"] for r in runs)}
     RESULTS.mkdir(exist_ok=True)

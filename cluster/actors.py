@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -160,8 +160,8 @@ class Router:
         self.ids = {id(handle): worker_id for worker_id, handle in prefill + decode}
         self.prefill = [handle for _, handle in prefill]
         self.decode = [handle for _, handle in decode]
-        # Kept here so routing costs no round trip: requests in flight per worker, prompt tokens
-        # in flight per prefill worker, and the loads last polled.
+        # Kept here so routing costs no round trip: requests in flight per decode (or colocated)
+        # worker, prompt tokens in flight per prefill worker, and the loads last polled.
         self.in_flight: dict[int, int] = {}
         self.queued_tokens: dict[int, int] = {}
         self.loads: dict[int, WorkerLoad] = {}
@@ -300,9 +300,10 @@ class Router:
             for worker in self._decode_order():
                 streamed = False
                 try:
-                    async for event in self._relay(worker, worker.generate, request_id, prompt, params):
-                        streamed = streamed or bool(event.token_ids)
-                        yield event
+                    with self._holding(worker):
+                        async for event in self._relay(worker.generate, request_id, prompt, params):
+                            streamed = streamed or bool(event.token_ids)
+                            yield event
                     return
                 except RayActorError as error:
                     self._mark_dead(worker)
@@ -312,14 +313,15 @@ class Router:
         seen = _Repeats()
         for decode in self._decode_order():
             try:
-                address = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s)
-                if address is None:
-                    self.decisions["reserve_refused"] += 1
-                    continue
-                async for event in self._disaggregated(decode, address, request_id, prompt, params):
-                    news = seen.news(event)
-                    if news is not None:
-                        yield news
+                with self._holding(decode):  # counted from the reservation on, so a burst spreads out
+                    address = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s)
+                    if address is None:
+                        self.decisions["reserve_refused"] += 1
+                        continue
+                    async for event in self._disaggregated(decode, address, request_id, prompt, params):
+                        news = seen.news(event)
+                        if news is not None:
+                            yield news
                 return
             except RayActorError as error:
                 self._mark_dead(decode)
@@ -339,7 +341,7 @@ class Router:
             key = id(prefill)
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
             try:
-                async for item in self._relay(prefill, prefill.prefill, request_id, prompt, params, address):
+                async for item in self._relay(prefill.prefill, request_id, prompt, params, address):
                     if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
                         yield replace(item, finished=False, finish_reason=None)
             except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
@@ -350,16 +352,22 @@ class Router:
                 await decode.recompute.remote(request_id)
             finally:
                 self.queued_tokens[key] -= len(prompt)
-        async for event in self._relay(decode, decode.stream, request_id):
+        async for event in self._relay(decode.stream, request_id):
             yield event
 
-    async def _relay(self, handle: Any, method: Any, *args: Any) -> AsyncIterator[Any]:
+    @contextlib.contextmanager
+    def _holding(self, handle: Any) -> Iterator[None]:
+        """Count a request against a decode (or colocated) worker while it is there."""
         self.in_flight[id(handle)] = self.in_flight.get(id(handle), 0) + 1
         try:
-            async for ref in method.options(num_returns="streaming").remote(*args):
-                yield await ref
+            yield
         finally:
             self.in_flight[id(handle)] -= 1
+
+    @staticmethod
+    async def _relay(method: Any, *args: Any) -> AsyncIterator[Any]:
+        async for ref in method.options(num_returns="streaming").remote(*args):
+            yield await ref
 
     async def abort(self, request_id: str) -> None:
         request_id = self.attempts.get(request_id, request_id)  # a resumed request runs under another id

@@ -258,17 +258,18 @@ def ray_stats(cluster: Cluster) -> dict[str, int]:
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint: Path, mode: str) -> None:
-    """Every request finishes with the engine's own tokens, each sent once, though the worker
-    streaming half of them dies midway. Ray restarts it, and it serves new requests again."""
+    """Every one of 20 requests finishes with the engine's own tokens, each sent once, though the
+    worker streaming half of them dies midway. Ray restarts it, and it serves new requests again."""
     import ray
 
-    engine_config = engine_config_for(checkpoint, num_blocks=256)
+    engine_config = engine_config_for(checkpoint, num_blocks=1024)  # room for all 20 on one worker
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    expected = alone(engine_config, PROMPTS, params)
+    prompts = PROMPTS * 4
+    expected = alone(engine_config, PROMPTS, params) * 4
     config = ClusterConfig(mode=mode, prefill=PoolConfig(replicas=1 if mode == "disaggregated" else 0, num_cpus=0.1),
                            decode=PoolConfig(replicas=2, num_cpus=0.1), engine=engine_config)
     cluster = Cluster(config).start()
-    received: list[list[int]] = [[] for _ in PROMPTS]
+    received: list[list[int]] = [[] for _ in prompts]
 
     async def one(index: int, prompt: list[int]) -> None:
         async for event in cluster.generate(prompt, params, request_id=f"kill-{index}"):
@@ -276,7 +277,7 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint:
             received[index] += event.token_ids
 
     async def everything() -> None:
-        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(PROMPTS)]
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
         deadline = time.monotonic() + 120
         while min(len(tokens) for tokens in received) < 10:  # every request is streaming
             assert not any(task.done() for task in tasks) and time.monotonic() < deadline, "not all streaming"
@@ -284,11 +285,14 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint:
         ray.kill(cluster.decode[0], no_restart=False)  # a crash: Ray starts it again
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
-    async def served_by() -> set[str]:
+    async def served_by() -> set[str]:  # at once: requests spread over the workers in service
         workers: set[str] = set()
-        for i, prompt in enumerate(PROMPTS):
-            async for event in cluster.generate(prompt, GREEDY, request_id=f"after-{i}"):
+
+        async def one(index: int, prompt: list[int]) -> None:
+            async for event in cluster.generate(prompt, GREEDY, request_id=f"after-{index}"):
                 workers.add(event.worker_id)
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
         return workers
 
     try:
