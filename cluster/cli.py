@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -189,11 +190,11 @@ def command_serve(args: argparse.Namespace) -> int:
         grpc = f", gRPC on port {grpc_port}" if grpc_port is not None else ""
         console.print(f"[bold]pdserve[/]: HTTP on {url}{grpc}; starting {backend.describe()}...")
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM drains and stops as Ctrl-C does
-    try:
+    # Until `serve` takes the signals over (it drains), SIGTERM stops the process as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(service, backend, options, on_listening=listening))
-    except KeyboardInterrupt:
-        console.print("pdserve: stopped")
+    console.print("pdserve: stopped")
     return 0
 
 

@@ -10,7 +10,8 @@ that call with a last "abort" message (the service's event stream would not end 
 
 Errors become status codes: ValueError INVALID_ARGUMENT, QueueFullError and NoCapacityError
 RESOURCE_EXHAUSTED, ServiceUnavailable UNAVAILABLE, a model this server does not serve NOT_FOUND,
-anything else INTERNAL (logged).
+anything else INTERNAL (logged). A request whose bytes do not parse (corrupt, or a string field that
+is not UTF-8) is INVALID_ARGUMENT too, before any handler runs (`MalformedRequestInterceptor`).
 
 Health: "" and "pdserve.v1.InferenceService" read SERVING while `service.ready` and NOT_SERVING
 otherwise (polled), and NOT_SERVING for good once `drain()` (or `stop()`) was called.
@@ -22,14 +23,16 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import jinja2
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -61,6 +64,7 @@ _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LEN
                    "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "logprobs")
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 class ModelNotFound(LookupError):
@@ -100,7 +104,9 @@ class GrpcServer:
         self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        # The key check comes first: a caller without the key learns nothing, not even that its bytes are bad.
         interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key else []
+        interceptors.append(MalformedRequestInterceptor())
         server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
         pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.service), server)
         self.health = health.aio.HealthServicer()  # a fresh one: a drained one ignores updates for good
@@ -191,7 +197,9 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         self.calls.setdefault(call.request_id, call)
         try:
             prompt = self._prompt_of(request)
-            events = self.service.generate(prompt, _params_of(request.sampling), call.request_id)
+            params = _params_of(request.sampling)
+            _check_min_tokens(len(prompt), params, self.service.max_model_len)
+            events = self.service.generate(prompt, params, call.request_id)
             call.running, call.num_prompt_tokens = True, len(prompt)
             async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
                 async for event in events:
@@ -246,6 +254,8 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         if kind == "text":
             return tokenizer.encode(request.text)
         if kind == "chat":
+            if not request.chat.messages:
+                raise ValueError("the chat has no messages")
             messages = [{"role": message.role, "content": message.content} for message in request.chat.messages]
             return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
         if kind == "token_ids":
@@ -256,8 +266,21 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
 def _params_of(message: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults (proto3 would read them as 0)."""
     given = {name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)}
+    # A double field can carry NaN or an infinity, which no sampling value means (and some ranges admit).
+    if not_finite := [name for name in _FLOAT_PARAMS if name in given and not math.isfinite(given[name])]:
+        raise ValueError(f"{', '.join(not_finite)} must be a finite number")
     return SamplingParams(**given, stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
                           ignore_eos=message.ignore_eos, min_tokens=message.min_tokens)
+
+
+def _check_min_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+    """A max_tokens past the context's end ends the request there ("length"), but a min_tokens past
+    it cannot be honoured: the engine would neither stop before it nor find room to go on, and the
+    request would wait for ever."""
+    room = max_model_len - num_prompt_tokens
+    if params.min_tokens > room:
+        raise ValueError(f"min_tokens is {params.min_tokens}, but the prompt has {num_prompt_tokens} tokens and "
+                         f"the context is {max_model_len}: at most {room} tokens can be generated")
 
 
 def _response_of(event: TokenEvent) -> pb.GenerateResponse:
@@ -305,6 +328,62 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 async def _unauthenticated(request: Any, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                         "missing or wrong API key: send the metadata 'authorization: Bearer <key>'")
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Ends a call to the InferenceService whose request does not parse INVALID_ARGUMENT. grpc parses
+    before any handler runs and, when that fails, answers UNKNOWN and logs a traceback: the client's
+    mistake would read as the server's. Here a request that does not parse becomes `_Malformed`, and
+    the handler, wrapped, refuses it."""
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/") or handler.request_streaming:
+            return handler
+        make = _HANDLER_KINDS[(False, handler.response_streaming)]
+        behavior = _refusing_malformed_stream(handler.unary_stream) if handler.response_streaming \
+            else _refusing_malformed(handler.unary_unary)
+        return make(behavior, request_deserializer=_lenient(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)
+
+
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    """A request whose bytes did not parse, and why."""
+
+    reason: str
+
+    async def refuse(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse: {self.reason}")
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse_or_mark(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as error:
+            return _Malformed(str(error))
+    return parse_or_mark
+
+
+def _refusing_malformed(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await request.refuse(context)
+        return await behavior(request, context)
+    return unary
+
+
+def _refusing_malformed_stream(behavior: Callable[..., AsyncGenerator[Any]]) -> Callable[..., AsyncGenerator[Any]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any]:
+        if isinstance(request, _Malformed):
+            await request.refuse(context)
+        # aclosing: however the call ends, the handler's own cleanup (aborting its request) runs now.
+        async with contextlib.aclosing(behavior(request, context)) as responses:
+            async for response in responses:
+                yield response
+    return stream
 
 
 _HANDLER_KINDS = {

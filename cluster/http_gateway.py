@@ -71,6 +71,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
+# With "stream": true the answer is server-sent events. The schema describes one event (OpenAPI 3.1):
+# its data is a chunk's JSON (or an error's, after a failure), then the last one's is "[DONE]".
+EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk's JSON, or [DONE] at the end"}}}}}
 
 
 # ---- errors ----------------------------------------------------------------------------------------
@@ -126,11 +131,25 @@ async def _http_error(request: Request, error: Exception) -> Response:
 async def _validation_error(request: Request, error: Exception) -> Response:
     """FastAPI answers 422; OpenAI's API (and its clients) expect 400 for an invalid body."""
     assert isinstance(error, RequestValidationError)
-    problems = [f"{'.'.join(str(part) for part in problem['loc'] if part != 'body')}: {problem['msg']}"
-                for problem in error.errors()]
-    location = error.errors()[0]["loc"] if error.errors() else ()
-    param = ".".join(str(part) for part in location if part != "body") or None
-    return ApiError(400, "; ".join(problems), param=param).response()
+    problems = error.errors()
+    param = _field_of(problems[0]) if problems else None
+    return ApiError(400, "; ".join(_describe(problem) for problem in problems), param=param).response()
+
+
+def _field_of(problem: Any) -> str | None:
+    """The field a validation problem is about ("messages.0.role"); None for the body as a whole."""
+    if problem["type"] == "json_invalid":
+        return None  # its location is a character offset, not a field
+    return ".".join(str(part) for part in problem["loc"] if part != "body") or None
+
+
+def _describe(problem: Any) -> str:
+    if problem["type"] == "json_invalid":
+        reason = problem.get("ctx", {}).get("error", "")
+        return f"the body is not valid JSON: {reason} at character {problem['loc'][-1]}"
+    message = str(problem["msg"]).removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    field = _field_of(problem)
+    return f"{field}: {message}" if field else message
 
 
 # ---- the engine requests behind one API request ----------------------------------------------------
@@ -380,7 +399,8 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         gateway.check_model(model)
         return ModelCard(id=service.model_name, max_model_len=service.max_model_len)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={
+        **ERROR_RESPONSES, 200: {"content": EVENT_STREAM, "description": "a completion, or its chunks as events"}})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gateway.admit(body.model)
         response_format = CompletionFormat(request.state.request_id, service.model_name, service.tokenizer,
@@ -388,7 +408,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         return await gateway.respond(request, body, response_format)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
-        **ERROR_RESPONSES, 200: {"model": ChatCompletionResponse, "description": "or ChatCompletionChunk events"}})
+        **ERROR_RESPONSES, 200: {"content": EVENT_STREAM, "description": "a chat completion, or its chunks as events"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gateway.admit(body.model)
         response_format = ChatFormat(request.state.request_id, service.model_name, service.tokenizer,

@@ -6,6 +6,10 @@ response objects. Names, defaults and shapes follow OpenAI's API reference; the 
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are vLLM's,
 which clients send as extra body fields. Unknown fields are ignored, as OpenAI and vLLM do; fields
 this server could only ignore wrongly (`logit_bias`, `tools`, ...) are refused instead.
+
+The sampling fields carry the ranges `SamplingParams` accepts, so the OpenAPI document states them and
+a value out of range is refused naming its field; what one field cannot say (`min_tokens` at most
+`max_tokens`, a prompt that fits the context) `SamplingParams` and the service check.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
@@ -26,6 +30,12 @@ from cluster.worker import TokenEvent
 MAX_CHOICES = 16
 MAX_LOGPROBS = 20  # as vLLM (OpenAI allows 5 for completions, 20 for chat)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, kept by vLLM
+# torch seeds a generator from 64 bits and the engine seeds one per request as it samples: a larger
+# seed would fail the engine's step, and every other request in it. (Choice i's seed + i may pass
+# 2**63 - 1: torch takes seeds up to 2**64 - 1.)
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Arguments of the chat template's own call: a template variable of the same name would collide.
+TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
 
 
 # ---- requests --------------------------------------------------------------------------------------
@@ -38,7 +48,8 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The fields that completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Python's JSON parser reads NaN and Infinity, which are not JSON, and no sampling value means them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     # Fields whose effect this server does not implement: refused rather than silently ignored.
     unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "best_of")
 
@@ -46,18 +57,18 @@ class SamplingRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     user: str | None = None
 
     @model_validator(mode="before")
@@ -93,7 +104,7 @@ class CompletionRequest(SamplingRequest):
     unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "suffix")
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = COMPLETION_DEFAULT_MAX_TOKENS
+    max_tokens: int = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -107,7 +118,7 @@ class CompletionRequest(SamplingRequest):
                 raise ValueError("batched prompts are not supported: send one prompt per request")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+            return tokenizer.encode(_checked_text(prompt))
         return cast("list[int]", prompt)  # what is left: the token ids (mypy cannot narrow by element)
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
@@ -140,8 +151,8 @@ class ChatCompletionRequest(SamplingRequest):
     unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "tools", "functions", "response_format")
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens; both work
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens; both work
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -150,10 +161,21 @@ class ChatCompletionRequest(SamplingRequest):
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The rendered chat template, encoded without special tokens: the template already has them
         (as `LLMEngine.chat_prompt`). Raises ValueError, or jinja2's TemplateError from the template."""
-        text = tokenizer.apply_chat_template([message.for_template() for message in self.messages],
-                                             add_generation_prompt=self.add_generation_prompt,
-                                             **(self.chat_template_kwargs or {}))
-        return tokenizer.encode(text, add_special_tokens=False)
+        messages = [message.for_template() for message in self.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
+                                                 **self.template_variables())
+        except TypeError as error:
+            # The template met a value of a type it cannot use (a number where it adds strings, say):
+            # the client's messages or variables are at fault, as vLLM answers too.
+            raise ValueError(f"the chat template cannot render this request: {error}") from error
+        return tokenizer.encode(_checked_text(text), add_special_tokens=False)
+
+    def template_variables(self) -> dict[str, Any]:
+        variables = self.chat_template_kwargs or {}
+        if taken := [name for name in TEMPLATE_ARGUMENTS if name in variables]:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do")
+        return variables
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -176,6 +198,17 @@ def fit_max_tokens(requested: int | None, default: int | None, num_prompt_tokens
         raise ValueError(f"max_tokens is {requested}, but the prompt has {num_prompt_tokens} tokens and the "
                          f"context is {max_model_len}: at most {room} tokens can be generated")
     return requested
+
+
+def _checked_text(text: str) -> str:
+    """`text`, if it is Unicode a tokenizer can take. A JSON string may hold half of a UTF-16 surrogate
+    pair ("\\ud800"), which Python reads into a str that has no UTF-8 form: refuse it as a bad request."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"the prompt is not valid Unicode: it holds an unpaired UTF-16 surrogate "
+                         f"({text[error.start]!r})") from None
+    return text
 
 
 def _as_list(stop: str | list[str] | None) -> list[str]:

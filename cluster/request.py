@@ -117,6 +117,8 @@ class Request:
         """
         params = self.sampling_params
         num_output = len(self.output_token_ids)
+        if len(self.all_token_ids) >= max_model_len:  # before min_tokens: the context is full whatever it asks
+            return RequestStatus.FINISHED_LENGTH
         if num_output < params.min_tokens:
             return None
         last = self.output_token_ids[-1]
@@ -125,6 +127,6 @@ class Request:
         if params.stop_token_ids and last in params.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or len(self.all_token_ids) >= max_model_len:
+        if num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

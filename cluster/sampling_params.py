@@ -52,6 +52,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            # torch's generators take 64-bit seeds; a larger one would fail the step of every request in it
+            (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -4,17 +4,30 @@
 
 Order matters for operators: the HTTP and gRPC servers listen first, answering /health (alive) and
 503 on /ready and on requests while the workers load the model (a minute on a cold cache); then
-the cluster starts and the service turns ready. On SIGINT/SIGTERM uvicorn stops accepting and lets
-open requests finish (`--drain-s`), the gRPC server does the same, then the cluster stops.
+the cluster starts and the service turns ready.
+
+On SIGTERM (or SIGINT) both doors drain at once, for at most `--drain-s` seconds: the gateway keeps
+its socket open but answers new requests and /ready with 503 (a load balancer that still sends
+some gets a status to retry elsewhere, not a refused connection), the gRPC server refuses new
+calls and reports NOT_SERVING, and the requests already running, streams included, go on to their
+end. Then the HTTP server closes, cancelling (so aborting) whatever outlived the drain, and the
+cluster stops. A second signal cuts the drain short. `serve` takes the signals itself, not uvicorn,
+which would close its socket at once and, re-raising the signal when done, skip the cluster's stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import math
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
 
 from cluster.cluster import Cluster
 from cluster.cluster_config import ClusterConfig
@@ -25,6 +38,10 @@ from cluster.service import ClusterService, LocalService, Service, ServiceUnavai
 from cluster.shared_state import SharedState, connect_state
 from cluster.tokenizer import Tokenizer
 from cluster.worker import TokenEvent, WorkerLoad
+
+if TYPE_CHECKING:
+    from cluster.grpc_server import GrpcServer
+    from cluster.http_gateway import Gateway, HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +135,10 @@ class Backend:
 
 async def serve(service: DeferredService, backend: Backend, options: ServeOptions,
                 on_listening: Callable[[str, int | None], None] | None = None) -> None:
-    """Listen, start the backend, serve until the HTTP server stops (a signal), then stop it all."""
+    """Listen, start the backend, serve until a signal (or the HTTP server stops), then drain both
+    front doors and stop it all."""
     from cluster.grpc_server import GrpcServer
-    from cluster.http_gateway import HttpServer, build_app
+    from cluster.http_gateway import HttpServer, build_app, gateway_of
 
     metrics = ClusterMetrics(service.model_name)
     state = connect_state(options.redis_url)
@@ -132,7 +150,10 @@ async def serve(service: DeferredService, backend: Backend, options: ServeOption
     add_status_route(app, metered)
     add_metrics_route(app, metrics, metered)
     http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s)
+    http.server = SignalFreeUvicorn(http.config)
     await http.start()
+    shutdown = Shutdown()
+    shutdown.install()
     grpc = None
     try:
         if options.grpc_port >= 0:
@@ -142,13 +163,92 @@ async def serve(service: DeferredService, backend: Backend, options: ServeOption
             on_listening(http.url, grpc.port if grpc is not None else None)
         service.attach(await backend.start())
         log.info("ready: serving %s", service.model_name)
-        await http.wait()
+        await _first_of(shutdown.requested.wait(), http.wait())
     finally:
-        await http.stop()
-        if grpc is not None:
-            await grpc.stop(options.drain_s)
+        await drain(gateway_of(app), http, grpc, options.drain_s, shutdown.hurried)
         await backend.stop()
         await state.close()
+        shutdown.uninstall()
+
+
+async def drain(gateway: Gateway, http: HttpServer, grpc: GrpcServer | None, drain_s: float,
+                hurried: asyncio.Event) -> None:
+    """Stop taking requests at both doors at once and give those running `drain_s` seconds (less
+    once `hurried` is set) to end; then close the HTTP server, cancelling what is left."""
+    deadline = time.monotonic() + drain_s
+    gateway.start_draining()
+    log.info("draining for up to %gs: %d HTTP requests open", drain_s, len(gateway.runs))
+    grpc_stopped = asyncio.create_task(grpc.stop(drain_s)) if grpc is not None else None
+    await _first_of(gateway.drain(drain_s), hurried.wait())
+    if gateway.runs:
+        log.warning("drain over with %d HTTP requests still open: cancelling them", len(gateway.runs))
+        http.config.timeout_graceful_shutdown = 0  # uvicorn cancels them at once (and says so)
+    else:  # answers still on their way out (and requests just past admission) get the rest of the drain
+        remaining = 1 if hurried.is_set() else math.ceil(deadline - time.monotonic())
+        http.config.timeout_graceful_shutdown = max(1, remaining)
+    await http.stop()
+    if grpc is not None and grpc_stopped is not None:
+        if hurried.is_set():
+            await grpc.stop(0)  # a shorter grace overrides the first one's
+        await grpc_stopped
+
+
+class SignalFreeUvicorn(uvicorn.Server):
+    """uvicorn without its own SIGINT/SIGTERM handlers: `serve` takes the signals (see above)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Shutdown:
+    """SIGTERM and SIGINT, taken on the event loop: the first asks for a drain, a second hurries it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = asyncio.Event()
+        self.hurried = asyncio.Event()
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Take the signals, when this is the main thread (elsewhere the caller stops `serve`)."""
+        loop = asyncio.get_running_loop()
+        for number in self.SIGNALS:
+            previous = signal.getsignal(number)
+            try:
+                loop.add_signal_handler(number, self._on_signal, number)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue
+            self.previous[number] = previous
+
+    def uninstall(self) -> None:
+        loop = asyncio.get_running_loop()
+        for number, previous in self.previous.items():
+            loop.remove_signal_handler(number)
+            signal.signal(number, previous)
+        self.previous.clear()
+
+    def _on_signal(self, number: int) -> None:
+        name = signal.Signals(number).name
+        if self.requested.is_set():
+            log.warning("%s again: cutting the drain short", name)
+            self.hurried.set()
+        else:
+            log.info("%s: stopping", name)
+            self.requested.set()
+
+
+async def _first_of(*awaitables: Awaitable[Any]) -> None:
+    """Wait until one of `awaitables` is done (raising its error, if any); cancel the others."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+    for task in done:
+        task.result()
 
 
 async def _state_counters(state: SharedState) -> dict[str, Any]:

@@ -36,6 +36,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
     (lambda: SamplingParams(temperature=-1), "temperature must be >= 0"),
     (lambda: SamplingParams(top_p=0), "top_p must be in"),
     (lambda: SamplingParams(min_tokens=5, max_tokens=2), "min_tokens must be in"),
+    (lambda: SamplingParams(seed=2**64), "seed must fit in 64 bits"),
     (lambda: SamplingParams(logprobs=100), "logprobs must be in"),
 ])
 def test_invalid_settings_say_what_to_change(make: object, message: str) -> None:
@@ -90,3 +91,12 @@ def test_cli_reports_errors_without_a_traceback(tmp_path: Path, capsys: pytest.C
     assert code == 2 and err.startswith("pdserve: error:") and "Traceback" not in err
     assert main(["generate", "hi", "--max-tokens", "0"]) == 2
     assert "max_tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_min_tokens_past_the_context_stops_at_its_end(engine: LLMEngine) -> None:
+    """The context is full whatever `min_tokens` asks: a length finish, not a request that grows past
+    its context and then waits for ever."""
+    params = SamplingParams(temperature=0, min_tokens=60, max_tokens=60, ignore_eos=True)
+    output = engine.generate([list(range(10, 30))], params)[0]
+    assert output.finish_reason == "length" and len(output.token_ids) == 64 - 20
+    assert not engine.has_unfinished_requests()

@@ -160,3 +160,40 @@ def test_logprobs_are_returned_per_token(checkpoint: Path) -> None:
         (entry,) = output.new_logprobs
         assert entry.token_id == output.new_token_ids[0]
         assert len(entry.top) == 3 and entry.top[0][0] == entry.token_id  # greedy picks the most likely
+
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_long_request_finishes_while_short_ones_keep_arriving(checkpoint: Path, mode: str) -> None:
+    """KV exhaustion without deadlock or starvation: a request needing most of the pool is preempted
+    (it was admitted last), then a short request arrives every step. Readmission is first come first
+    served, so the new arrivals queue behind it and it finishes while they keep coming; every
+    output is the one its prompt gets alone."""
+    params = {"medium": SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              "long": SamplingParams(max_tokens=56, temperature=0, ignore_eos=True),  # 90 tokens: 23 blocks
+              "short": SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)}
+    prompts = {"medium": PROMPTS[0], "long": PROMPTS[3], "short-0": PROMPTS[1], "short-1": PROMPTS[2],
+               "short-2": PROMPTS[4]}
+    alone = make_engine(checkpoint)
+    expected = {name: alone.generate([prompt], params[name.split("-")[0]])[0].token_ids
+                for name, prompt in prompts.items()}
+    engine = make_engine(checkpoint, num_blocks=26, budget=8, mode=mode)
+    engine.add_request(prompts["medium"], params["medium"], request_id="medium")
+    long = engine.add_request(prompts["long"], params["long"], request_id="long")
+    results: dict[str, list[int]] = {}
+    arrivals = 0
+    for _ in range(5_000):  # far above the ~150 steps this takes: reaching it means a livelock
+        if "long" not in results:  # a new short request every step until the long one is done
+            name = f"short-{arrivals % 3}"
+            engine.add_request(prompts[name], params["short"], request_id=f"{name}-{arrivals}")
+            arrivals += 1
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = list(output.token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), "requests left after the step bound"
+    assert long.num_preemptions > 0
+    assert len(results) == arrivals + 2
+    assert all(tokens == expected[request_id.rsplit("-", 1)[0]] for request_id, tokens in results.items())
+    assert_pool_whole(engine)

@@ -18,6 +18,7 @@ import pytest
 from fastapi import FastAPI
 
 from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine import LLMEngine
 from cluster.http_gateway import HttpServer, build_app
 from cluster.service import LocalService
 from tests.helpers import build_tiny_llama_checkpoint
@@ -96,6 +97,28 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+class StepCounter:
+    """Paces an engine's steps and counts them (read from other threads: a plain int is enough)."""
+
+    def __init__(self, engine: LLMEngine, pause_s: float) -> None:
+        self.count = 0
+        self.step, self.pause_s = engine.step, pause_s
+
+    def __call__(self) -> Any:
+        time.sleep(self.pause_s)
+        self.count += 1
+        return self.step()
+
+
+def paced(service: LocalService, pause_s: float = 0.005) -> StepCounter:
+    """Pause before each of the service's engine steps, as a larger model's steps would take, so a
+    test can be about the order of events rather than wall-clock time; the steps are counted. For a
+    service of the test's own: it stays paced."""
+    counter = StepCounter(service.engine, pause_s)
+    service.engine.step = counter  # type: ignore[method-assign]
+    return counter
 
 
 def engine_idle(service: LocalService) -> bool:
