@@ -78,7 +78,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if len(self.waiting) >= self.config.max_waiting_requests:
+        if self.num_queued >= self.config.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
@@ -116,6 +116,12 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting = [entry for entry in self.waiting if entry[2] is not request]
             heapq.heapify(self.waiting)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for their first turn: the queue `max_waiting_requests` bounds. Preempted
+        requests wait too, but they were admitted already and must not make new ones look refused."""
+        return sum(1 for _, _, request in self.waiting if request.status == RequestStatus.WAITING)
 
     @property
     def num_unfinished(self) -> int:

@@ -110,6 +110,22 @@ def test_waiting_queue_bound_rejects_with_a_clear_error() -> None:
         scheduler.add_request(make_request("b", 4))
 
 
+def test_preempted_requests_do_not_fill_the_waiting_queue() -> None:
+    """The bound is on requests not yet admitted: a preempted one waits too, but was let in."""
+    scheduler = make_scheduler(num_blocks=8, max_waiting_requests=1)
+    for index in range(4):
+        scheduler.add_request(make_request(f"r{index}", 5, max_tokens=10, first_token=20 * index + 1))
+        scheduler.update_from_output(output := scheduler.schedule(), stub_sample(output))
+    while not any(request.status == RequestStatus.PREEMPTED for _, _, request in scheduler.waiting):
+        scheduler.update_from_output(output := scheduler.schedule(), stub_sample(output))
+    assert scheduler.num_queued == 0
+    scheduler.add_request(make_request("new", 4, first_token=200))
+    with pytest.raises(QueueFullError, match="full"):
+        scheduler.add_request(make_request("newer", 4, first_token=220))
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache.pool.num_free_blocks == 8
+
+
 def test_prompt_longer_than_context_is_refused() -> None:
     scheduler = make_scheduler(max_model_len=16)
     with pytest.raises(ValueError, match="context"):
