@@ -536,12 +536,32 @@ def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: i
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    _document_400_not_422(app)
     # add_middleware wraps: the last added runs first.
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every body it validates; this gateway answers 400 instead (each
+    operation documents it), so the OpenAPI document drops the 422 and its schemas."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()  # FastAPI keeps it in app.openapi_schema: edited in place, once
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class HttpServer:

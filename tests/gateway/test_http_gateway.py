@@ -95,7 +95,12 @@ def test_health_ready_models_and_openapi(client: httpx.Client, tiny: LiveGateway
     assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [name]
     assert client.get(f"/v1/models/{name}").json()["max_model_len"] == tiny.service.max_model_len
     assert_error(client.get("/v1/models/gpt-4"), 404)
-    assert "/v1/chat/completions" in client.get("/openapi.json").json()["paths"]
+    document = client.get("/openapi.json").json()
+    assert "/v1/chat/completions" in document["paths"]
+    statuses = {status for operations in document["paths"].values() for operation in operations.values()
+                for status in operation["responses"]}
+    assert "400" in statuses and "422" not in statuses  # the gateway answers 400, never FastAPI's 422
+    assert "HTTPValidationError" not in document["components"]["schemas"]
 
 
 def test_request_ids_are_taken_or_made(client: httpx.Client) -> None:
