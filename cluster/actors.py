@@ -155,11 +155,14 @@ class Router:
     `prefill` and `decode` are (worker id, actor handle) pairs.
     """
 
-    def __init__(self, prefill: list[tuple[str, Any]], decode: list[tuple[str, Any]], config: RouterConfig) -> None:
+    def __init__(self, prefill: list[tuple[str, str, Any]], decode: list[tuple[str, str, Any]],
+                 config: RouterConfig) -> None:
         self.config = config
-        self.ids = {id(handle): worker_id for worker_id, handle in prefill + decode}
-        self.prefill = [handle for _, handle in prefill]
-        self.decode = [handle for _, handle in decode]
+        self.ids = {id(handle): worker_id for worker_id, _, handle in prefill + decode}
+        # Ray actor names by worker id: a listing under a known id with another name is a new actor.
+        self.addresses = {worker_id: address for worker_id, address, _ in prefill + decode}
+        self.prefill = [handle for _, _, handle in prefill]
+        self.decode = [handle for _, _, handle in decode]
         # Kept here so routing costs no round trip: requests in flight per decode (or colocated)
         # worker, prompt tokens in flight per prefill worker, and the loads last polled.
         self.in_flight: dict[int, int] = {}
@@ -233,21 +236,29 @@ class Router:
 
     async def _discover(self) -> None:
         """Add the workers listed in the shared registry that this router does not know yet: those
-        another gateway started, or added since (router replicas share the pools this way)."""
+        another gateway started, or added since (router replicas share the pools this way). A known
+        id listed under a new actor name (its gateway restarted and made new workers) replaces the
+        old actor."""
         import ray
 
         roles = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
-        known = set(self.ids.values())
         for info in await self.state.workers():
-            if info.role not in roles or info.worker_id in known or info.meta.get("model") != self.config.model_name:
+            if info.role not in roles or info.meta.get("model") != self.config.model_name \
+                    or self.addresses.get(info.worker_id) == info.address:
                 continue
             try:
                 handle = ray.get_actor(info.address, namespace=info.meta.get("namespace", RAY_NAMESPACE))
             except ValueError:  # listed, but the actor is gone (its registration has not expired yet)
                 continue
+            pool = self.prefill if info.role == "prefill" else self.decode
+            old = next((h for h in pool if self.ids[id(h)] == info.worker_id), None)
+            if old is not None:
+                pool.remove(old)
+                self._mark_dead(old)
             self.ids[id(handle)] = info.worker_id
-            (self.prefill if info.role == "prefill" else self.decode).append(handle)
-            log.info("found %s worker %s in the registry", info.role, info.worker_id)
+            self.addresses[info.worker_id] = info.address
+            pool.append(handle)
+            log.info("found %s worker %s in the registry (%s)", info.role, info.worker_id, info.address)
 
     def _mark_dead(self, handle: Any) -> None:
         self.dead.add(id(handle))

@@ -57,7 +57,7 @@ class Cluster:
         self.model_name = ""
         self.max_model_len = 0
         self.tokenizer: Tokenizer | None = None
-        self.attached_ids: dict[int, str] = {}  # attach: handle -> the worker id it is listed under
+        self.attached: dict[int, tuple[str, str]] = {}  # attach: handle -> (worker id, actor name) listed
 
     @property
     def router(self) -> Any:
@@ -99,13 +99,13 @@ class Cluster:
         try:
             while time.monotonic() < deadline:
                 found: dict[str, list[Any]] = {role: [] for role in roles}
-                self.attached_ids = {}
+                self.attached = {}
                 for info in await state.workers():
                     if info.role in roles:
                         with contextlib.suppress(ValueError):  # listed, but gone
                             handle = ray.get_actor(info.address, namespace=info.meta.get("namespace", RAY_NAMESPACE))
                             found[info.role].append(handle)
-                            self.attached_ids[id(handle)] = info.worker_id
+                            self.attached[id(handle)] = (info.worker_id, info.address)
                 decode = found[roles[-1]]
                 if decode and (self.config.mode == "colocated" or found["prefill"]):
                     return found.get("prefill", []), decode
@@ -115,11 +115,14 @@ class Cluster:
         raise TimeoutError(f"attach: no {' and '.join(roles)} workers listed in {self.config.redis_url} "
                            f"within {START_TIMEOUT_S:.0f} s")
 
-    def _named(self, role: str, handles: list[Any]) -> list[tuple[str, Any]]:
-        """(worker id, handle) pairs: the ids the workers were given (`_pool`) or listed under."""
+    def _named(self, role: str, handles: list[Any]) -> list[tuple[str, str, Any]]:
+        """(worker id, Ray actor name, handle): as the workers were made (`_pool`) or listed."""
         if self.config.attach:
-            return [(self.attached_ids[id(handle)], handle) for handle in handles]
-        return [(f"{role}-{index}", handle) for index, handle in enumerate(handles)]
+            return [(*self.attached[id(handle)], handle) for handle in handles]
+        return [(f"{role}-{index}", self._actor_name(role, index), handle) for index, handle in enumerate(handles)]
+
+    def _actor_name(self, role: str, index: int) -> str:
+        return f"pdserve-{self.uid}-{role}-{index}"
 
     def _pool(self, role: str, pool: PoolConfig) -> list[Any]:
         import ray
@@ -127,7 +130,7 @@ class Cluster:
         actor_class = ray.remote(WorkerActor)
         workers = []
         for index in range(pool.replicas):
-            name = f"pdserve-{self.uid}-{role}-{index}"
+            name = self._actor_name(role, index)
             # max_task_retries=0: a stream cut by a worker's death is the router's to resume, not Ray's
             # to replay from its start.
             options = actor_class.options(num_cpus=pool.num_cpus, resources=dict(pool.resources), name=name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,8 @@ def wait_for(condition: Any, what: str, within_s: float = 60) -> None:
 def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: Path, dedicated_redis: Any) -> None:
     """Two routers and an attached cluster serve the same workers; Redis killed under load and
     restarted leaves every request served (routing by load alone meanwhile) and the registry whole
-    again; a worker that joins later is found by every router."""
+    again; a worker that joins later is found by every router; when the first gateway restarts with
+    new workers, the attached cluster routes to them."""
     import ray
 
     redis_server = dedicated_redis
@@ -113,9 +115,17 @@ def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: P
         assert tokens == expected and "decode-extra" in workers
         assert asyncio.run(collect_tokens(first, PROMPTS[0], "d")) == expected[0]
 
-        second.stop()  # an attached cluster leaves the workers running
-        assert asyncio.run(collect_tokens(first, PROMPTS[1], "e")) == expected[1]
         first.decode = [extra]
+        assert_pools_whole(first)
+
+        # The first gateway restarts: its workers go, new actors come under the same ids, and the
+        # attached cluster's router swaps them in.
+        first.stop()
+        first = Cluster(replace(config, routers=1)).start()
+        wait_for(lambda: live_workers(second.router) == ["decode-0", "prefill-0"], "the new actors were not found")
+        assert served(second, "f")[0] == expected
+        second.stop()  # an attached cluster leaves the workers running
+        assert asyncio.run(collect_tokens(first, PROMPTS[1], "g")) == expected[1]
         assert_pools_whole(first)
     finally:
         second.stop()
