@@ -44,7 +44,7 @@ EVERYTHING_ON = {
                               "resources": {"limits": {"cpu": "2", "memory": "8Gi"}}}]},
     "gateway": {"ingress": {"enabled": True, "className": "nginx",
                             "tls": [{"secretName": "tls", "hosts": ["pdserve.example.com"]}]},
-                "podDisruptionBudget": {"maxUnavailable": 1}},
+                "podDisruptionBudget": {"maxUnavailable": 1}, "attachedReplicas": 2},
     "apiKey": {"value": "a-key-from-values"},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
 }
@@ -260,6 +260,27 @@ def test_the_gateway_runs_serve_on_the_mounted_config_and_drains_within_its_grac
     assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+def test_attached_gateways_serve_the_owners_pools_behind_the_same_service() -> None:
+    from cluster.cli import build_parser
+
+    objects = render_case("everything-on")
+    owner, attached = one(objects, "Deployment", "-gateway"), one(objects, "Deployment", "-gateway-attached")
+    assert attached["spec"]["replicas"] == 2 and attached["spec"]["strategy"]["type"] == "RollingUpdate"
+    (script,) = attached["spec"]["template"]["spec"]["containers"][0]["args"]
+    (line,) = [line for line in script.splitlines() if line.strip().startswith("exec pdserve serve")]
+    args = build_parser().parse_args(shlex.split(line)[2:])
+    assert args.attach and args.ray_address == build_parser().parse_args(gateway_command(objects)).ray_address
+    assert not build_parser().parse_args(gateway_command(objects)).attach
+    env = {e["name"] for e in attached["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert {"PDSERVE_REDIS_URL", "PDSERVE_API_KEY"} <= env
+    service = one(objects, "Service", "-gateway")
+    for deployment, other in ((owner, attached), (attached, owner)):  # each selects its own pods only
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert not other["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert service["spec"]["selector"].items() <= labels.items()
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_api_key_and_redis_come_to_the_gateway_from_the_release(case: str) -> None:
     objects = render_case(case)
@@ -352,6 +373,7 @@ def test_monitoring_objects_select_the_gateway() -> None:
     ({"gateway": {"drainSeconds": 50, "preStopSleepSeconds": 10, "terminationGracePeriodSeconds": 60}},
      "preStopSleepSeconds"),
     ({"ray": {"decodeGroups": []}}, "at least one decode worker"),
+    ({"gateway": {"attachedReplicas": 1}, "redis": {"enabled": False}}, "attachedReplicas needs Redis"),
     ({"ray": {"prefill": {"replicas": 0}}}, "ray.prefill.replicas must be >= 1"),
     ({"ray": {"enableInTreeAutoscaling": True, "autoscalerOptions": {"version": "v1"},
               "prefill": {"idleTimeoutSeconds": 60}}}, "idleTimeoutSeconds needs the v2 autoscaler"),
