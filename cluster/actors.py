@@ -289,7 +289,8 @@ class Router:
                 return
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
             self.attempts[request_id] = attempt_id
-            resumed = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)))
+            resumed = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
+                              seed_offset=params.seed_offset + len(sent))
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
             try:
                 async for event in self._attempt(attempt_id, prompt + sent, resumed):

@@ -144,7 +144,7 @@ class Sampler:
             uniforms[torch.tensor(unseeded, device=device)] = drawn
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None:
-                uniforms[row].uniform_(generator=self._request_generator(request, device))
+                uniforms[row].uniform_(generator=self._request_generator(request, shape[1], device))
         # uniform_ is in [0, 1), so draws are > 0 (no 0 / 0 = NaN, which argmax would rank first);
         # a 0 gives an infinite draw, which only makes p / q = 0.
         return uniforms.log_().neg_()
@@ -156,12 +156,19 @@ class Sampler:
             self._shared_generators[device] = torch.Generator(device=device).manual_seed(self._shared_seed)
         return self._shared_generators[device]
 
-    def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
+    def _request_generator(self, request: Request, vocab_size: int, device: torch.device) -> torch.Generator:
+        """The request's own generator. Made where the request samples for the first time; if tokens
+        were sampled before that (a decode worker after the prefill's first token, a run resumed
+        after `seed_offset` tokens), it skips their draws (one row of `vocab_size` per token, a row
+        per call as the sampling drew them), so the seed gives the tokens it gives in one run."""
         generator = self._request_generators.get(request.request_id)
         if generator is None:
             seed = request.sampling_params.seed
             assert seed is not None
             generator = torch.Generator(device=device).manual_seed(seed)
+            row = torch.empty(vocab_size, device=device)
+            for _ in range(request.sampling_params.seed_offset + len(request.output_token_ids)):
+                row.uniform_(generator=generator)
             self._request_generators[request.request_id] = generator
         return generator
 

@@ -27,6 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    # Tokens of this request a seeded generator already drew for elsewhere (a run resumed after them
+    # on another worker): its generator skips their draws, so the random stream goes on unbroken.
+    seed_offset: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON bodies), store tuples so the object stays hashable.
@@ -54,6 +57,7 @@ class SamplingParams:
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
             # torch's generators take 64-bit seeds; a larger one would fail the step of every request in it
             (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
+            (self.seed_offset >= 0, f"seed_offset must be >= 0, got {self.seed_offset}"),
         ]
         for ok, message in checks:
             if not ok:

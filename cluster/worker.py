@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -329,9 +329,9 @@ class Worker:
         prefill; the blocks are released whatever happens.
         """
         assert self.sender is not None, "a prefill worker needs a KV sender"
-        first_params = SamplingParams(max_tokens=1, temperature=params.temperature, top_p=params.top_p,
-                                      top_k=params.top_k, min_p=params.min_p, seed=params.seed,
-                                      ignore_eos=True, logprobs=params.logprobs, stop=params.stop)
+        # The first token as one engine would sample it (penalties over the prompt, min_tokens masking,
+        # the seed's stream after `seed_offset`), and nothing after it.
+        first_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), ignore_eos=True)
         self._claim(request_id)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.streams[request_id] = stream

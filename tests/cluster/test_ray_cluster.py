@@ -259,11 +259,12 @@ def ray_stats(cluster: Cluster) -> dict[str, int]:
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint: Path, mode: str) -> None:
     """Every one of 20 requests finishes with the engine's own tokens, each sent once, though the
-    worker streaming half of them dies midway. Ray restarts it, and it serves new requests again."""
+    worker streaming half of them dies midway (seeded sampling: a resumed run goes on with the same
+    random stream). Ray restarts the worker, and it serves new requests again."""
     import ray
 
     engine_config = engine_config_for(checkpoint, num_blocks=1024)  # room for all 20 on one worker
-    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=120, temperature=0.8, seed=1234, ignore_eos=True)
     prompts = PROMPTS * 4
     expected = alone(engine_config, PROMPTS, params) * 4
     config = ClusterConfig(mode=mode, prefill=PoolConfig(replicas=1 if mode == "disaggregated" else 0, num_cpus=0.1),

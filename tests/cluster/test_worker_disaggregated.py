@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,27 @@ def test_concurrent_requests_match_the_engine_alone(checkpoint: Path, expected: 
             assert max(t.frames for t in prefill.transfers) >= 5
             await asyncio.sleep(0.1)
             assert_whole(prefill, decode)
+
+    asyncio.run(main())
+
+
+def test_seeded_sampling_split_over_two_workers_equals_one_engine(checkpoint: Path) -> None:
+    """A seed gives the same tokens whether one engine or a prefill and a decode worker sample them:
+    the prefill samples the first token with every parameter (penalties over the prompt too), the
+    decode worker's generator skips that token's draw; and a run resumed after 5 tokens with
+    `seed_offset=5` goes on as the whole run."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, repetition_penalty=1.5, presence_penalty=0.5,
+                            min_tokens=2, ignore_eos=True)
+    engine = make_engine(checkpoint)
+    alone = [engine.generate([prompt], params)[0].token_ids for prompt in PROMPTS]
+    resumed = replace(params, max_tokens=7, min_tokens=0, seed_offset=5)
+
+    async def main() -> None:
+        async with running_pair(checkpoint) as (prefill, decode, _):
+            got = await asyncio.gather(*(serve(prefill, decode, f"s{i}", p, params) for i, p in enumerate(PROMPTS)))
+            assert list(got) == alone
+            rest = await serve(prefill, decode, "resumed", PROMPTS[1] + alone[1][:5], resumed)
+            assert rest == alone[1][5:]
 
     asyncio.run(main())
 

@@ -7,6 +7,7 @@ cache hits, no prefix cache, bfloat16 checks aside) must produce exactly the sam
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,18 @@ def test_same_seed_same_output_whatever_the_batch(checkpoint: Path) -> None:
     together = run_staggered(engine, [PROMPTS[0]], params)[0]
     assert mixed  # the crowd ran
     assert together == alone
+
+
+def test_a_seeded_run_resumed_after_its_tokens_goes_on_as_one_run(checkpoint: Path) -> None:
+    """A request resumed elsewhere from prompt + the tokens already out, with `seed_offset` = their
+    count, samples the very tokens one unbroken run does (what the router relies on)."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    engine = make_engine(checkpoint)
+    whole = engine.generate([PROMPTS[1]], params)[0].token_ids
+    rest = engine.generate([PROMPTS[1] + whole[:5]], replace(params, max_tokens=11, seed_offset=5))[0].token_ids
+    assert whole[5:] == rest
+    fresh = engine.generate([PROMPTS[1] + whole[:5]], replace(params, max_tokens=11))[0].token_ids
+    assert fresh != rest  # without the offset the stream restarts: the offset is what keeps it
 
 
 def test_abort_mid_generation_frees_every_block(checkpoint: Path) -> None:
