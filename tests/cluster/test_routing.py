@@ -37,7 +37,8 @@ def test_prefix_hashes_are_the_workers_cache_hashes(tmp_path: Path) -> None:
 
 def test_prefill_prefers_the_worker_with_the_prefix_unless_its_queue_outweighs_it() -> None:
     assert prefill_cost(queued_tokens=0, prompt_tokens=40, cached_blocks=2, block_size=16) == 8
-    router = Router(prefill=[("p0", "handle-0"), ("p1", "handle-1")], decode=[], config=RouterConfig())
+    router = Router(prefill=[("p0", "actor-p0", "handle-0"), ("p1", "actor-p1", "handle-1")], decode=[],
+                    config=RouterConfig())
 
     async def main() -> None:
         first = await router._pick_prefill(PROMPT)
