@@ -176,6 +176,7 @@ class Router:
                           "rejoined": 0}
         self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
         self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
+        self.retired: list[Any] = []  # handles replaced by new actors under the same worker id
         self.turn = 0
 
     def _live(self, handles: list[Any]) -> list[Any]:
@@ -255,6 +256,7 @@ class Router:
             if old is not None:
                 pool.remove(old)
                 self._mark_dead(old)
+                self.retired.append(old)  # kept, so that no new handle gets its id() (our dicts' key)
             self.ids[id(handle)] = info.worker_id
             self.addresses[info.worker_id] = info.address
             pool.append(handle)

@@ -167,7 +167,12 @@ class Worker:
         """Replace this worker's entry in the prefix index by every block its cache holds now."""
         assert self.state is not None
         pool = self.engine.kv_cache.pool
-        snapshot = await self._call(lambda: (pool.take_events(), list(pool.cached))[1])
+
+        def cached_now() -> list[int]:
+            pool.take_events()  # what they would add is in the snapshot already
+            return list(pool.cached)
+
+        snapshot = await self._call(cached_now)
         await self.state.forget_worker(self.worker_id)
         if snapshot:
             await self.state.publish_blocks(self.worker_id, snapshot, [])
