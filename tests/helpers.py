@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -229,3 +234,18 @@ def default_model_dir() -> Path:
     from cluster.default_model import resolve_model_path
 
     return resolve_model_path("default", progress=False)
+
+
+@contextlib.contextmanager
+def nothing_logged_and_idle(caplog: pytest.LogCaptureFixture, idle: Callable[[], bool],
+                            timeout_s: float = 20.0) -> Iterator[None]:
+    """Around a fuzz test, in a fixture: afterwards no ERROR was logged by `cluster.*`, and `idle()`
+    (nothing running, every KV block free) holds within `timeout_s`."""
+    with caplog.at_level(logging.ERROR, logger="cluster"):
+        yield
+    logged = caplog.get_records("call")  # a fixture's exit runs in teardown: ask for the test's own records
+    assert not [record.getMessage() for record in logged if record.name.startswith("cluster")]
+    end = time.monotonic() + timeout_s
+    while not idle():
+        assert time.monotonic() < end, "requests left running or KV blocks taken"
+        time.sleep(0.02)

@@ -85,7 +85,7 @@ def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: P
     second = Cluster(ClusterConfig(engine=engine_config, redis_url=redis_server.url, attach=True)).start()
     extra = None
     try:
-        assert served(first, "a")[0] == expected  # spread over both routers
+        assert served(first, "a")[0] == expected  # the cluster sends them round-robin to its two routers
         assert second.model_name == first.model_name
         assert live_workers(second.router) == ["decode-0", "prefill-0"]
         assert served(second, "b")[0] == expected

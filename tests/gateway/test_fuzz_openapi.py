@@ -14,7 +14,6 @@ attribute pytest removed), so each operation's cases are drawn here with plain h
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,8 @@ from schemathesis.specs.openapi import checks as openapi_checks
 from cluster.openai_protocol import TEMPLATE_ARGUMENTS, ChatCompletionRequest, CompletionRequest
 from cluster.service import LocalService
 from cluster.tokenizer import Tokenizer
-from tests.gateway.conftest import LiveGateway, engine_idle, wait_until
+from tests.gateway.conftest import LiveGateway, engine_idle
+from tests.helpers import nothing_logged_and_idle
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 EXAMPLES_PER_OPERATION = 50
@@ -62,11 +62,8 @@ def api_schema(tiny: LiveGateway) -> Any:
 @pytest.fixture
 def left_clean(tiny: LiveGateway, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """After the test: no error logged by the server or the engine, and the engine idle, pool whole."""
-    with caplog.at_level(logging.ERROR, logger="cluster"):
+    with nothing_logged_and_idle(caplog, lambda: engine_idle(tiny.service)):
         yield
-    logged = caplog.get_records("call")  # this runs in the teardown phase: ask for the test's own records
-    assert not [record.getMessage() for record in logged if record.name.startswith("cluster")]
-    assert wait_until(lambda: engine_idle(tiny.service)), "requests left running or KV blocks taken"
 
 
 # ---- keeping requests cheap and reaching the engine -----------------------------------------------

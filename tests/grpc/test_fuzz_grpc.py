@@ -9,7 +9,6 @@ UNKNOWN, and within its deadline. Afterwards the engine must have logged no erro
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +23,8 @@ from cluster.grpc_server import SERVICE_NAME, GrpcServer
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 from cluster.service import LocalService
-from tests.grpc.conftest import ServerLoop, pool_is_whole, wait_until
+from tests.grpc.conftest import ServerLoop, pool_is_whole
+from tests.helpers import nothing_logged_and_idle
 
 EXAMPLES = 300
 RAW_EXAMPLES = 200
@@ -82,11 +82,9 @@ def stub(server: GrpcServer) -> Iterator[Any]:
 @pytest.fixture
 def left_clean(service: LocalService, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """After the test: no error logged by the server or the engine, nothing running, the pool whole."""
-    with caplog.at_level(logging.ERROR, logger="cluster"):
+    with nothing_logged_and_idle(caplog, lambda: not service.engine.has_unfinished_requests()
+                                 and pool_is_whole(service)):
         yield
-    logged = caplog.get_records("call")  # this runs in the teardown phase: ask for the test's own records
-    assert not [record.getMessage() for record in logged if record.name.startswith("cluster")]
-    assert wait_until(lambda: not service.engine.has_unfinished_requests() and pool_is_whole(service))
 
 
 def fuzz_settings(max_examples: int) -> settings:
