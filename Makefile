@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# ruff, mypy, and the layering contracts of pyproject.toml's [tool.importlinter] (import-linter).
 lint: install
 	$(VENV)/bin/ruff check cluster kernels tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)

@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 console = Console(width=150)  # wide tables also when piped to a log

@@ -47,9 +47,9 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import RESULTS, console, cpu_model, git_state, print_table  # noqa: E402
-from cluster.cluster import Cluster, init_ray  # noqa: E402
-from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.common.sampling_params import SamplingParams  # noqa: E402
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
+from cluster.ray_cluster.launcher import Cluster, init_ray  # noqa: E402
 
 NAME = "disaggregation"
 ARMS = ("colocated", "disaggregated")

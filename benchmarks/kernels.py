@@ -255,9 +255,9 @@ def time_prefill(name: str, batch: int, length: int, timer: Timer) -> dict[str, 
 
 def engine_arm(backend: str, graphs: bool, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     """Greedy tokens of every prompt (batched), and the median decode step time."""
-    from cluster.config import CacheConfig, EngineConfig, ModelConfig
-    from cluster.engine import LLMEngine
-    from cluster.sampling_params import SamplingParams
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from cluster.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=ModelConfig(device="cuda"), cache=CacheConfig(kv_cache_memory_gb=1.0),
                                     attention_backend=backend))
@@ -279,7 +279,7 @@ def engine_arm(backend: str, graphs: bool, prompts: list[list[int]], max_tokens:
 
 
 def run_engine(quick: bool) -> dict[str, Any]:
-    from cluster.loader import ModelLoadError
+    from cluster.common.errors import ModelLoadError
 
     prompts = [[1 + (7 * i + 3 * j) % 1000 for j in range(20 + 9 * i)] for i in range(8)]
     max_tokens = 16 if quick else 48

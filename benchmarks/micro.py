@@ -14,11 +14,11 @@ from rich.progress import Progress
 from torch import nn
 
 from benchmarks.common import Timers, fake_tokens, median, stub_prefill
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import LLMEngine
-from cluster.kv_cache_manager import cdiv
-from cluster.sampler import Sampler
-from cluster.sampling_params import SamplingParams
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.kv_cache_manager import cdiv
+from cluster.engine.llm_engine import LLMEngine
+from cluster.model.sampler import Sampler
 from kernels import reference
 
 # Long enough that no request finishes while it is being measured.

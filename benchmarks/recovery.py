@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine
-from cluster.cluster import Cluster
-from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from
-from cluster.sampling_params import SamplingParams
+from cluster.common.sampling_params import SamplingParams
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from
+from cluster.ray_cluster.launcher import Cluster
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
 
-    from tests.helpers import build_tiny_llama_checkpoint
+    from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
     checkpoint = build_tiny_llama_checkpoint(Path(tempfile.mkdtemp(prefix="recovery-")))
     engine = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512})

@@ -9,7 +9,7 @@ default model, prefix caching on. The same workload in each arm, on a fresh clus
 - multi-turn conversations (`--conversations`): each turn resends the whole history (previous
   prompt + the reply) plus 48 new tokens, 16 output tokens, the next turn 0.5 s after the reply.
 
-Arms (`routing:` in the cluster config, see cluster/routing.py):
+Arms (`routing:` in the cluster config, see cluster/ray_cluster/routing_policy.py):
 - kv-aware: a prefill worker by its queued prompt tokens plus the part of this prompt it lacks
   (the router's record of the prefixes it sent where);
 - load: by queued prompt tokens only;
@@ -36,9 +36,9 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import RESULTS, console, machine, print_table  # noqa: E402
-from cluster.cluster import Cluster, init_ray  # noqa: E402
-from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
+from cluster.common.sampling_params import SamplingParams  # noqa: E402
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
+from cluster.ray_cluster.launcher import Cluster, init_ray  # noqa: E402
 
 NAME = "routing"
 ARMS = ("kv-aware", "load", "round-robin")

@@ -1,5 +1,5 @@
 """Serving sweeps: a server started per setting (`pdserve serve` in a subprocess), driven over HTTP
-by `cluster.serving_bench`; results go to benchmarks/results/serve-<sweep>.json/.png.
+by `cluster.bench.serving`; results go to benchmarks/results/serve-<sweep>.json/.png.
 
     python -m benchmarks.serve                      # both sweeps, ~10 minutes on 2 CPU cores
     python -m benchmarks.serve rate --quick         # a short version of one sweep (files *-quick.*)
@@ -41,8 +41,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 
 from benchmarks.common import RESULTS, console, cpu_model, git_state, print_table, save  # noqa: E402
 from benchmarks.plots import _pyplot  # noqa: E402
-from cluster.bench_workloads import WorkloadConfig  # noqa: E402
-from cluster.serving_bench import HttpDriver, LoadConfig, benchmark, finite  # noqa: E402
+from cluster.bench.serving import HttpDriver, LoadConfig, benchmark, finite  # noqa: E402
+from cluster.bench.workloads import WorkloadConfig  # noqa: E402
 
 START_TIMEOUT_S = 600.0  # a cold Ray cluster on a busy machine takes minutes
 MS = "ms"

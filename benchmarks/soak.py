@@ -4,7 +4,7 @@
     python -m benchmarks.soak --seconds 600 --concurrency 16
     python -m benchmarks.soak --model path/to/checkpoint --seconds 60
 
-The same traffic as `tests/gateway/test_soak.py` (`cluster/soak.py`: completions and chats, whole
+The same traffic as `tests/gateway/test_soak.py` (`cluster/bench/soak.py`: completions and chats, whole
 and streamed, clients that drop streams or cancel requests, invalid requests), against one engine
 (`LocalService`) behind the HTTP gateway, both in this process on one event loop (the engine steps
 in its own thread), with a small KV pool and queue so that preemption and 429s happen. After the
@@ -27,10 +27,10 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import machine, print_table, save  # noqa: E402
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from cluster.http_gateway import HttpServer, build_app  # noqa: E402
-from cluster.service import LocalService  # noqa: E402
-from cluster.soak import KINDS, SoakConfig, rss_bytes, run_soak  # noqa: E402
+from cluster.bench.soak import KINDS, SoakConfig, rss_bytes, run_soak  # noqa: E402
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from cluster.serving.http.gateway import HttpServer, build_app  # noqa: E402
+from cluster.serving.local_service import LocalService  # noqa: E402
 
 MIB = 1 << 20
 SETTLE_S = 60.0

@@ -6,10 +6,10 @@ import time
 from typing import Any
 
 from benchmarks.common import console
-from cluster.bench import BenchResult, Workload, run_workload, synthetic_workload
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import LLMEngine, RequestOutput
-from cluster.kv_cache_manager import cdiv
+from cluster.bench.offline import BenchResult, Workload, run_workload, synthetic_workload
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.kv_cache_manager import cdiv
+from cluster.engine.llm_engine import LLMEngine, RequestOutput
 
 VOCAB_SIZE = 49152  # SmolLM2's; only bounds the synthetic prompt ids (which stay below 30000)
 
@@ -183,7 +183,7 @@ def hf_continuous(model: Any, workload: Workload, max_batch_tokens: int) -> dict
 
 
 def vs_transformers(num_requests: int, batch_size: int) -> dict[str, Any]:
-    from cluster.default_model import resolve_model_path
+    from cluster.weights.default_model import resolve_model_path
 
     workload = synthetic_workload(num_requests, VOCAB_SIZE, seed=2)
     config = EngineConfig(model=ModelConfig(dtype="float32"))

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.sampling_params import SamplingParams
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def make_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from cluster.engine import LLMEngine  # torch loads here, not for --help
+    from cluster.engine.llm_engine import LLMEngine  # torch loads here, not for --help
 
     return LLMEngine(engine_config(args), progress=True)
 
@@ -114,10 +114,10 @@ def command_bench(args: argparse.Namespace) -> int:
     """The serving benchmark against a running server with --url or --grpc; else the offline one,
     which loads the engine here and pushes a synthetic workload through it."""
     if args.url or args.grpc:
-        from cluster.serving_bench import command
+        from cluster.bench.serving import command
 
         return command(args)
-    from cluster.bench import run_workload, synthetic_workload
+    from cluster.bench.offline import run_workload, synthetic_workload
 
     engine = make_engine(args)
     workload = synthetic_workload(args.num_requests, engine.arch.vocab_size, seed=args.seed or 0,
@@ -167,12 +167,12 @@ def command_serve(args: argparse.Namespace) -> int:
 
     # gRPC's C core logs a line each time Ray forks a process while the server runs: errors only.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from cluster.cluster_config import load_cluster_config
-    from cluster.default_model import resolve_model_path
-    from cluster.engine import served_model_name
-    from cluster.logs import configure_logging
-    from cluster.server import Backend, DeferredService, ServeOptions, serve
-    from cluster.tokenizer import Tokenizer
+    from cluster.engine.llm_engine import served_model_name
+    from cluster.observability.logs import configure_logging
+    from cluster.ray_cluster.config import load_cluster_config
+    from cluster.serving.process import DeferredService, ServeOptions, ServiceLauncher, serve
+    from cluster.weights.default_model import resolve_model_path
+    from cluster.weights.tokenizer import Tokenizer
 
     configure_logging(args.log_format, args.log_level)
     config = load_cluster_config(args.config, cluster_overrides(args))
@@ -184,7 +184,7 @@ def command_serve(args: argparse.Namespace) -> int:
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
-    backend = Backend(config, local=args.local)
+    backend = ServiceLauncher(config, local=args.local)
 
     def listening(url: str, grpc_port: int | None) -> None:
         grpc = f", gRPC on port {grpc_port}" if grpc_port is not None else ""
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-requests", type=int, default=64)
     bench.add_argument("--output-cap", type=int, default=512, help="offline: longest output")
     bench.add_argument("--json", default="", help="write the result to this JSON file")
-    from cluster.serving_bench import add_arguments as add_serving_bench_arguments  # no torch: --help stays fast
+    from cluster.bench.serving import add_arguments as add_serving_bench_arguments  # no torch: --help stays fast
 
     add_serving_bench_arguments(bench)
     for sub in (generate, chat, bench):
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", choices=["text", "json"], default="text",
                        help="json: one object per line with request ids and timings")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--config", default=None, help="cluster YAML file (see cluster/cluster_config.py)")
+    serve.add_argument("--config", default=None, help="cluster YAML file (see cluster/ray_cluster/config.py)")
     serve.add_argument("--ray-address", default="", help="join this Ray cluster instead of starting one")
     serve.add_argument("--redis-url", default="", help="shared state for KV-aware routing and rate limits "
                        "(default: $PDSERVE_REDIS_URL; none: each router keeps its own)")

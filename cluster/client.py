@@ -42,7 +42,7 @@ from cluster.grpc_stubs import pdserve_pb2_grpc
 __all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "ClientError", "Completion", "Model", "Prompt",
            "Stream", "TokenLogprob", "Usage"]
 
-API_KEY_ENV = "PDSERVE_API_KEY"  # as cluster.grpc_server, without importing the server (and torch)
+API_KEY_ENV = "PDSERVE_API_KEY"  # as cluster.serving.grpc.server, without importing the server (and torch)
 DEFAULT_TARGET = "localhost:50051"
 MAX_ATTEMPTS = 5
 BACKOFF_S = 0.2  # before the second attempt; doubles each time, up to BACKOFF_MAX_S

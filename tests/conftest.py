@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig
-from cluster.engine import LLMEngine
+from cluster.engine.config import CacheConfig, EngineConfig
+from cluster.engine.llm_engine import LLMEngine
 from tests.state.conftest import dedicated_redis, redis_server  # noqa: F401  (real redis-servers, for every package)
 
 QUESTIONS = [

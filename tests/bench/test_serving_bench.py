@@ -16,21 +16,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from cluster.bench_metrics import Distribution, RequestRecord, inter_token_latencies, parse_goodput, summarize
-from cluster.bench_workloads import (
-    BenchRequest,
-    Conversation,
-    WorkloadConfig,
-    arrival_offsets,
-    build_workload,
-    read_conversations,
-)
-from cluster.cli import main as cli_main
-from cluster.config import CacheConfig, EngineConfig, ModelConfig
-from cluster.grpc_server import GrpcServer
-from cluster.http_gateway import HttpServer, build_app
-from cluster.service import LocalService
-from cluster.serving_bench import (
+from cluster.bench.metrics import Distribution, RequestRecord, inter_token_latencies, parse_goodput, summarize
+from cluster.bench.serving import (
     BenchRun,
     GrpcDriver,
     HttpDriver,
@@ -40,7 +27,20 @@ from cluster.serving_bench import (
     run_benchmark,
     tokens_in,
 )
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.bench.workloads import (
+    BenchRequest,
+    Conversation,
+    WorkloadConfig,
+    arrival_offsets,
+    build_workload,
+    read_conversations,
+)
+from cluster.cli import main as cli_main
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.serving.grpc.server import GrpcServer
+from cluster.serving.http.gateway import HttpServer, build_app
+from cluster.serving.local_service import LocalService
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 T = TypeVar("T")
 TINY_TOKENS = (3, 300)  # inside the tiny model's 320-id vocabulary, above its special tokens
@@ -289,7 +289,7 @@ def test_http_synthetic_run_accounts_for_every_request_and_token(servers: LiveSe
 
 
 def test_http_without_logprobs_still_counts_tokens_from_usage(servers: LiveServers) -> None:
-    from cluster.serving_bench import DriverOptions
+    from cluster.bench.serving import DriverOptions
 
     workload = tiny_workload(num_requests=4)
     driver = HttpDriver(servers.http_url, DriverOptions(logprobs=False))

@@ -10,7 +10,7 @@ def ray_session() -> Iterator[None]:
     """One private local Ray for the whole test session (it takes seconds to start)."""
     import ray
 
-    from cluster.cluster import init_ray
+    from cluster.ray_cluster.launcher import init_ray
 
     init_ray()
     yield

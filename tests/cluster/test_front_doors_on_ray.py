@@ -12,16 +12,17 @@ import httpx
 import openai
 import pytest
 
-from cluster.cluster import Cluster
-from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from
-from cluster.engine import LLMEngine
-from cluster.metrics import ClusterMetrics, MeteredService
-from cluster.sampling_params import SamplingParams
-from cluster.server import add_metrics_route
-from cluster.service import ClusterService
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.llm_engine import LLMEngine
+from cluster.observability.metrics import ClusterMetrics
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from
+from cluster.ray_cluster.launcher import Cluster
+from cluster.serving.cluster_service import ClusterService
+from cluster.serving.metered_service import MeteredService
+from cluster.serving.process import add_metrics_route
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.core.test_engine_outputs import PROMPTS
 from tests.gateway.test_metrics import samples, value
-from tests.helpers import build_tiny_llama_checkpoint
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 MAX_TOKENS = 12
@@ -51,8 +52,8 @@ def pools_whole(cluster: Cluster) -> bool:
 
 def test_gateway_and_grpc_on_the_cluster(cluster: Cluster, checkpoint: Path) -> None:
     from cluster.client import AsyncClient
-    from cluster.grpc_server import GrpcServer
-    from cluster.http_gateway import HttpServer, build_app
+    from cluster.serving.grpc.server import GrpcServer
+    from cluster.serving.http.gateway import HttpServer, build_app
 
     engine = LLMEngine(engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128}))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from cluster.cluster import Cluster
-from cluster.cluster_config import ClusterConfig, PoolConfig, engine_config_from, load_cluster_config
-from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from, load_cluster_config
+from cluster.ray_cluster.launcher import Cluster
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.conftest import MAX_TOKENS
 from tests.core.test_engine_outputs import GREEDY, PROMPTS
-from tests.helpers import build_tiny_llama_checkpoint
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -217,8 +217,8 @@ async def prefill_on(cluster: Cluster, prefill: Any, prompt: list[int]) -> None:
 
 async def wait_for_published_prefix(url: str, cluster: Cluster, prefix: list[int]) -> str:
     """The prefill worker whose published blocks hold the prefix (polled: they publish every 0.1 s)."""
-    from cluster.routing import prefix_hashes
-    from cluster.shared_state import connect_state
+    from cluster.common.block_hashes import prefix_hashes
+    from cluster.state.connect import connect_state
 
     state = connect_state(url)
     hashes = prefix_hashes(prefix, 4, cluster.model_name)

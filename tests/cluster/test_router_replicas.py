@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from cluster.actors import RAY_NAMESPACE, WorkerActor
-from cluster.cluster import Cluster
-from cluster.cluster_config import ClusterConfig, PoolConfig
-from cluster.shared_state import connect_state
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig
+from cluster.ray_cluster.launcher import Cluster
+from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, WorkerActor
+from cluster.state.connect import connect_state
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.cluster.test_ray_cluster import alone, assert_pools_whole, collect_tokens, engine_config_for
 from tests.core.test_engine_outputs import GREEDY, PROMPTS
-from tests.helpers import build_tiny_llama_checkpoint
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

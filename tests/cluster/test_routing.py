@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from cluster.actors import Router, RouterConfig
-from cluster.config import CacheConfig, EngineConfig, ModelConfig
-from cluster.engine import LLMEngine
-from cluster.routing import decode_rank, prefill_cost, prefix_hashes
-from cluster.sampling_params import SamplingParams
-from cluster.worker import WorkerLoad
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.common.block_hashes import prefix_hashes
+from cluster.common.loads import WorkerLoad
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.ray_cluster.router import Router, RouterConfig
+from cluster.ray_cluster.routing_policy import decode_rank, prefill_cost
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
 

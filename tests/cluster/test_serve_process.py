@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main as cli_main
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 START_TIMEOUT_S = 120.0
 

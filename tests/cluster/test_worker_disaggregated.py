@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.common.loads import TransferStats
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.llm_engine import LLMEngine
 from cluster.transfer.connector import TransferError
 from cluster.transfer.loopback import FailMode, LoopbackHub, LoopbackReceiver, LoopbackSender
-from cluster.worker import TransferStats, Worker
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from cluster.worker.worker import Worker
 from tests.core.test_engine_outputs import GREEDY, PROMPTS
-from tests.helpers import build_tiny_llama_checkpoint
 
 
 @pytest.fixture(scope="module")

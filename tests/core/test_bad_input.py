@@ -7,12 +7,11 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import LLMEngine
-from cluster.loader import ModelLoadError
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import QueueFullError
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.common.errors import ModelLoadError, QueueFullError
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.block_pool import BlockPool
+from cluster.engine.block_pool import BlockPool
 
 
 def test_allocate_and_free_returns_every_block() -> None:

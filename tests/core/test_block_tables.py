@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from cluster.model_runner import BlockTables
-from cluster.request import Request
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import ScheduledRequest
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.request import Request
+from cluster.engine.scheduler_output import ScheduledRequest
+from cluster.model.runner import BlockTables
 
 
 def scheduled(request_id: str, block_ids: list[int]) -> ScheduledRequest:

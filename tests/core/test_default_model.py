@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import cluster.default_model as default_model
-from cluster.default_model import convert_gguf, default_gguf_path, resolve_model_path
-from cluster.loader import ModelLoadError
-from cluster.tokenizer import Tokenizer
-from tests.helpers import build_tiny_llama_checkpoint, default_model_dir, write_tiny_gguf
+import cluster.weights.default_model as default_model
+from cluster.common.errors import ModelLoadError
+from cluster.weights.default_model import convert_gguf, default_gguf_path, resolve_model_path
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from cluster.weights.tokenizer import Tokenizer
+from tests.helpers import default_model_dir, write_tiny_gguf
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.llm_engine import LLMEngine
 from tests.conftest import MAX_TOKENS
 from tests.core.test_engine_outputs import run_staggered
 

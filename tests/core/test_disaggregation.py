@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.core.test_engine_outputs import GREEDY, PROMPTS, assert_pool_whole
-from tests.helpers import build_tiny_llama_checkpoint
 
 
 @pytest.fixture(scope="module")

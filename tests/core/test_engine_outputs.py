@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 PROMPTS = [
     [5, 17, 33, 9, 81, 120, 7, 7, 64, 11, 3, 250, 199, 42, 42, 18, 77],

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.loader import (
-    ModelLoadError,
+from cluster.common.errors import ModelLoadError
+from cluster.weights.loader import (
     hf_name_for_gguf_tensor,
     iterate_safetensors,
     load_hf_config,
@@ -21,7 +21,8 @@ from cluster.loader import (
     rope_theta,
     unpermute_from_gguf,
 )
-from tests.helpers import build_tiny_llama_checkpoint, write_tiny_gguf
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import write_tiny_gguf
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

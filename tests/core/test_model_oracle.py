@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.block_pool import BlockPool
-from cluster.config import SchedulerConfig
-from cluster.kv_cache_manager import KVCacheManager
-from cluster.loader import iterate_safetensors, load_hf_config
-from cluster.model import ArchitectureConfig
-from cluster.model_runner import ModelRunner
-from cluster.request import Request
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import Scheduler
-from tests.helpers import build_random_llama
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.block_pool import BlockPool
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.request import Request
+from cluster.engine.scheduler import Scheduler
+from cluster.model.llama import ArchitectureConfig
+from cluster.model.runner import ModelRunner
+from cluster.weights.loader import iterate_safetensors, load_hf_config
+from cluster.weights.synthetic import build_random_llama
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}

@@ -13,14 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.request import Request
-from cluster.sampler import (
-    Sampler,
-    apply_penalties,
-    process_logits,
-    top_k_top_p_cutoffs,
-)
-from cluster.sampling_params import SamplingParams
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.request import Request
+from cluster.model.sampler import Sampler, apply_penalties, process_logits, top_k_top_p_cutoffs
 
 EOS = 0
 

@@ -8,12 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.block_pool import BlockPool
-from cluster.config import SchedulerConfig
-from cluster.kv_cache_manager import KVCacheManager
-from cluster.request import Request, RequestStatus
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from cluster.common.errors import QueueFullError
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.block_pool import BlockPool
+from cluster.engine.config import SchedulerConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler_output import SchedulerOutput
 
 BLOCK_SIZE = 4
 

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.loader import ModelLoadError
-from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.helpers import CHATML_TEMPLATE, build_tiny_tokenizer, default_model_dir
+from cluster.common.errors import ModelLoadError
+from cluster.weights.synthetic import CHATML_TEMPLATE, build_tiny_tokenizer
+from cluster.weights.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.helpers import default_model_dir
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

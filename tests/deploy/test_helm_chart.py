@@ -6,7 +6,7 @@ unknown field fails) and the RayCluster and ServiceMonitor against their CRDs' o
 copied into helm/schemas/. The cluster.yaml the gateway mounts must load in pdserve and fit the
 worker groups, and the gateway's command line must parse with `pdserve serve`'s own parser. The
 files under deploy/ are checked against what they describe: the dashboard against the metrics
-cluster/metrics.py exports, the Ray launcher config against Ray's schema.
+cluster/observability/metrics.py exports, the Ray launcher config against Ray's schema.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def cluster_yaml(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_pools_fit_the_worker_groups_that_hold_them(case: str) -> None:
-    from cluster.cluster_config import cluster_config_from
+    from cluster.ray_cluster.config import cluster_config_from
 
     objects = render_case(case)
     config = cluster_config_from(cluster_yaml(objects))  # loads in pdserve, every value checked
@@ -396,8 +396,8 @@ def test_the_api_key_secret_keeps_a_key_given_in_values(chart: Any) -> None:
 
 
 def exported_metrics() -> set[str]:
-    """The sample names /metrics can show, from the registry cluster/metrics.py builds."""
-    from cluster.metrics import ClusterMetrics
+    """The sample names /metrics can show, from the registry cluster/observability/metrics.py builds."""
+    from cluster.observability.metrics import ClusterMetrics
 
     names: set[str] = set()
     for family in ClusterMetrics("model").registry.collect():

@@ -34,10 +34,10 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 RAY = str(Path(sys.executable).with_name("ray"))
 START_TIMEOUT_S = 90.0

@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 import pytest
 from fastapi import FastAPI
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import LLMEngine
-from cluster.http_gateway import HttpServer, build_app
-from cluster.service import LocalService
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.serving.http.gateway import HttpServer, build_app
+from cluster.serving.local_service import LocalService
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 T = TypeVar("T")
 

@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 
-from cluster.openai_protocol import TEMPLATE_ARGUMENTS, ChatCompletionRequest, CompletionRequest
-from cluster.service import LocalService
-from cluster.tokenizer import Tokenizer
+from cluster.serving.http.openai_protocol import TEMPLATE_ARGUMENTS, ChatCompletionRequest, CompletionRequest
+from cluster.serving.local_service import LocalService
+from cluster.weights.tokenizer import Tokenizer
 from tests.gateway.conftest import LiveGateway, engine_idle
 from tests.helpers import nothing_logged_and_idle
 

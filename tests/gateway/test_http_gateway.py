@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from cluster.http_gateway import HttpServer, gateway_of
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.serving.http.gateway import HttpServer, gateway_of
+from cluster.serving.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tests.gateway.conftest import Gateways, LiveGateway, engine_idle, tiny_config, wait_until
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

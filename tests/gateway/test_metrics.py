@@ -9,12 +9,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig
-from cluster.http_gateway import HttpServer, build_app
-from cluster.metrics import ClusterMetrics, MeteredService
-from cluster.server import add_metrics_route
-from cluster.service import LocalService
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.observability.metrics import ClusterMetrics
+from cluster.serving.http.gateway import HttpServer, build_app
+from cluster.serving.local_service import LocalService
+from cluster.serving.metered_service import MeteredService
+from cluster.serving.process import add_metrics_route
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 PROMPTS = [[5, 17, 33, 9], [200, 201, 202, 7, 7, 7], [44] * 9]
 MAX_TOKENS = 5

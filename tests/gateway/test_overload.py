@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.engine import LLMEngine
-from cluster.service import LocalService
-from cluster.soak import rss_bytes
+from cluster.bench.soak import rss_bytes
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.serving.local_service import LocalService
 from tests.gateway.conftest import Gateways, engine_idle, paced, wait_until
 
 MAX_RSS_GROWTH = 100 << 20  # generous: the burst itself needs a few MiB

@@ -9,12 +9,12 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig
-from cluster.http_gateway import HttpServer, build_app
-from cluster.rate_limits import RateLimits
-from cluster.service import LocalService
-from cluster.shared_state import connect_state
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.serving.http.gateway import HttpServer, build_app
+from cluster.serving.local_service import LocalService
+from cluster.serving.rate_limits import RateLimits
+from cluster.state.connect import connect_state
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 
 @pytest.fixture(scope="module")

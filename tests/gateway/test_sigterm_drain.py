@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.http_gateway import gateway_of
-from cluster.server import drain
+from cluster.serving.http.gateway import gateway_of
+from cluster.serving.process import drain
 from tests.gateway.conftest import Gateways, engine_idle, paced, tiny_config, wait_until
 
 START_TIMEOUT_S = 120.0

@@ -4,7 +4,7 @@ Streamed and whole completions and chats with random lengths, clients that drop 
 requests wherever they are, invalid requests, all on a tiny model whose small KV pool forces
 preemption (by swap, and by recompute once the host space is full) and whose short queue refuses
 some requests. Afterwards every request has its outcome, the engine is empty and the process has
-not grown. `cluster/soak.py` generates the traffic; `benchmarks/soak.py` runs it for longer.
+not grown. `cluster/bench/soak.py` generates the traffic; `benchmarks/soak.py` runs it for longer.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import json
 import os
 from pathlib import Path
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.http_gateway import gateway_of
-from cluster.soak import ABORTED, ERROR, FINISHED, KINDS, SoakConfig, rss_bytes, run_soak
+from cluster.bench.soak import ABORTED, ERROR, FINISHED, KINDS, SoakConfig, rss_bytes, run_soak
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.serving.http.gateway import gateway_of
 from tests.gateway.conftest import Gateways, engine_idle, wait_until
 
 SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "30"))

@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 import pytest
 
 from cluster.client import Client
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.grpc_server import GrpcServer
-from cluster.service import LocalService
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.serving.grpc.server import GrpcServer
+from cluster.serving.local_service import LocalService
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 T = TypeVar("T")
 # Generous: a slow machine must not fail a test that only waits for a condition.

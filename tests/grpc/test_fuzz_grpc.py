@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cluster.config import EngineConfig
-from cluster.grpc_server import SERVICE_NAME, GrpcServer
+from cluster.engine.config import EngineConfig
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
-from cluster.service import LocalService
+from cluster.serving.grpc.server import SERVICE_NAME, GrpcServer
+from cluster.serving.local_service import LocalService
 from tests.grpc.conftest import ServerLoop, pool_is_whole
 from tests.helpers import nothing_logged_and_idle
 

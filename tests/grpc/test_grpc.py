@@ -18,11 +18,11 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from cluster.client import AsyncClient, Client, ClientError
-from cluster.config import CacheConfig, EngineConfig
-from cluster.engine import LLMEngine
-from cluster.grpc_server import SERVICE_NAME, GrpcServer
-from cluster.sampling_params import SamplingParams
-from cluster.service import LocalService
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.serving.grpc.server import SERVICE_NAME, GrpcServer
+from cluster.serving.local_service import LocalService
 from tests.grpc.conftest import WAIT_S, ServerLoop, pool_is_whole, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.attention import AttentionMetadata, TorchAttentionBackend
+from cluster.model.attention.backend import AttentionMetadata
+from cluster.model.attention.torch_backend import TorchAttentionBackend
 
 
 def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -22,14 +22,16 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from cluster.attention import AttentionMetadata, TorchAttentionBackend, get_attention_backend
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.cuda_graphs import DecodeGraphs
-from cluster.engine import LLMEngine
-from cluster.sampling_params import SamplingParams
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.model.attention.backend import AttentionMetadata
+from cluster.model.attention.registry import get_attention_backend
+from cluster.model.attention.torch_backend import TorchAttentionBackend
+from cluster.model.attention.triton_backend import TritonAttentionBackend
+from cluster.model.cuda_graphs import DecodeGraphs
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from kernels import reference, triton_cache, triton_decode, triton_prefill
-from kernels.triton_backend import TritonAttentionBackend
-from tests.helpers import build_tiny_llama_checkpoint
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
@@ -252,7 +254,7 @@ def compile_kernels_for_hopper() -> None:
 
 UNINTERPRETED = """
 import torch
-from cluster.attention import get_attention_backend
+from cluster.model.attention.registry import get_attention_backend
 try:
     get_attention_backend("triton", torch.device("cpu"))
 except ValueError as error:

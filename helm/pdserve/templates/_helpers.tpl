@@ -235,7 +235,7 @@ volumes:
       sizeLimit: {{ $group.shmSize }}
 {{- end }}
 
-{{/* The model name clients send: as cluster/engine.py served_model_name. */}}
+{{/* The model name clients send: as cluster/engine/llm_engine.py served_model_name. */}}
 {{- define "pdserve.servedModelName" -}}
 {{- if eq .Values.model.name "default" }}SmolLM2-135M-Instruct
 {{- else }}{{ base .Values.model.name | trimSuffix ".gguf" }}

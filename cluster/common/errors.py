@@ -1,0 +1,22 @@
+"""Errors that callers must tell apart, wherever they are raised: the front doors map them to status
+codes (HTTP and gRPC), and Ray hands them across the process boundary as they are.
+
+`ValueError` (a request that can never run: 400) needs no class of its own."""
+
+from __future__ import annotations
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`: the caller should retry later (429)."""
+
+
+class NoCapacityError(RuntimeError):
+    """No decode worker could take the request now (HTTP 429, gRPC RESOURCE_EXHAUSTED)."""
+
+
+class ServiceUnavailable(RuntimeError):
+    """The service is starting, draining or stopped: try again later (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+class ModelLoadError(ValueError):
+    """The model files are missing, malformed or of a kind we cannot serve; the message says which."""

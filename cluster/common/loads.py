@@ -1,0 +1,43 @@
+"""What a worker reports about itself: its load (what routers rank workers by, and /metrics and
+`pdserve status` show) and the stats of each KV transfer it sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """One request's KV transfer: `seconds` on the wire (sum over its frames), `exposed_s` the part
+    after the prefill finished (what the transfer adds to the request's time to its second token)."""
+
+    request_id: str
+    nbytes: int
+    seconds: float
+    frames: int = 1
+    exposed_s: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """A worker's load and counters since it started: what the router ranks by and /metrics shows."""
+
+    worker_id: str
+    role: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    kv_transfers: int = 0  # sent (prefill workers)
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    kv_frames: int = 0  # frames sent: a transfer of several chunks sends several

@@ -1,0 +1,288 @@
+"""The engine core: requests in, tokens out, one `step()` at a time. No I/O, no threads.
+
+A step asks the scheduler what to run, has the model runner run it, then advances each request,
+detokenizes its new token, checks stop strings, and reports what changed. Workers (Ray actors,
+later) wrap this loop; everything here is plain Python and torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cluster.common.events import FinishReason, TokenLogprobs
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.block_pool import BlockPool
+from cluster.engine.config import EngineConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.scheduler import Scheduler
+from cluster.model.llama import ArchitectureConfig
+from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
+from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
+from cluster.weights.loader import iterate_safetensors, load_hf_config
+from cluster.weights.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request. `text` and `token_ids` are everything so far;
+    `token_ids` is the request's live list (copy it to keep it past the next step, or use `index`)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    index: int  # output tokens before `new_token_ids`: a snapshot, safe across threads
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class KVExport:
+    """A run of a prefill's KV blocks, ready to send: `data` is [blocks, layers, 2, block_size, heads,
+    dim], blocks `first_block` onwards of the request's. The last run carries the first token."""
+
+    request_id: str
+    num_tokens: int  # the prompt's
+    first_block: int
+    data: torch.Tensor
+    first_token_id: int | None = None  # set on the last run: the prefill is finished
+
+    @property
+    def last(self) -> bool:
+        return self.first_token_id is not None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+def served_model_name(model: str) -> str:
+    """The name users see: the default model's own name, else the file or directory name."""
+    if model == "default":
+        return DEFAULT_MODEL_NAME
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, progress: bool = False) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = resolve_model_path(config.model.model, progress=progress)
+        self.model_name = served_model_name(config.model.model)
+        hf_config = load_hf_config(self.model_dir)
+        self.arch = ArchitectureConfig.from_hf(hf_config)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.num_blocks = self._num_blocks()
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(
+            self.arch, iterate_safetensors(self.model_dir), dtype=config.model.dtype, device=config.model.device,
+            attention_backend=config.attention_backend, max_model_len=self.max_model_len,
+            block_size=config.cache.block_size, num_blocks=self.num_blocks)
+        pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
+        # Hashes chain from the served model name, so every worker of a cluster (and the routers that
+        # match prompts against the blocks workers publish) compute the same ones, whatever the path.
+        self.kv_cache = KVCacheManager(pool, config.cache.block_size, model_name=self.model_name)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
+                                   num_swap_blocks=config.cache.num_swap_blocks or self.num_blocks)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.ids = itertools.count()
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks:
+            return cache.num_blocks
+        block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.config.model.dtype])
+        return max(1, int(cache.kv_cache_memory_gb * 2**30) // block_bytes)
+
+    def _max_model_len(self) -> int:
+        """The model's context, capped by the request, and by the pool so one request always fits."""
+        limit = self.config.model.max_model_len or self.arch.max_position_embeddings
+        if limit > self.arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {limit} exceeds the model's context "
+                             f"({self.arch.max_position_embeddings} tokens)")
+        return min(limit, self.num_blocks * self.config.cache.block_size)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        """Queue a request; raises ValueError for one that can never run, QueueFullError when full."""
+        params = sampling_params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request = self._new_request(token_ids, params, request_id or f"request-{next(self.ids)}", priority)
+        self.scheduler.add_request(request)
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
+        return request
+
+    def add_prefill(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                    request_id: str, priority: int = 0) -> Request:
+        """Prefill side of the cluster: compute the prompt, sample the first token, then keep the
+        blocks until `export_kv` and `release_held`."""
+        request = self.add_request(prompt_token_ids, sampling_params, request_id=request_id, priority=priority)
+        request.hold_kv = True
+        return request
+
+    def export_kv(self, request_id: str, first_block: int = 0, stop_block: int | None = None) -> KVExport:
+        """Copy blocks [first_block, stop_block) of a prefill's KV: of a running one (sent while the
+        rest computes), or of a finished, held one, then with its first token."""
+        held = self.scheduler.held.get(request_id)
+        request = held or self.scheduler.requests[request_id]
+        data = self.runner.read_blocks(self.kv_cache.block_ids(request_id)[first_block:stop_block])
+        first_token_id = request.output_token_ids[0] if held is not None else None
+        return KVExport(request_id, request.num_prompt_tokens, first_block, data, first_token_id)
+
+    def computed_blocks(self, request_id: str) -> int:
+        """Blocks of a running prefill whose KV is final: full ones, below the last prompt block (which
+        always travels with the first token, so the last run is never empty)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.finished:
+            return 0
+        block_size = self.config.cache.block_size
+        last_block = (request.num_prompt_tokens - 1) // block_size
+        return min(request.num_computed_tokens // block_size, last_block)
+
+    def release_held(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
+
+    def reserve_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                       request_id: str, lease_s: float = 30.0, priority: int = 0) -> list[int] | None:
+        """Decode side: reserve blocks for a prompt whose KV another worker computes; None if full."""
+        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority)
+        block_ids = self.scheduler.reserve_remote(request, lease_s)
+        if block_ids is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                                   stop=sampling_params.stop)
+        return block_ids
+
+    def import_kv(self, request_id: str, data: torch.Tensor) -> None:
+        """Write received KV into the blocks reserved for `request_id`."""
+        if request_id not in self.scheduler.reserved:
+            raise ValueError(f"no reservation for request {request_id!r}")
+        self.runner.write_blocks(self.kv_cache.block_ids(request_id), data)
+
+    def admit_remote(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """The KV is in place: the request joins the batch at the next step, after `first_token_id`."""
+        request = self.scheduler.admit_remote(request_id, first_token_id)
+        return self._output(request, first_token_id, None)
+
+    def fail_remote(self, request_id: str) -> None:
+        """The KV will not arrive: compute the prompt here."""
+        self.scheduler.fail_remote(request_id)
+
+    def _new_request(self, token_ids: list[int], params: SamplingParams, request_id: str, priority: int) -> Request:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if max(token_ids) >= self.arch.vocab_size or min(token_ids) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
+                          priority=priority)
+        self.scheduler.check_request_fits(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now, wherever it is; its blocks return to the pool at once."""
+        return self.abort_request(request_id) is not None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """`abort`, returning the request's last output (finish reason "abort") for whoever streams
+        it, or None if no such request was running."""
+        request = self.scheduler.abort(request_id)
+        self._release(request_id)
+        if request is None:
+            return None
+        return RequestOutput(
+            request_id=request_id, new_token_ids=[], new_text="", token_ids=request.output_token_ids,
+            index=request.num_output_tokens, text="", finished=True, finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
+            arrival_time=request.arrival_time, first_token_time=request.first_token_time)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self.scheduler.expire_reservations()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.empty:
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
+        outputs = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            token_id = runner_output.sampled.get(request.request_id)
+            if token_id is None or request.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            logprobs = runner_output.logprobs.get(request.request_id)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            outputs.append(self._output(request, token_id, logprobs))
+        return outputs
+
+    def _output(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        detokenizer = self.detokenizers[request.request_id]
+        # A prefill for another worker is not the request's end: text held back (a partial UTF-8
+        # character, a possible stop string) is the decode worker's to release, not flushed here.
+        new_text = detokenizer.add(token_id, final=request.finished and not request.hold_kv)
+        if detokenizer.stopped and not request.finished:
+            request.stop_reason = detokenizer.stop_string
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        if request.finished:
+            self._release(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=[token_id], new_text=new_text,
+            token_ids=request.output_token_ids, index=request.num_output_tokens - 1, text=detokenizer.text,
+            finished=request.finished,
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0), new_logprobs=[logprobs] if logprobs else [],
+            stop_reason=request.stop_reason, arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time)
+
+    def _release(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+        self.runner.release(request_id)
+
+    # ---- conveniences --------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], sampling_params: SamplingParams | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; the final output of each, in order."""
+        requests = [self.add_request(prompt, sampling_params) for prompt in prompts]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[request.request_id] for request in requests]
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks, kv_cache_usage=pool.usage,
+            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=self.kv_cache.prefix_queries,
+            prefix_cache_hits=self.kv_cache.prefix_hits)

@@ -1,0 +1,24 @@
+"""The one place that picks an attention backend by name (Triton loads only when asked for)."""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.model.attention.backend import AttentionBackend
+from cluster.model.attention.torch_backend import TorchAttentionBackend
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"auto" means Triton on CUDA devices and torch elsewhere. Triton loads only when asked for."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        try:
+            from cluster.model.attention.triton_backend import TritonAttentionBackend
+        except ImportError as error:
+            raise ValueError(f"the triton attention backend is not available here: {error}") from error
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}: use 'auto', 'torch' or 'triton'")
+

@@ -1,0 +1,254 @@
+"""A Llama-architecture decoder over the paged KV cache (Llama 1-3, Mistral, SmolLM, Qwen2).
+
+Inputs are flat: every token of the step in one row ([tokens]), whatever request it belongs to.
+Parameters keep Hugging Face names except two fusions that save matmuls: q/k/v become `qkv_proj`
+and gate/up become `gate_up_proj`; `load_weights` maps checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from cluster.model.attention.backend import AttentionBackend, AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ArchitectureConfig:
+        architectures = config.get("architectures") or [config.get("model_type", "unknown")]
+        if architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {architectures[0]!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = config["num_attention_heads"]
+        # transformers 5 keeps rope settings under rope_parameters; earlier versions at the top level.
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if config.get("mlp_bias"):
+            raise ValueError("mlp_bias=True checkpoints are not supported")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: default, linear, llama3")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            qkv_bias=architectures[0] == "Qwen2ForCausalLM" or config.get("attention_bias", False),
+            # Qwen2 biases q/k/v only; Llama's attention_bias covers the output projection too.
+            o_bias=architectures[0] != "Qwen2ForCausalLM" and config.get("attention_bias", False),
+        )
+
+
+def rope_inverse_frequencies(config: ArchitectureConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # Llama 3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen > original / low, inv_freq / factor,
+                       torch.where(wavelen < original / high, inv_freq, blended))
+
+
+class RotaryEmbedding(nn.Module):
+    """Hugging Face's (non-interleaved) rotary layout, with cos/sin precomputed per position."""
+
+    def __init__(self, config: ArchitectureConfig, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inverse_frequencies(config))
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        first, second = x.float().chunk(2, dim=-1)
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return rotated.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.scale = self.head_dim ** -0.5
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(-1, self.num_heads, self.head_dim)
+        key = key.view(-1, self.num_kv_heads, self.head_dim)
+        query, key = rotary(positions, query, key)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ArchitectureConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata, rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# Checkpoint name fragments that load into a slice of a fused parameter: (fused name, shard index).
+FUSED_SHARDS = {
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of every token of the step: [tokens, hidden]."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        config = self.config
+        if fused == ".qkv_proj.":
+            kv = config.num_kv_heads * config.head_dim
+            return [config.num_heads * config.head_dim, kv, kv]
+        return [config.intermediate_size, config.intermediate_size]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in; fails naming any parameter left unloaded or name not known."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            target, offset, size = self._locate(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model")
+            destination = params[target].narrow(0, offset, size) if size else params[target]
+            if destination.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(destination.shape)}")
+            destination.copy_(tensor)
+            loaded.add(f"{target}#{offset}")
+        self._check_all_loaded(params, loaded)
+
+    def _locate(self, name: str) -> tuple[str, int, int]:
+        """(parameter name, row offset, rows) a checkpoint tensor loads into; rows 0 = all of it."""
+        for fragment, (fused, shard) in FUSED_SHARDS.items():
+            if fragment in name:
+                sizes = self.shard_sizes(fused)
+                return name.replace(fragment, fused), sum(sizes[:shard]), sizes[shard]
+        return name, 0, 0
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            fused = next((f for f in (".qkv_proj.", ".gate_up_proj.") if f in name), None)
+            shards = len(self.shard_sizes(fused)) if fused else 1
+            offsets = [sum(self.shard_sizes(fused)[:i]) for i in range(shards)] if fused else [0]
+            missing += [name for offset in offsets if f"{name}#{offset}" not in loaded]
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(set(missing))[:5]}")

@@ -1,0 +1,273 @@
+"""Turns a `SchedulerOutput` into one flat forward pass and samples the next tokens.
+
+It owns the model, the paged KV cache tensors (one per layer) and the host copies of swapped-out
+blocks. Batch tensors are built per request with numpy, never per token in Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cluster.common.events import TokenLogprobs
+from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
+from cluster.model.attention.backend import AttentionMetadata
+from cluster.model.attention.registry import get_attention_backend
+from cluster.model.cuda_graphs import DecodeGraphs
+from cluster.model.llama import ArchitectureConfig, LlamaForCausalLM
+from cluster.model.sampler import Sampler
+
+# glibc serves allocations above 32 MiB with fresh (zero-filled) pages from mmap.
+LARGE_ALLOCATION_BYTES = 64 * 2**20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Batch:
+    rows: list[ScheduledRequest]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # rows whose last position is sampled
+    logits_indices: torch.Tensor
+
+
+def keep_freed_host_memory() -> None:
+    """Stop glibc handing freed multi-megabyte blocks back to the OS.
+
+    Otherwise every step's large temporaries (gathered keys and values, activations) come back as
+    fresh pages and are page-faulted in again, which made the CPU attention gather several times
+    slower here. Allocations of 32 MiB and more still come fresh (and zeroed) from mmap.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**30)
+
+
+@contextlib.contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """Layers fill new weights randomly, seconds of work for weights the checkpoint overwrites anyway
+    (`load_weights` fails if any parameter is left unloaded)."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor. Zeros matter: attention multiplies masked-out slots by zero, and a
+    NaN left in one would survive that. On the CPU, allocations this large come from the OS already
+    zeroed and are paged in only when written, so `empty` spares touching gigabytes up front."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu" and size >= LARGE_ALLOCATION_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_block_bytes(arch: ArchitectureConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * element
+
+
+class ModelRunner:
+    def __init__(self, arch: ArchitectureConfig, weights: Iterable[tuple[str, torch.Tensor]], *,
+                 dtype: str, device: str, attention_backend: str, max_model_len: int,
+                 block_size: int, num_blocks: int) -> None:
+        self.arch = arch
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.block_size = block_size
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
+        backend = get_attention_backend(attention_backend, self.device)
+        with torch.device(self.device), skip_weight_init():
+            model = LlamaForCausalLM(arch, backend, max_positions=max_model_len)
+        model.load_weights(weights)
+        self.model = model.to(self.dtype).eval()
+        self.model.rotary.to(torch.float32)  # positions stay exact whatever the weights' dtype
+        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [allocate_zeroed(shape, self.dtype, self.device) for _ in range(arch.num_layers)]
+        self.swap_store: dict[str, list[torch.Tensor]] = {}
+        self.sampler = Sampler(arch.vocab_size)
+        self.block_tables = BlockTables(-(-max_model_len // block_size))
+        # Decode-only steps replay as CUDA graphs on CUDA devices with Triton attention (None: all eager).
+        self.decode_graphs = None
+        if self.device.type == "cuda" and backend.name == "triton":
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
+                                              max_model_len)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        for order in output.swap_out:
+            self._swap_out(order)
+        for order in output.swap_in:
+            self._swap_in(order)
+        if not output.scheduled:
+            return ModelRunnerOutput()
+        batch = self.build_batch(output.scheduled)
+        hidden = self._forward(batch)
+        if not batch.sample_rows:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        requests = [batch.rows[row].request for row in batch.sample_rows]
+        sampled = self.sampler(logits, requests)
+        result = ModelRunnerOutput()
+        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
+            result.sampled[request.request_id] = token_id
+            if logprobs is not None:
+                result.logprobs[request.request_id] = logprobs
+        return result
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """A CUDA graph replay for a decode-only step that fits a bucket, else the eager model."""
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(batch.metadata) if graphs is not None else None
+        if graphs is None or bucket is None:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        return graphs.run(batch.input_ids, batch.positions, batch.metadata, bucket)
+
+    def build_batch(self, scheduled: list[ScheduledRequest]) -> Batch:
+        return build_batch(scheduled, self.block_tables, self.block_size, self.device)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (sampler generators, swapped KV, table row) of a request that ended."""
+        self.sampler.free(request_id)
+        self.swap_store.pop(request_id, None)
+        self.block_tables.release(request_id)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of blocks' KV, block-major so that any run of blocks is one contiguous
+        byte range (a transfer frame): [blocks, layers, 2, block_size, kv_heads, head_dim]."""
+        index = torch.tensor(block_ids, device=self.device)
+        return torch.stack([cache.index_select(1, index) for cache in self.kv_caches], dim=1).transpose(0, 2) \
+            .contiguous()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write KV laid out as `read_blocks` returns it into the given blocks."""
+        expected = (len(block_ids), len(self.kv_caches), 2, *self.kv_caches[0].shape[2:])
+        if tuple(data.shape) != expected or data.dtype != self.dtype:
+            raise ValueError(f"KV of shape {tuple(data.shape)} {data.dtype} does not fit blocks "
+                             f"{expected} {self.dtype}")
+        index = torch.tensor(block_ids, device=self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, index, data[:, layer].transpose(0, 1).to(self.device))
+
+    def _swap_out(self, order: SwapOrder) -> None:
+        index = torch.tensor(order.block_ids, device=self.device)
+        self.swap_store[order.request_id] = [cache[:, index].to("cpu") for cache in self.kv_caches]
+
+    def _swap_in(self, order: SwapOrder) -> None:
+        index = torch.tensor(order.block_ids, device=self.device)
+        for cache, saved in zip(self.kv_caches, self.swap_store.pop(order.request_id), strict=True):
+            cache[:, index] = saved.to(self.device)
+
+
+class BlockTables:
+    """Every live request's block table as a row of one numpy array, kept across steps.
+
+    A step copies in only what changed (a decode adds a block every `block_size` tokens), so
+    building the batch's tables is one gather, not a conversion of every block id from Python.
+    A row is rewritten whole when the request's block list is a new list (it was preempted).
+    """
+
+    def __init__(self, max_blocks_per_request: int, rows: int = 64) -> None:
+        self.table = np.zeros((rows, max_blocks_per_request), np.int64)
+        self.row_of: dict[str, int] = {}
+        self.source: list[list[int] | None] = [None] * rows  # the block list each row mirrors
+        self.count = [0] * rows
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    def rows_for(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
+        rows = np.empty(len(scheduled), np.int64)
+        for index, s in enumerate(scheduled):
+            row = self.row_of.get(s.request.request_id)
+            if row is None:
+                row = self._assign(s.request.request_id)
+            block_ids, count = s.block_ids, self.count[row]
+            if self.source[row] is not block_ids:
+                self.source[row], count = block_ids, 0
+            if len(block_ids) != count:
+                self.table[row, count:len(block_ids)] = block_ids[count:]
+                self.count[row] = len(block_ids)
+            rows[index] = row
+        return rows
+
+    def release(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.source[row], self.count[row] = None, 0
+            self.free_rows.append(row)
+
+    def _assign(self, request_id: str) -> int:
+        if not self.free_rows:
+            self._grow()
+        row = self.free_rows.pop()
+        self.row_of[request_id] = row
+        return row
+
+    def _grow(self) -> None:
+        old = len(self.source)
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self.source += [None] * old
+        self.count += [0] * old
+        self.free_rows = list(range(2 * old - 1, old - 1, -1))
+
+
+def build_batch(scheduled: list[ScheduledRequest], block_tables: BlockTables, block_size: int,
+                device: torch.device) -> Batch:
+    """Flat tensors for one forward pass over every scheduled token: one pass in Python over the
+    requests, then numpy over the tokens."""
+    # Decodes (one new token) first: the attention backend batches them together.
+    rows = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens != 1]
+    starts, lengths, token_ids, sample_rows = [], [], [], []
+    for index, s in enumerate(rows):
+        start, length = s.request.num_computed_tokens, s.num_new_tokens
+        starts.append(start)
+        lengths.append(length)
+        token_ids += s.request.all_token_ids[start:start + length]
+        if s.samples:
+            sample_rows.append(index)
+    lengths_array = np.array(lengths)
+    query_start = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lengths_array, out=query_start[1:])
+    row_of_token = np.repeat(np.arange(len(rows)), lengths_array)
+    positions = np.arange(len(token_ids)) - query_start[row_of_token] + np.array(starts)[row_of_token]
+    seq_lens = positions[query_start[1:] - 1] + 1
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    table_rows = block_tables.rows_for(rows)  # may grow the table: index it only afterwards
+    tables = block_tables.table[table_rows, :max_blocks]
+    slot_mapping = tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    to_device = functools.partial(_to_device, device=device)
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(slot_mapping), block_tables=to_device(tables),
+        seq_lens=to_device(seq_lens.astype(np.int32)), query_start_loc=to_device(query_start.astype(np.int32)),
+        num_decodes=len(rows) - int(np.count_nonzero(lengths_array - 1)), max_seq_len=int(seq_lens.max()),
+        seq_lens_list=seq_lens.tolist(), query_start_list=query_start.tolist())
+    return Batch(rows, torch.tensor(token_ids, dtype=torch.int64, device=device), to_device(positions),
+                 metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)

@@ -1,0 +1,1 @@
+"""Prometheus metrics (with vLLM's names) and the JSON log format."""

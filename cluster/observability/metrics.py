@@ -1,0 +1,159 @@
+"""Prometheus metrics for the whole cluster, scraped from one endpoint (`/metrics` on the gateway).
+
+Two sources, so one scrape shows everything:
+- `RequestMetrics` times every request as its events pass (`cluster.serving.metered_service` wraps
+  the `Service` both front doors use with it): time to first token, inter-token latency, end-to-end
+  latency, prompt and generated tokens, finished requests by reason. vLLM's names where the meaning
+  is the same, so its dashboards work.
+- At scrape time `ClusterMetrics.exposition` takes each worker's `WorkerLoad` (running, waiting, KV
+  usage, preemptions, prefix cache, KV transfers) and asks for the router's decisions, and reports
+  them labelled by worker and role.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cluster.common.events import TokenEvent
+from cluster.common.loads import WorkerLoad
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM's buckets (seconds), so dashboards' quantiles mean the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+
+class RequestMetrics:
+    """The per-request metrics, in a registry of their own (tests make several)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", labels,
+                             buckets=ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.", labels,
+                             buckets=E2E_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=registry)
+        self.success = Counter("vllm:request_success", "Requests finished, by reason.",
+                               [*labels, "finished_reason"], registry=registry)
+        self.failed = Counter("pdserve:request_errors", "Requests that ended in an error, by type.",
+                              [*labels, "error"], registry=registry)
+
+    def observe(self, events: AsyncIterator[TokenEvent], num_prompt_tokens: int) -> AsyncIterator[TokenEvent]:
+        return _timed(self, events, num_prompt_tokens)
+
+
+async def _timed(metrics: RequestMetrics, events: AsyncIterator[TokenEvent],
+                 num_prompt_tokens: int) -> AsyncIterator[TokenEvent]:
+    """Pass events through, timing them as a client sees them (at the front door)."""
+    model = metrics.model_name
+    arrival = last = time.perf_counter()
+    first = True
+    try:
+        async for event in events:
+            now = time.perf_counter()
+            if event.token_ids:
+                if first:
+                    metrics.ttft.labels(model).observe(now - arrival)
+                    metrics.prompt_tokens.labels(model).inc(num_prompt_tokens)
+                    first = False
+                else:
+                    # Several tokens in one event (a relay that batched them) share the gap evenly.
+                    for _ in event.token_ids:
+                        metrics.itl.labels(model).observe((now - last) / len(event.token_ids))
+                metrics.generation_tokens.labels(model).inc(len(event.token_ids))
+                last = now
+            if event.finished:
+                metrics.e2e.labels(model).observe(now - arrival)
+                metrics.success.labels(model, str(event.finish_reason)).inc()
+            yield event
+    except Exception as error:
+        metrics.failed.labels(model, type(error).__name__).inc()
+        raise
+
+
+WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
+    "vllm:num_requests_running": ("Requests in the worker's running batch.", lambda w: w.num_running),
+    "vllm:num_requests_waiting": ("Requests waiting for the worker's batch.", lambda w: w.num_waiting),
+    "vllm:kv_cache_usage_perc": ("Fraction of the worker's KV blocks in use (0-1).", lambda w: w.kv_cache_usage),
+    "pdserve:kv_cache_free_blocks": ("Free KV blocks.", lambda w: w.num_free_blocks),
+}
+WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
+    "vllm:num_preemptions": ("Preemptions since the worker started.", lambda w: w.num_preemptions),
+    "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda w: w.prefix_cache_queries),
+    "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda w: w.prefix_cache_hits),
+    "pdserve:kv_transfers": ("KV transfers sent (prefill workers).", lambda w: w.kv_transfers),
+    "pdserve:kv_transfer_bytes": ("Bytes of KV sent.", lambda w: w.kv_transfer_bytes),
+    "pdserve:kv_transfer_seconds": ("Seconds spent sending KV (on the wire).", lambda w: w.kv_transfer_seconds),
+    "pdserve:kv_transfer_failures": ("KV sends that failed (the decode worker recomputed).",
+                                     lambda w: w.kv_transfer_failures),
+}
+
+
+class _Snapshot(Collector):
+    """Reports the worker loads and router decisions taken just before the scrape."""
+
+    def __init__(self) -> None:
+        self.loads: list[WorkerLoad] = []
+        self.decisions: dict[str, int] = {}
+        self.extra: dict[str, float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "role"]
+        for name, (help_text, value) in WORKER_GAUGES.items():
+            gauge = GaugeMetricFamily(name, help_text, labels=labels)
+            for load in self.loads:
+                gauge.add_metric([load.worker_id, load.role], value(load))
+            yield gauge
+        for name, (help_text, value) in WORKER_COUNTERS.items():
+            counter = CounterMetricFamily(name, help_text, labels=labels)
+            for load in self.loads:
+                counter.add_metric([load.worker_id, load.role], value(load))
+            yield counter
+        decisions = CounterMetricFamily("pdserve:router_decisions", "Router decisions by kind.", labels=["decision"])
+        for decision, count in self.decisions.items():
+            decisions.add_metric([decision], count)
+        yield decisions
+        for name, total in self.extra.items():
+            yield CounterMetricFamily(name, "See docs/observability.md.", value=total)
+        workers = GaugeMetricFamily("pdserve:workers", "Live workers by role.", labels=["role"])
+        for role in sorted({load.role for load in self.loads}):
+            workers.add_metric([role], sum(load.role == role for load in self.loads))
+        yield workers
+
+
+class ClusterMetrics:
+    """Everything `/metrics` shows: the request metrics plus a scrape-time snapshot of the workers."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = RequestMetrics(self.registry, model_name)
+        self.snapshot = _Snapshot()
+        self.registry.register(self.snapshot)
+        # Called at scrape time for more counters: router decisions, Redis fallbacks.
+        self.sources: list[Callable[[], Any]] = []
+
+    async def exposition(self, loads: list[WorkerLoad]) -> bytes:
+        """The scrape's text, with `loads` the workers' loads taken just now."""
+        self.snapshot.loads = loads
+        decisions: dict[str, int] = {}
+        extra: dict[str, float] = {}
+        for source in self.sources:
+            found = await source()
+            decisions.update(found.get("decisions", {}))
+            extra.update(found.get("counters", {}))
+        self.snapshot.decisions, self.snapshot.extra = decisions, extra
+        return generate_latest(self.registry)

@@ -1,0 +1,144 @@
+"""Cluster configuration: pools, placement and transport, from a YAML file with CLI overrides.
+
+```yaml
+mode: disaggregated        # or colocated: every worker runs both phases (the baseline)
+prefill: {replicas: 1, num_cpus: 0.25, resources: {}}
+decode:  {replicas: 1, num_cpus: 0.25, resources: {}}
+transport: ucx             # how KV blocks travel between prefill and decode workers
+kv_overlap: true           # send KV blocks while the rest of the prompt computes
+kv_lease_s: 30             # a decode worker's reservation waits this long for its KV
+redis_url: ""              # redis://host:6379/0: workers publish their cached blocks for KV-aware routing
+routing: kv-aware          # prefill workers by queue and cached prefix; or load, or round-robin
+routers: 1                 # router replicas (Ray actors); with redis_url they share the prefix index
+worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always); it rejoins routing
+attach: false              # start no workers: route to those listed in redis_url's registry
+engine:
+  model: default
+  dtype: float32
+  kv_cache_memory_gb: 1.0
+  max_num_batched_tokens: 2048
+  max_num_seqs: 256
+```
+
+`resources` are Ray custom resources (e.g. `{prefill_node: 1}`) that pin a pool to the nodes meant
+for it. Every value is checked at start with an error that names the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.engine.config import CacheConfig, EngineConfig
+
+MODES = ("disaggregated", "colocated")
+TRANSPORTS = ("ucx",)
+ROUTING = ("kv-aware", "load", "round-robin")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    replicas: int = 1
+    num_cpus: float = 0.25  # fractional: on a 2-core machine several workers must fit
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if self.num_cpus < 0:
+            raise ValueError(f"num_cpus must be >= 0, got {self.num_cpus}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    mode: str = "disaggregated"
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    transport: str = "ucx"
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(cache=CacheConfig(kv_cache_memory_gb=1.0)))
+    ray_address: str = ""  # empty: start an embedded local Ray
+    kv_lease_s: float = 30.0
+    kv_overlap: bool = True  # send a prompt's KV chunk by chunk as it computes (else once, at its end)
+    redis_url: str = ""  # state shared by router replicas and workers (prefix index); empty: the router's own
+    routing: str = "kv-aware"  # how prefill workers are picked: "kv-aware", "load" or "round-robin"
+    routers: int = 1  # router replicas; requests are spread over them, each sees every worker
+    worker_max_restarts: int = 3  # Ray restarts a dead worker (its requests resume elsewhere meanwhile)
+    attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.routing not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, got {self.routing!r}")
+        if self.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if self.worker_max_restarts < -1:
+            raise ValueError(f"worker_max_restarts must be >= -1 (-1: always), got {self.worker_max_restarts}")
+        if self.attach and not self.redis_url:
+            raise ValueError("attach needs redis_url: the workers to attach to are listed in its registry")
+        if self.decode.replicas < 1:
+            raise ValueError("decode.replicas must be >= 1: decode workers serve every request")
+        if self.mode == "disaggregated" and self.prefill.replicas < 1:
+            raise ValueError("prefill.replicas must be >= 1 in disaggregated mode (or use mode: colocated)")
+
+
+ENGINE_KEYS = {
+    "model": ("model", "model"), "dtype": ("model", "dtype"), "max_model_len": ("model", "max_model_len"),
+    "block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
+    "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"), "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "preemption_mode": ("scheduler", "preemption_mode"),
+}
+
+
+def engine_config_from(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:
+    """Flat engine keys (as in the YAML `engine:` section) over a base config."""
+    base = base or EngineConfig(cache=CacheConfig(kv_cache_memory_gb=1.0))
+    parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+    for key, value in values.items():
+        if key == "attention_backend":
+            continue
+        if key not in ENGINE_KEYS:
+            raise ValueError(f"unknown engine key {key!r}; known: {', '.join(sorted(ENGINE_KEYS))}")
+        section, name = ENGINE_KEYS[key]
+        parts[section][name] = value
+    return EngineConfig(model=replace(base.model, **parts["model"]) if parts["model"] else base.model,
+                        cache=replace(base.cache, **parts["cache"]) if parts["cache"] else base.cache,
+                        scheduler=replace(base.scheduler, **parts["scheduler"]) if parts["scheduler"]
+                        else base.scheduler,
+                        attention_backend=values.get("attention_backend", base.attention_backend))
+
+
+def load_cluster_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Read the YAML file (if any), apply overrides (same shape, e.g. {"decode": {"replicas": 2}})."""
+    values: dict[str, Any] = {}
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        values = loaded
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
+    return cluster_config_from(values)
+
+
+def cluster_config_from(values: dict[str, Any]) -> ClusterConfig:
+    known = {f.name for f in fields(ClusterConfig)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown cluster config keys {sorted(unknown)}; known: {sorted(known)}")
+    kwargs: dict[str, Any] = {k: v for k, v in values.items() if k not in ("prefill", "decode", "engine")}
+    for pool in ("prefill", "decode"):
+        if pool in values:
+            kwargs[pool] = PoolConfig(**values[pool])
+    if "engine" in values:
+        kwargs["engine"] = engine_config_from(values["engine"])
+    return ClusterConfig(**kwargs)

@@ -1,0 +1,314 @@
+"""The router: a Ray actor that picks workers for each request and moves it through them.
+
+One request's path in disaggregated mode (see docs/cluster.md):
+1. the router orders decode workers by load and asks each in turn to reserve the prompt's blocks;
+2. it picks the prefill worker with the least prompt work ahead (its queue, less the prefix it
+   likely caches: `cluster.ray_cluster.routing_policy`), which computes the prompt, sends its KV over UCX to the
+   decode worker's receiver chunk by chunk as it computes, and streams back the first token;
+3. the decode worker lands the KV in the reserved blocks and admits the request; the router relays
+   its tokens. A failed send or a lost prefill worker makes the decode worker recompute the prompt;
+   a refusal or a decode worker lost before its first token sends the request to the next one.
+
+Across the process boundary a request's tokens travel as small `TokenEvent`s (diffs), never the
+whole output again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from cluster.common.block_hashes import prefix_hashes
+from cluster.common.errors import NoCapacityError
+from cluster.common.events import TokenEvent
+from cluster.common.loads import WorkerLoad
+from cluster.common.sampling_params import SamplingParams
+from cluster.ray_cluster.routing_policy import LOAD_POLL_S, POLL_TIMEOUT_S, decode_rank, prefill_cost
+from cluster.ray_cluster.worker_actor import RAY_NAMESPACE
+from cluster.state.connect import connect_state
+
+log = logging.getLogger(__name__)
+
+
+MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
+
+
+class _WorkerLost(RuntimeError):
+    """The worker running a request died after it had streamed tokens of its own."""
+
+
+class _RepeatFilter:
+    """The decode worker restates the first token the prefill worker already streamed: drop the
+    repeat, keeping any text it adds (the prefill holds back a partial UTF-8 character)."""
+
+    def __init__(self) -> None:
+        self.sent = 0  # tokens relayed so far
+        self.first_text = ""
+
+    def news(self, event: TokenEvent) -> TokenEvent | None:
+        if event.index == 0 and self.sent == 0:
+            self.first_text = event.text
+        if event.index >= self.sent:
+            self.sent = event.index + len(event.token_ids)
+            return event
+        extra = event.text.removeprefix(self.first_text) if event.text.startswith(self.first_text) else ""
+        if extra or event.finished:
+            return replace(event, index=self.sent, token_ids=[], text=extra, logprobs=[])
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    mode: str = "disaggregated"
+    lease_s: float = 30.0
+    block_size: int = 16
+    model_name: str = ""  # the prefix hashes chain from it, as the workers' caches do
+    redis_url: str = ""  # shared with other router replicas and fed by the workers; else this router's own
+    policy: str = "kv-aware"  # prefill workers by queue and cached prefix; "load": queue only; "round-robin"
+
+
+class Router:
+    """Picks workers for each request and relays its tokens; holds no engine of its own.
+
+    `prefill` and `decode` are (worker id, actor handle) pairs.
+    """
+
+    def __init__(self, prefill: list[tuple[str, str, Any]], decode: list[tuple[str, str, Any]],
+                 config: RouterConfig) -> None:
+        self.config = config
+        self.ids = {id(handle): worker_id for worker_id, _, handle in prefill + decode}
+        # Ray actor names by worker id: a listing under a known id with another name is a new actor.
+        self.addresses = {worker_id: address for worker_id, address, _ in prefill + decode}
+        self.prefill = [handle for _, _, handle in prefill]
+        self.decode = [handle for _, _, handle in decode]
+        # Kept here so routing costs no round trip: requests in flight per decode (or colocated)
+        # worker, prompt tokens in flight per prefill worker, and the loads last polled.
+        self.in_flight: dict[int, int] = {}
+        self.queued_tokens: dict[int, int] = {}
+        self.loads: dict[int, WorkerLoad] = {}
+        self.poller: asyncio.Task[None] | None = None
+        # Which prefixes each worker holds: published by the workers into Redis, or (no Redis) this
+        # router's own record of where it sent which prompts.
+        self.state = connect_state(config.redis_url)
+        self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0, "resumed": 0,
+                          "rejoined": 0}
+        self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
+        self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
+        self.retired: list[Any] = []  # handles replaced by new actors under the same worker id
+        self.turn = 0
+
+    def _live(self, handles: list[Any]) -> list[Any]:
+        return [handle for handle in handles if id(handle) not in self.dead]
+
+    def _decode_order(self) -> list[Any]:
+        return sorted(self._live(self.decode),
+                      key=lambda h: decode_rank(self.in_flight.get(id(h), 0), self.loads.get(id(h))))
+
+    async def _pick_prefill(self, prompt: list[int]) -> Any | None:
+        """The live prefill worker with the least prompt work before this one (its queue plus the
+        part of this prompt it does not hold cached)."""
+        live = self._live(self.prefill)
+        if not live:
+            return None
+        if self.config.policy == "round-robin":  # the baselines the benchmark compares against
+            self.turn += 1
+            return live[self.turn % len(live)]
+        hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name)
+        kv_aware = self.config.policy == "kv-aware" and hashes
+        cached = await self.state.match(hashes, [self.ids[id(h)] for h in live]) if kv_aware else {}
+
+        def cost(handle: Any) -> int:
+            held = cached.get(self.ids[id(handle)], 0)
+            return prefill_cost(self.queued_tokens.get(id(handle), 0), len(prompt), held, self.config.block_size)
+
+        best = min(live, key=cost)
+        if cached.get(self.ids[id(best)], 0):
+            self.decisions["prefix_hits"] += 1
+        if not self.config.redis_url and kv_aware:  # no worker publishes here: keep our own record
+            await self.state.publish_blocks(self.ids[id(best)], hashes, [])
+        return best
+
+    async def _poll_loads(self) -> None:
+        """In the background: add the workers the shared registry lists, and refresh every worker's
+        load (waiting queue, free blocks). A dead worker that answers again (Ray restarted it) rejoins."""
+        while True:
+            if self.config.redis_url:
+                await self._discover()
+            await asyncio.gather(*(self._poll(handle) for handle in self.prefill + self.decode))
+            await asyncio.sleep(LOAD_POLL_S)
+
+    async def _poll(self, handle: Any) -> None:
+        try:
+            self.loads[id(handle)] = await asyncio.wait_for(handle.load.remote(), POLL_TIMEOUT_S)
+        except RayActorError:
+            self._mark_dead(handle)
+            return
+        except Exception as error:  # a busy or restarting worker: keep its last load
+            log.debug("load poll failed: %r", error)
+            return
+        if id(handle) in self.dead:
+            self.dead.discard(id(handle))
+            log.warning("worker %s answers again: routing to it", self.ids[id(handle)])
+            self.decisions["rejoined"] += 1
+            if not self.config.redis_url:  # it restarted with an empty cache
+                await self.state.forget_worker(self.ids[id(handle)])
+
+    async def _discover(self) -> None:
+        """Add the workers listed in the shared registry that this router does not know yet: those
+        another gateway started, or added since (router replicas share the pools this way). A known
+        id listed under a new actor name (its gateway restarted and made new workers) replaces the
+        old actor."""
+        import ray
+
+        roles = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
+        for info in await self.state.workers():
+            if info.role not in roles or info.meta.get("model") != self.config.model_name \
+                    or self.addresses.get(info.worker_id) == info.address:
+                continue
+            try:
+                handle = ray.get_actor(info.address, namespace=info.meta.get("namespace", RAY_NAMESPACE))
+            except ValueError:  # listed, but the actor is gone (its registration has not expired yet)
+                continue
+            pool = self.prefill if info.role == "prefill" else self.decode
+            old = next((h for h in pool if self.ids[id(h)] == info.worker_id), None)
+            if old is not None:
+                pool.remove(old)
+                self._mark_dead(old)
+                self.retired.append(old)  # kept, so that no new handle gets its id() (our dicts' key)
+            self.ids[id(handle)] = info.worker_id
+            self.addresses[info.worker_id] = info.address
+            pool.append(handle)
+            log.info("found %s worker %s in the registry (%s)", info.role, info.worker_id, info.address)
+
+    def _mark_dead(self, handle: Any) -> None:
+        self.dead.add(id(handle))
+        self.loads.pop(id(handle), None)
+
+    async def live_workers(self) -> list[str]:
+        """The ids of the workers this router sends requests to now."""
+        return sorted(self.ids[id(handle)] for handle in self._live(self.prefill + self.decode))
+
+    async def stats(self) -> dict[str, int]:
+        return dict(self.decisions)
+
+    async def state_fallbacks(self) -> int:
+        """Calls to the shared state (Redis) answered by a fallback since start: routing by load only."""
+        return sum(getattr(self.state, "fallbacks", {}).values())
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens. A worker lost after it streamed tokens of its own is replaced:
+        the request runs again elsewhere from its prompt plus the tokens already sent (exact for
+        greedy decoding), and the client sees one unbroken stream."""
+        if self.poller is None:
+            self.poller = asyncio.get_running_loop().create_task(self._poll_loads())
+        sent: list[int] = []
+        for attempt in range(MAX_RESUMES + 1):
+            left = params.max_tokens - len(sent)
+            if left <= 0:  # the lost worker had streamed every token: only the ending was missing
+                yield TokenEvent(request_id, len(sent), [], "", True, "length", len(prompt), "router")
+                return
+            attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
+            self.attempts[request_id] = attempt_id
+            resumed = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
+                              seed_offset=params.seed_offset + len(sent))
+            before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
+            try:
+                async for event in self._attempt(attempt_id, prompt + sent, resumed):
+                    event = replace(event, request_id=request_id, index=event.index + before,
+                                    num_prompt_tokens=len(prompt))
+                    sent += event.token_ids
+                    yield event
+                return
+            except _WorkerLost as lost:
+                log.warning("%s: %s lost after %d tokens; resuming elsewhere", request_id, lost, len(sent))
+                self.decisions["resumed"] += 1
+            finally:
+                self.attempts.pop(request_id, None)
+        raise NoCapacityError(f"{request_id}: workers kept failing ({MAX_RESUMES} resumes)")
+
+    async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """One run of the request; raises `_WorkerLost` if its worker dies after streaming tokens."""
+        if self.config.mode == "colocated":
+            for worker in self._decode_order():
+                streamed = False
+                try:
+                    with self._holding(worker):
+                        async for event in self._relay(worker.generate, request_id, prompt, params):
+                            streamed = streamed or bool(event.token_ids)
+                            yield event
+                    return
+                except RayActorError as error:
+                    self._mark_dead(worker)
+                    if streamed:
+                        raise _WorkerLost(f"worker {self.ids.get(id(worker))}") from error
+            raise NoCapacityError("no worker is alive")
+        seen = _RepeatFilter()
+        for decode in self._decode_order():
+            try:
+                with self._holding(decode):  # counted from the reservation on, so a burst spreads out
+                    address = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s)
+                    if address is None:
+                        self.decisions["reserve_refused"] += 1
+                        continue
+                    async for event in self._disaggregated(decode, address, request_id, prompt, params):
+                        news = seen.news(event)
+                        if news is not None:
+                            yield news
+                return
+            except RayActorError as error:
+                self._mark_dead(decode)
+                if seen.sent > 1:  # it streamed tokens of its own: the caller resumes after them
+                    raise _WorkerLost(f"decode worker {self.ids.get(id(decode))}") from error
+                log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
+                self.decisions["rerouted"] += 1
+        raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
+
+    async def _disaggregated(self, decode: Any, address: str, request_id: str, prompt: list[int],
+                             params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        prefill = await self._pick_prefill(prompt)
+        if prefill is None:  # every prefill worker is gone: the decode worker runs the prompt itself
+            self.decisions["transfer_failed"] += 1
+            await decode.recompute.remote(request_id)
+        else:
+            key = id(prefill)
+            self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
+            try:
+                async for item in self._relay(prefill.prefill, request_id, prompt, params, address):
+                    if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
+                        yield replace(item, finished=False, finish_reason=None)
+            except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
+                if isinstance(error, RayActorError):
+                    self._mark_dead(prefill)
+                log.warning("prefill of %s failed (%s): the decode worker recomputes it", request_id, error)
+                self.decisions["transfer_failed"] += 1
+                await decode.recompute.remote(request_id)
+            finally:
+                self.queued_tokens[key] -= len(prompt)
+        async for event in self._relay(decode.stream, request_id):
+            yield event
+
+    @contextlib.contextmanager
+    def _holding(self, handle: Any) -> Iterator[None]:
+        """Count a request against a decode (or colocated) worker while it is there."""
+        self.in_flight[id(handle)] = self.in_flight.get(id(handle), 0) + 1
+        try:
+            yield
+        finally:
+            self.in_flight[id(handle)] -= 1
+
+    @staticmethod
+    async def _relay(method: Any, *args: Any) -> AsyncIterator[Any]:
+        async for ref in method.options(num_returns="streaming").remote(*args):
+            yield await ref
+
+    async def abort(self, request_id: str) -> None:
+        request_id = self.attempts.get(request_id, request_id)  # a resumed request runs under another id
+        for handle in self._live(self.prefill + self.decode):
+            with contextlib.suppress(RayActorError):
+                await handle.abort.remote(request_id)

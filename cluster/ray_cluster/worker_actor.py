@@ -1,0 +1,101 @@
+"""A worker as a Ray actor: one engine and the UCX connector of its role, in their own process.
+
+Workers are named actors in the fixed Ray namespace `RAY_NAMESPACE`, so any driver (a router
+replica, another gateway) can resolve them by the name the registry lists."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from cluster.common.events import TokenEvent
+from cluster.common.loads import TransferStats, WorkerLoad
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.state.connect import connect_state
+from cluster.state.interface import WorkerInfo
+from cluster.worker.worker import Worker, event_of
+
+log = logging.getLogger(__name__)
+RAY_NAMESPACE = "pdserve"  # workers' actor names live here, so other drivers (gateway replicas) find them
+
+
+
+
+class WorkerActor:
+    """The Ray face of `Worker`: builds the engine and the UCX connector inside the actor process.
+
+    The worker starts on its first call, whichever it is: when Ray restarts a dead worker (the actor's
+    `max_restarts`) it runs `__init__` again and nothing else, and the routers' next load poll brings
+    it back into service."""
+
+    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, host: str = "127.0.0.1",
+                 overlap_transfer: bool = True, redis_url: str = "", address: str = "") -> None:
+        from cluster.engine.llm_engine import LLMEngine
+        from cluster.transfer.ucx import UCXReceiver, UCXSender
+
+        sender = UCXSender() if role == "prefill" else None
+        receiver = UCXReceiver(host=host) if role == "decode" else None
+        state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
+        engine = LLMEngine(engine_config)
+        # Router replicas find the worker in the registry by its Ray actor name.
+        listing = WorkerInfo(worker_id, role, address or worker_id,
+                             {"namespace": RAY_NAMESPACE, "model": engine.model_name})
+        self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
+                             overlap_transfer=overlap_transfer, state=state, listing=listing)
+        self.started: asyncio.Task[None] | None = None
+
+    async def _ready(self) -> Worker:
+        if self.started is None:
+            self.started = asyncio.get_running_loop().create_task(self.worker.start())
+        await asyncio.shield(self.started)
+        return self.worker
+
+    async def start(self) -> str:
+        return (await self._ready()).worker_id
+
+    async def stop(self) -> None:
+        if self.started is not None:
+            await self.worker.stop()
+
+    async def load(self) -> WorkerLoad:
+        return await (await self._ready()).load()
+
+    async def pool_state(self) -> tuple[int, int]:
+        """(free blocks, total blocks): whole when equal and nothing runs."""
+        load = await self.load()
+        return load.num_free_blocks, load.num_blocks
+
+    async def info(self) -> tuple[str, int]:
+        """(served model name, max_model_len): what the front doors tell users and check prompts by."""
+        return self.worker.engine.model_name, self.worker.engine.max_model_len
+
+    async def transfers(self) -> list[TransferStats]:
+        return list(self.worker.transfers)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        worker = await self._ready()
+        async for output in worker.generate(request_id, prompt, params):
+            yield event_of(output, worker.worker_id)
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      address: str) -> AsyncIterator[TokenEvent | TransferStats]:
+        worker = await self._ready()
+        async for item in worker.prefill(request_id, prompt, params, address):
+            yield item if isinstance(item, TransferStats) else event_of(item, worker.worker_id)
+
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float) -> str | None:
+        return await (await self._ready()).reserve(request_id, prompt, params, lease_s)
+
+    async def recompute(self, request_id: str) -> None:
+        await (await self._ready()).recompute(request_id)
+
+    async def stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
+        worker = await self._ready()
+        async for output in worker.stream(request_id):
+            yield event_of(output, worker.worker_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return await (await self._ready()).abort(request_id)
+

@@ -1,0 +1,55 @@
+"""The Ray cluster behind the `Service` interface. It holds a started `cluster.ray_cluster.launcher.Cluster`
+but imports neither it nor Ray: errors come back through Ray's wrapper and are unwrapped here."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
+from cluster.common.events import TokenEvent
+from cluster.common.loads import WorkerLoad
+from cluster.common.sampling_params import SamplingParams
+from cluster.serving.service import check_prompt
+from cluster.weights.tokenizer import Tokenizer
+
+
+class ClusterService:
+    """The Ray cluster behind the `Service` interface. Call from one event loop (the server's)."""
+
+    def __init__(self, cluster: Any) -> None:  # a started `cluster.ray_cluster.launcher.Cluster`
+        self.cluster = cluster
+        self.model_name: str = cluster.model_name
+        self.max_model_len: int = cluster.max_model_len
+        self.tokenizer: Tokenizer = cluster.tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return self.cluster.router is not None
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+        if not self.ready:
+            raise ServiceUnavailable("the cluster is not running")
+        check_prompt(self, prompt, params)
+        try:
+            async for event in self.cluster.generate(prompt, params, request_id):
+                yield event
+        except Exception as error:
+            raise _cause_of(error) from None
+
+    async def abort(self, request_id: str) -> None:
+        if self.ready:
+            await self.cluster.abort(request_id)
+
+    async def workers(self) -> list[WorkerLoad]:
+        return await self.cluster.workers() if self.ready else []
+
+
+def _cause_of(error: Exception) -> Exception:
+    """Ray wraps an actor's exception in RayTaskError: give callers the original, when it is one of
+    the errors they handle, so `except QueueFullError` works across the process boundary."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, (ValueError, QueueFullError, NoCapacityError, ServiceUnavailable)):
+        return cause
+    return error
+

@@ -1,0 +1,401 @@
+"""The gRPC front door: `pdserve.v1.InferenceService` over a `Service`, with health and reflection.
+
+An RPC's life: the API-key interceptor admits it (the health service stays open: probes send no
+metadata); the servicer turns the request into prompt ids and `SamplingParams`, then relays the
+service's `TokenEvent`s as `GenerateResponse`s, or gathers them for `Complete`. However a running
+request's RPC ends early (client cancel, exceeded deadline, client gone, server stopping), the
+handler's `finally` aborts it in the service, so its KV blocks go back within one engine step.
+An `Abort` call aborts the request in the service and, when its call runs on this server, ends
+that call with a last "abort" message (the service's event stream would not end by itself).
+
+Errors become status codes: ValueError INVALID_ARGUMENT, QueueFullError and NoCapacityError
+RESOURCE_EXHAUSTED, ServiceUnavailable UNAVAILABLE, a model this server does not serve NOT_FOUND,
+anything else INTERNAL (logged). A request whose bytes do not parse (corrupt, or a string field that
+is not UTF-8) is INVALID_ARGUMENT too, before any handler runs (`MalformedRequestInterceptor`).
+
+Health: "" and "pdserve.v1.InferenceService" read SERVING while `service.ready` and NOT_SERVING
+otherwise (polled), and NOT_SERVING for good once `drain()` (or `stop()`) was called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import os
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import jinja2
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
+from cluster.common.events import TokenEvent, TokenLogprobs
+from cluster.common.sampling_params import SamplingParams
+from cluster.grpc_stubs import pdserve_pb2 as pb
+from cluster.grpc_stubs import pdserve_pb2_grpc
+from cluster.serving.service import Service
+
+__all__ = ["API_KEY_ENV", "SERVICE_NAME", "GrpcServer"]
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+HEALTH_POLL_S = 0.5
+
+# Server-sent keepalive pings: a client that vanished without closing its connection (a dead host,
+# a dropped network) has its calls cancelled, and its requests' blocks freed, within about a minute.
+_SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # A second server on a taken port must fail to start, not silently share the port's traffic.
+    ("grpc.so_reuseport", 0),
+]
+
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
+_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed", "logprobs")
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+class ModelNotFound(LookupError):
+    """The request names a model this server does not serve (NOT_FOUND)."""
+
+
+# Errors raised before a request runs: it holds nothing, so there is nothing to abort (and its id
+# may be another request's, when a client reuses one).
+_REFUSALS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (jinja2.TemplateError, grpc.StatusCode.INVALID_ARGUMENT),  # a chat the template rejects
+    (ModelNotFound, grpc.StatusCode.NOT_FOUND),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NoCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ServiceUnavailable, grpc.StatusCode.UNAVAILABLE),
+)
+_REFUSAL_TYPES = tuple(error_type for error_type, _ in _REFUSALS)
+
+
+class GrpcServer:
+    """Serves `service` over gRPC from the running event loop (next to an HTTP server, say).
+
+    `api_key` (default: $PDSERVE_API_KEY; none: no check) must come as `authorization: Bearer <key>`
+    metadata. `tls` is (certificate chain, private key), both PEM. `port` 0 picks a free port;
+    `port` holds the bound one after `start()`.
+    """
+
+    def __init__(self, service: Service, host: str = "0.0.0.0", port: int = 50051, *, api_key: str | None = None,
+                 tls: tuple[bytes, bytes] | None = None) -> None:
+        self.service = service
+        self.host = host
+        self.port = port
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.tls = tls
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        # The key check comes first: a caller without the key learns nothing, not even that its bytes are bad.
+        interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key else []
+        interceptors.append(MalformedRequestInterceptor())
+        server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
+        pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.service), server)
+        self.health = health.aio.HealthServicer()  # a fresh one: a drained one ignores updates for good
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = self._bind(server)
+        await server.start()
+        self.server = server
+        await self._update_health()
+        self._health_task = asyncio.create_task(self._poll_health())
+        log.info("gRPC server listening on %s:%d", self.host, self.port)
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        address = f"{host}:{self.port}"
+        if self.tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            chain, key = self.tls
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, chain)]))
+        if port == 0:
+            raise OSError(f"the gRPC server could not listen on {address}")
+        return port
+
+    async def drain(self) -> None:
+        """Report NOT_SERVING from now on, so load balancers send new calls elsewhere; calls still
+        in flight go on."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Drain, refuse new calls, give calls in flight `grace` seconds, then cancel them (each
+        cancelled call aborts its request). Safe to call twice."""
+        await self.drain()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None
+
+    async def _poll_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            await self._update_health()
+
+    async def _update_health(self) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if self.service.ready else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One Generate (or Complete) call on this server: what its end must clean up, and what it
+    reports when an Abort call ends it."""
+
+    request_id: str
+    task: asyncio.Task[Any] | None  # the task serving the call, which an Abort cancels
+    running: bool = False  # the service may hold blocks for the request: abort it if the call ends early
+    aborted: bool = False  # ended by an Abort call: finish with an "abort" message, not an error
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def record(self, event: TokenEvent) -> None:
+        self.running = not event.finished
+        self.num_prompt_tokens = event.num_prompt_tokens
+        self.num_output_tokens = event.index + len(event.token_ids)
+
+    def aborted_response(self) -> pb.GenerateResponse:
+        total = self.num_prompt_tokens + self.num_output_tokens
+        usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
+                         total_tokens=total)
+        return pb.GenerateResponse(request_id=self.request_id, index=self.num_output_tokens, finished=True,
+                                   finish_reason=pb.FINISH_REASON_ABORT, usage=usage)
+
+
+class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        # The calls in flight here, by request id. An Abort ends the matching call itself: the
+        # service frees the request's blocks, but its event stream would not end on its own.
+        self.calls: dict[str, _Call] = {}
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        call = _Call(request.request_id or uuid.uuid4().hex, asyncio.current_task())
+        self.calls.setdefault(call.request_id, call)
+        try:
+            prompt = self._prompt_of(request)
+            params = _params_of(request.sampling)
+            _check_min_tokens(len(prompt), params, self.service.max_model_len)
+            events = self.service.generate(prompt, params, call.request_id)
+            call.running, call.num_prompt_tokens = True, len(prompt)
+            async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
+                async for event in events:
+                    call.record(event)
+                    yield _response_of(event)
+        except asyncio.CancelledError:
+            if not call.aborted:
+                raise  # the client cancelled, its deadline passed, or the server is stopping
+            call.task.uncancel()  # type: ignore[union-attr]  # the cancel was this server's own
+            yield call.aborted_response()
+        except _REFUSAL_TYPES as error:
+            call.running = False
+            await context.abort(_status_of(error), str(error))
+        except Exception:
+            log.exception("request %s failed", call.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {call.request_id} failed on the server")
+        finally:
+            if self.calls.get(call.request_id) is call:
+                del self.calls[call.request_id]
+            if call.running:
+                # Shielded: the call's own cancellation must not cancel the abort that frees the blocks.
+                await asyncio.shield(self.service.abort(call.request_id))
+
+    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        responses = [response async for response in self.Generate(request, context)]
+        last = responses[-1]
+        return pb.CompleteResponse(
+            request_id=last.request_id, token_ids=[token for r in responses for token in r.token_ids],
+            text="".join(r.text for r in responses), finish_reason=last.finish_reason,
+            logprobs=[entry for r in responses for entry in r.logprobs], usage=last.usage)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        call = self.calls.get(request.request_id)
+        if call is not None and call.running and call.task is not None:
+            call.aborted = True
+            call.task.cancel()
+        await self.service.abort(request.request_id)
+        return pb.AbortResponse()
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        model = pb.Model(name=self.service.model_name, max_model_len=self.service.max_model_len)
+        return pb.ListModelsResponse(models=[model])
+
+    def _prompt_of(self, request: pb.GenerateRequest) -> list[int]:
+        if request.model and request.model != self.service.model_name:
+            raise ModelNotFound(f"this server serves {self.service.model_name!r}, not {request.model!r}")
+        tokenizer = self.service.tokenizer
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return tokenizer.encode(request.text)
+        if kind == "chat":
+            if not request.chat.messages:
+                raise ValueError("the chat has no messages")
+            messages = [{"role": message.role, "content": message.content} for message in request.chat.messages]
+            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)  # the engine checks them against its vocabulary
+        raise ValueError("the request has no prompt: set text, token_ids or chat")
+
+
+def _params_of(message: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep SamplingParams' defaults (proto3 would read them as 0)."""
+    given = {name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)}
+    # A double field can carry NaN or an infinity, which no sampling value means (and some ranges admit).
+    if not_finite := [name for name in _FLOAT_PARAMS if name in given and not math.isfinite(given[name])]:
+        raise ValueError(f"{', '.join(not_finite)} must be a finite number")
+    return SamplingParams(**given, stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
+                          ignore_eos=message.ignore_eos, min_tokens=message.min_tokens)
+
+
+def _check_min_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+    """A max_tokens past the context's end ends the request there ("length"), but a min_tokens past
+    it cannot be honoured: the engine would neither stop before it nor find room to go on, and the
+    request would wait for ever."""
+    room = max_model_len - num_prompt_tokens
+    if params.min_tokens > room:
+        raise ValueError(f"min_tokens is {params.min_tokens}, but the prompt has {num_prompt_tokens} tokens and "
+                         f"the context is {max_model_len}: at most {room} tokens can be generated")
+
+
+def _response_of(event: TokenEvent) -> pb.GenerateResponse:
+    finish_reason = _FINISH_REASONS.get(str(event.finish_reason), pb.FINISH_REASON_UNSPECIFIED)
+    response = pb.GenerateResponse(
+        request_id=event.request_id, index=event.index, token_ids=event.token_ids, text=event.text,
+        finished=event.finished, finish_reason=finish_reason, logprobs=[_logprobs_of(lp) for lp in event.logprobs])
+    if event.finished:
+        completion_tokens = event.index + len(event.token_ids)
+        response.usage.CopyFrom(pb.Usage(
+            prompt_tokens=event.num_prompt_tokens, completion_tokens=completion_tokens,
+            total_tokens=event.num_prompt_tokens + completion_tokens, cached_tokens=event.num_cached_tokens))
+    return response
+
+
+def _logprobs_of(entry: TokenLogprobs) -> pb.TokenLogprobs:
+    top = [pb.TopLogprob(token_id=token, logprob=logprob) for token, logprob in entry.top]
+    return pb.TokenLogprobs(token_id=entry.token_id, logprob=entry.logprob, top=top)
+
+
+def _status_of(error: Exception) -> grpc.StatusCode:
+    return next(code for error_type, code in _REFUSALS if isinstance(error, error_type))
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Admits calls whose `authorization` metadata is `Bearer <key>`; others end UNAUTHENTICATED.
+    The health service is exempt: load balancers and Kubernetes probes send no metadata."""
+
+    def __init__(self, api_key: str) -> None:
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(f"/{health.SERVICE_NAME}/"):
+            return handler
+        metadata = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
+        given = metadata.get("authorization", "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self.expected):  # constant time: no guessing the key byte by byte
+            return handler
+        return _refusing(handler)
+
+
+async def _unauthenticated(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or wrong API key: send the metadata 'authorization: Bearer <key>'")
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Ends a call to the InferenceService whose request does not parse INVALID_ARGUMENT. grpc parses
+    before any handler runs and, when that fails, answers UNKNOWN and logs a traceback: the client's
+    mistake would read as the server's. Here a request that does not parse becomes `_Malformed`, and
+    the handler, wrapped, refuses it."""
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/") or handler.request_streaming:
+            return handler
+        make = _HANDLER_KINDS[(False, handler.response_streaming)]
+        behavior = _refusing_malformed_stream(handler.unary_stream) if handler.response_streaming \
+            else _refusing_malformed(handler.unary_unary)
+        return make(behavior, request_deserializer=_lenient(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)
+
+
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    """A request whose bytes did not parse, and why."""
+
+    reason: str
+
+    async def refuse(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse: {self.reason}")
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse_or_mark(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as error:
+            return _Malformed(str(error))
+    return parse_or_mark
+
+
+def _refusing_malformed(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await request.refuse(context)
+        return await behavior(request, context)
+    return unary
+
+
+def _refusing_malformed_stream(behavior: Callable[..., AsyncGenerator[Any]]) -> Callable[..., AsyncGenerator[Any]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any]:
+        if isinstance(request, _Malformed):
+            await request.refuse(context)
+        # aclosing: however the call ends, the handler's own cleanup (aborting its request) runs now.
+        async with contextlib.aclosing(behavior(request, context)) as responses:
+            async for response in responses:
+                yield response
+    return stream
+
+
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
+    make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    return make(_unauthenticated, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)

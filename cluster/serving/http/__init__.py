@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI) and its request and response models."""

@@ -1,0 +1,630 @@
+"""The OpenAI-compatible HTTP front door: a FastAPI app over a `Service`, and a uvicorn server for it.
+
+A request's way through:
+
+1. Three ASGI middlewares, outermost first: `RequestIdMiddleware` names the request (the client's
+   `X-Request-Id`, else `cmpl-<hex>` / `chatcmpl-<hex>`) and returns the name in the response header;
+   `BodyLimitMiddleware` refuses bodies over the limit (413); `ApiKeyMiddleware` checks the bearer key
+   on `/v1/` routes (401). Their errors, like every other, use OpenAI's error JSON.
+2. FastAPI validates the body into a `cluster.serving.http.openai_protocol` model (400 on failure, not FastAPI's 422).
+3. The route checks the model name (404) and that the gateway accepts requests (503 while the service
+   starts or the gateway drains), builds the prompt and per-choice `SamplingParams` (400), and opens a
+   `Run`: one engine request per choice, all submitted at once. The response starts only when every
+   choice has its first token, so a full queue (429) or a refused request still gets its status code.
+4. The run's events become either one JSON response or server-sent events ending in `data: [DONE]`.
+   However the response ends (done, error, client gone, server stopping), `Run.close` aborts the engine
+   requests that have not finished, so their KV blocks return to the pool within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import jinja2
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
+from cluster.common.events import TokenEvent
+from cluster.common.sampling_params import SamplingParams
+from cluster.serving.http.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ResponseFormat,
+    Usage,
+)
+from cluster.serving.rate_limits import RateLimited, RateLimits
+from cluster.serving.service import Service
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+RETRY_AFTER_S = 1
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: logged, never received
+MAX_REQUEST_ID_LENGTH = 128
+QUIET_PATHS = ("/health", "/ready", "/metrics")  # probed every few seconds: logged at DEBUG only
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 503)}
+# With "stream": true the answer is server-sent events. The schema describes one event (OpenAPI 3.1):
+# its data is a chunk's JSON (or an error's, after a failure), then the last one's is "[DONE]".
+EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk's JSON, or [DONE] at the end"}}}}}
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error JSON and `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        detail = ErrorDetail(message=self.message, type=ERROR_TYPES.get(self.status, "server_error"),
+                             param=self.param, code=self.code)
+        return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=self.status, headers=self.headers)
+
+
+@contextmanager
+def service_errors(request_id: str) -> Iterator[None]:
+    """Map what a service (and prompt building) raises to the status a client should see."""
+    try:
+        yield
+    except ApiError:
+        raise
+    except (ValueError, jinja2.TemplateError) as error:
+        raise ApiError(400, str(error)) from error
+    except (QueueFullError, NoCapacityError) as error:
+        raise ApiError(429, str(error), code="rate_limit_exceeded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from error
+    except RateLimited as error:
+        raise ApiError(429, str(error), code="rate_limit_exceeded",
+                       headers={"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}) from error
+    except ServiceUnavailable as error:
+        raise ApiError(503, str(error), headers={"Retry-After": str(RETRY_AFTER_S)}) from error
+    except Exception as error:
+        log.exception("%s: request failed", request_id)
+        raise ApiError(500, f"internal error: {type(error).__name__}") from error
+
+
+async def _api_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, ApiError)
+    return error.response()
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    return ApiError(error.status_code, str(error.detail), headers=dict(error.headers or {})).response()
+
+
+async def _validation_error(request: Request, error: Exception) -> Response:
+    """FastAPI answers 422; OpenAI's API (and its clients) expect 400 for an invalid body."""
+    assert isinstance(error, RequestValidationError)
+    problems = error.errors()
+    param = _field_of(problems[0]) if problems else None
+    return ApiError(400, "; ".join(_describe(problem) for problem in problems), param=param).response()
+
+
+def _field_of(problem: Any) -> str | None:
+    """The field a validation problem is about ("messages.0.role"); None for the body as a whole."""
+    if problem["type"] == "json_invalid":
+        return None  # its location is a character offset, not a field
+    return ".".join(str(part) for part in problem["loc"] if part != "body") or None
+
+
+def _describe(problem: Any) -> str:
+    if problem["type"] == "json_invalid":
+        reason = problem.get("ctx", {}).get("error", "")
+        return f"the body is not valid JSON: {reason} at character {problem['loc'][-1]}"
+    message = str(problem["msg"]).removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    field = _field_of(problem)
+    return f"{field}: {message}" if field else message
+
+
+# ---- the engine requests behind one API request ----------------------------------------------------
+
+
+class Run:
+    """The `n` choices of one API request, each an engine request (`<id>`, or `<id>-<i>` when n > 1),
+    merged into one stream of (choice, event) in arrival order.
+
+    One pump task per choice drains its service stream into a shared queue, so a slow consumer of one
+    choice never stalls another, and cancelling the pumps ends the service streams.
+    """
+
+    def __init__(self, service: Service, request_id: str, prompt: list[int], params: list[SamplingParams],
+                 runs: set[Run]) -> None:
+        self.service, self.request_id, self.prompt, self.params, self.runs = service, request_id, prompt, params, runs
+        self.request_ids = [request_id] if len(params) == 1 else [f"{request_id}-{i}" for i in range(len(params))]
+        self.choices = [Choice(index) for index in range(len(params))]
+        self.queue: asyncio.Queue[tuple[int, TokenEvent | Exception | None]] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.buffer: list[tuple[Choice, TokenEvent]] = []  # the first events, taken by `open`
+        self.num_streaming = len(params)
+        self.closed = False
+        runs.add(self)
+
+    async def open(self) -> None:
+        """Submit every choice and wait for each one's first event; raises what the service raises."""
+        self.tasks = [asyncio.create_task(self._pump(index, self.service.generate(self.prompt, params, request_id)))
+                      for index, (params, request_id) in enumerate(zip(self.params, self.request_ids, strict=True))]
+        started: set[int] = set()
+        while len(started) < len(self.choices) and (item := await self._next()) is not None:
+            self.buffer.append(item)
+            started.add(item[0].index)
+
+    async def events(self) -> AsyncIterator[tuple[Choice, TokenEvent]]:
+        """Each event after it was added to its choice, until every choice finished."""
+        while self.buffer:
+            yield self.buffer.pop(0)
+        while (item := await self._next()) is not None:
+            yield item
+
+    async def finish(self) -> None:
+        async for _ in self.events():
+            pass
+
+    def usage(self) -> Usage:
+        return Usage.of(len(self.prompt), sum(choice.num_tokens for choice in self.choices))
+
+    async def close(self) -> None:
+        """Stop the pumps and abort the choices that did not finish. Runs to the end even when the
+        caller is being cancelled (a client that left): that is when the abort matters most."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self.tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            for choice, request_id in zip(self.choices, self.request_ids, strict=True):
+                if not choice.finished:
+                    await self.service.abort(request_id)
+        self.runs.discard(self)
+        reasons = ",".join(choice.finish_reason or "aborted" for choice in self.choices)
+        completion = self.usage().completion_tokens
+        log.info("%s: %d prompt + %d completion tokens, finish %s", self.request_id, len(self.prompt), completion,
+                 reasons, extra={"request_id": self.request_id, "prompt_tokens": len(self.prompt),
+                                 "completion_tokens": completion, "finish_reason": reasons})
+
+    async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:
+        try:
+            async for event in stream:
+                self.queue.put_nowait((index, event))
+        except Exception as error:
+            self.queue.put_nowait((index, error))
+        finally:
+            self.queue.put_nowait((index, None))
+
+    async def _next(self) -> tuple[Choice, TokenEvent] | None:
+        while self.num_streaming:
+            index, item = await self.queue.get()
+            if item is None:
+                self.num_streaming -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                self.choices[index].add(item)
+                return self.choices[index], item
+        return None
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events of a run, which is closed however the response ends."""
+
+    def __init__(self, run: Run, response_format: ResponseFormat, include_usage: bool) -> None:
+        super().__init__(_sse(run, response_format, include_usage), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette cancels the body on a client disconnect; the abort must still happen.
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.run.close()
+
+
+async def _sse(run: Run, response_format: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+    for opening in response_format.opening(len(run.choices)):
+        yield _event(opening.model_dump_json())
+    try:
+        async for choice, event in run.events():
+            if (chunk := response_format.chunk(choice, event)) is not None:
+                yield _event(chunk.model_dump_json())
+        if include_usage:
+            yield _event(response_format.usage_chunk(run.usage()).model_dump_json())
+    except Exception as error:  # the status line is gone: report in-band, as vLLM does
+        log.exception("%s: stream failed", run.request_id)
+        detail = ErrorDetail(message=f"internal error: {type(error).__name__}", type="server_error")
+        yield _event(ErrorResponse(error=detail).model_dump_json())
+    yield _event("[DONE]")
+
+
+def _event(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
+    """Run `work`; False if the client hung up first (then `work` is cancelled). Starlette does not
+    cancel a handler whose client left, so a request waiting in a queue would otherwise live on."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return False
+    task.result()  # raises the work's error
+    return True
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the gateway -----------------------------------------------------------------------------------
+
+
+class Gateway:
+    """What the routes share: the service, and whether new requests are accepted (`draining`)."""
+
+    def __init__(self, service: Service, limits: RateLimits | None = None) -> None:
+        self.service = service
+        self.limits = limits
+        self.draining = False
+        self.runs: set[Run] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self.service.ready and not self.draining
+
+    def start_draining(self) -> None:
+        """Refuse new requests (503) and report not ready, so a load balancer moves traffic away;
+        requests already running finish."""
+        self.draining = True
+
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Start draining, then wait until the running requests finish; False on timeout."""
+        self.start_draining()
+        deadline = time.monotonic() + timeout_s
+        while self.runs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.runs
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.service.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.service.model_name!r}", param="model", code="model_not_found")
+
+    def admit(self, model: str | None) -> None:
+        """Whether a generation request may start: 404 for another model, 503 unless ready."""
+        self.check_model(model)
+        if not self.ready:
+            reason = "the server is draining" if self.draining else "the model is not ready"
+            raise ApiError(503, f"{reason}; retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                      response_format: ResponseFormat) -> Response:
+        """Run the request and answer it: JSON, or an event stream (which closes the run itself)."""
+        request_id = request.state.request_id
+        with service_errors(request_id):
+            prompt = body.prompt_ids(self.service.tokenizer)
+            params = body.sampling_params(len(prompt), self.service.max_model_len)
+            if self.limits is not None and self.limits.enabled:
+                await self.limits.check(_client_key(request), len(prompt) + sum(p.max_tokens for p in params))
+        run = Run(self.service, request_id, prompt, params, self.runs)
+        streaming = False
+        try:
+            with service_errors(request_id):
+                if not await _unless_disconnected(request, run.open()):
+                    return _client_left(run)
+                if body.stream:
+                    streaming = True
+                    return EventStream(run, response_format, body.include_usage)
+                if not await _unless_disconnected(request, run.finish()):
+                    return _client_left(run)
+            answer = response_format.response(run.choices, run.usage())
+            return Response(answer.model_dump_json(), media_type="application/json")
+        finally:
+            if not streaming:
+                await run.close()
+
+
+def _client_left(run: Run) -> Response:
+    log.info("%s: the client went away; aborting", run.request_id)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def gateway_of(app: FastAPI) -> Gateway:
+    gateway = app.state.gateway
+    assert isinstance(gateway, Gateway)
+    return gateway
+
+
+def _add_routes(app: FastAPI, gateway: Gateway) -> None:
+    service = gateway.service
+
+    @app.get("/health", summary="The process is alive")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready", summary="The model is loaded and the server takes requests")
+    async def ready() -> JSONResponse:
+        if gateway.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "draining" if gateway.draining else "not ready"}, status_code=503)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=service.model_name, max_model_len=service.max_model_len)])
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses=ERROR_RESPONSES)
+    async def model(model: str) -> ModelCard:
+        gateway.check_model(model)
+        return ModelCard(id=service.model_name, max_model_len=service.max_model_len)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={
+        **ERROR_RESPONSES, 200: {"content": EVENT_STREAM, "description": "a completion, or its chunks as events"}})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        gateway.admit(body.model)
+        response_format = CompletionFormat(request.state.request_id, service.model_name, service.tokenizer,
+                                           logprobs=body.logprobs is not None)
+        return await gateway.respond(request, body, response_format)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
+        **ERROR_RESPONSES, 200: {"content": EVENT_STREAM, "description": "a chat completion, or its chunks as events"}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        gateway.admit(body.model)
+        response_format = ChatFormat(request.state.request_id, service.model_name, service.tokenizer,
+                                     logprobs=body.logprobs)
+        return await gateway.respond(request, body, response_format)
+
+
+# ---- middlewares (plain ASGI: they must not buffer streamed responses) -----------------------------
+
+
+class RequestIdMiddleware:
+    """Names each request: the client's `X-Request-Id`, else a fresh one; echoes it in the response
+    header, puts it in `request.state.request_id` (the engine request id) and logs the outcome."""
+
+    PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = self._request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        started, status = time.perf_counter(), 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+            duration = time.perf_counter() - started
+            log.log(level, "%s: %s %s -> %d in %.3fs", request_id, scope["method"], scope["path"], status, duration,
+                    extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
+                           "status": status, "duration_s": round(duration, 6)})
+
+    def _request_id(self, scope: Scope) -> str:
+        given = _header(scope, b"x-request-id")
+        if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isprintable():
+            return given
+        return f"{self.PREFIXES.get(scope['path'], 'req')}-{uuid.uuid4().hex}"
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `max_bytes`: by its Content-Length at once, else while it streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large().response()(scope, receive, send)
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                # FastAPI re-raises an HTTPException from body reading; the handler makes it JSON.
+                raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than {self.max_bytes} bytes", code="request_too_large")
+
+
+class ApiKeyMiddleware:
+    """401 for `/v1/` requests without `Authorization: Bearer <key>`; health checks stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.api_key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        error = ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        scheme, _, key = (_header(scope, b"authorization") or "").partition(" ")
+        # compare_digest: the time taken must not reveal how much of a guessed key was right.
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key)
+
+
+def _client_key(request: Request) -> str:
+    """Whom the rate limits count against: the API key sent, else the client's address."""
+    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return "key:" + key.strip()  # the shared state hashes it before it names anything in Redis
+    return "addr:" + (request.client.host if request.client else "unknown")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+# ---- the app and its server ------------------------------------------------------------------------
+
+
+def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              limits: RateLimits | None = None) -> FastAPI:
+    """The gateway app. `api_key` None reads `$PDSERVE_API_KEY`; an empty key (or none at all) leaves
+    the API open. The `Gateway` (draining) is `gateway_of(app)`."""
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
+    gateway = Gateway(service, limits)
+    app.state.gateway = gateway
+    _add_routes(app, gateway)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    _document_400_not_422(app)
+    # add_middleware wraps: the last added runs first.
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every body it validates; this gateway answers 400 instead (each
+    operation documents it), so the OpenAPI document drops the 422 and its schemas."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()  # FastAPI keeps it in app.openapi_schema: edited in place, once
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class HttpServer:
+    """uvicorn serving an app as a task of the running event loop, beside other servers (gRPC,
+    metrics). `port=0` binds a free port; `port` then tells which. uvicorn's logging setup and access
+    log are off: the host configures logging, and `RequestIdMiddleware` logs each request.
+
+    Binding happens in `start`, here, so a port in use raises OSError to the caller instead of
+    uvicorn's `sys.exit`. In the main thread uvicorn takes SIGINT/SIGTERM while it runs, shuts down
+    gracefully, then re-raises the signal.
+    """
+
+    def __init__(self, app: ASGIApp, host: str = "0.0.0.0", port: int = 8000, *,
+                 graceful_shutdown_s: float = 10.0) -> None:
+        self.app, self.host, self.requested_port = app, host, port
+        self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                     timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)))
+        self.server = uvicorn.Server(self.config)
+        self.socket: socket.socket | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.socket is not None, "start() the server first"
+        return int(self.socket.getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        """Where a client on this machine reaches the server."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and serve; returns once connections are accepted."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self.socket = socket.create_server((self.host, self.requested_port), family=family)
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="http-server")
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        log.info("HTTP gateway listening on %s", self.url)
+
+    async def wait(self) -> None:
+        """Until the server stops (`stop`, or a signal)."""
+        assert self.task is not None, "start() the server first"
+        await asyncio.shield(self.task)
+
+    async def stop(self) -> None:
+        """Stop accepting, let open requests finish (up to the graceful timeout), then return."""
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        await self.task
+
+
+async def serve_http(app: ASGIApp, host: str = "0.0.0.0", port: int = 8000) -> None:
+    """Serve until stopped (a signal, or cancelling this coroutine)."""
+    server = HttpServer(app, host, port)
+    await server.start()
+    try:
+        await server.wait()
+    finally:
+        await server.stop()

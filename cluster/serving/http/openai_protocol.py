@@ -1,0 +1,491 @@
+"""The OpenAI API's wire format, as far as the HTTP gateway serves it.
+
+Request bodies, responses, stream chunks and errors as pydantic models, plus the two translations the
+gateway needs: a request body into per-choice `SamplingParams`, and a choice's `TokenEvent`s into
+response objects. Names, defaults and shapes follow OpenAI's API reference; the extra sampling fields
+(`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are vLLM's,
+which clients send as extra body fields. Unknown fields are ignored, as OpenAI and vLLM do; fields
+this server could only ignore wrongly (`logit_bias`, `tools`, ...) are refused instead.
+
+The sampling fields carry the ranges `SamplingParams` accepts, so the OpenAPI document states them and
+a value out of range is refused naming its field; what one field cannot say (`min_tokens` at most
+`max_tokens`, a prompt that fits the context) `SamplingParams` and the service check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+
+from cluster.common.events import TokenEvent, TokenLogprobs
+from cluster.common.sampling_params import SamplingParams
+from cluster.weights.tokenizer import Tokenizer
+
+# Each choice is an engine request of its own: `n` multiplies the load one HTTP request can add.
+MAX_CHOICES = 16
+MAX_LOGPROBS = 20  # as vLLM (OpenAI allows 5 for completions, 20 for chat)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, kept by vLLM
+# torch seeds a generator from 64 bits and the engine seeds one per request as it samples: a larger
+# seed would fail the engine's step, and every other request in it. (Choice i's seed + i may pass
+# 2**63 - 1: torch takes seeds up to 2**64 - 1.)
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Arguments of the chat template's own call: a template variable of the same name would collide.
+TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
+
+
+# ---- requests --------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields that completions and chat completions share."""
+
+    # Python's JSON parser reads NaN and Infinity, which are not JSON, and no sampling value means them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Fields whose effect this server does not implement: refused rather than silently ignored.
+    unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "best_of")
+
+    model: str | None = None  # None: the served model
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data: Any) -> Any:
+        """JSON null means "not set" in OpenAI's API: drop it so the field's default applies."""
+        if not isinstance(data, dict):
+            return data
+        for name in cls.unsupported:
+            if data.get(name) is not None:
+                raise ValueError(f"{name} is not supported by this server")
+        return {key: value for key, value in data.items() if value is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def choice_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+        """One `SamplingParams` per choice. With a seed, choice i samples with `seed + i`: the same
+        seed for all would make the n choices identical. Raises ValueError for invalid values."""
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(_as_list(self.stop)),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, logprobs=logprobs)
+        if self.seed is None:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=self.seed + i) for i in range(self.n)]
+
+
+class CompletionRequest(SamplingRequest):
+    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "suffix")
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The prompt's token ids: text is encoded with the tokenizer's special tokens (BOS), as vLLM does."""
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer.encode(_checked_text(prompt))
+        return cast("list[int]", prompt)  # what is left: the token ids (mypy cannot narrow by element)
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
+        requested = self.max_tokens if "max_tokens" in self.model_fields_set else None
+        max_tokens = fit_max_tokens(requested, COMPLETION_DEFAULT_MAX_TOKENS, num_prompt_tokens, max_model_len)
+        return self.choice_params(max_tokens, self.logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id...: handed to the template as is
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(_text_of(part) for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "tools", "functions", "response_format")
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens; both work
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables (enable_thinking=False)
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The rendered chat template, encoded without special tokens: the template already has them
+        (as `LLMEngine.chat_prompt`). Raises ValueError, or jinja2's TemplateError from the template."""
+        messages = [message.for_template() for message in self.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
+                                                 **self.template_variables())
+        except TypeError as error:
+            # The template met a value of a type it cannot use (a number where it adds strings, say):
+            # the client's messages or variables are at fault, as vLLM answers too.
+            raise ValueError(f"the chat template cannot render this request: {error}") from error
+        return tokenizer.encode(_checked_text(text), add_special_tokens=False)
+
+    def template_variables(self) -> dict[str, Any]:
+        variables = self.chat_template_kwargs or {}
+        if taken := [name for name in TEMPLATE_ARGUMENTS if name in variables]:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do")
+        return variables
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = fit_max_tokens(requested, None, num_prompt_tokens, max_model_len)
+        return self.choice_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def fit_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """How many tokens a request may generate. A default (None: the rest of the context) shrinks to
+    fit; an explicit value that cannot fit is an error, as in vLLM, rather than a silent cut."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise ValueError(f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} "
+                         "tokens, including at least one generated token")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise ValueError(f"max_tokens is {requested}, but the prompt has {num_prompt_tokens} tokens and the "
+                         f"context is {max_model_len}: at most {room} tokens can be generated")
+    return requested
+
+
+def _checked_text(text: str) -> str:
+    """`text`, if it is Unicode a tokenizer can take. A JSON string may hold half of a UTF-16 surrogate
+    pair ("\\ud800"), which Python reads into a str that has no UTF-8 form: refuse it as a bad request."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"the prompt is not valid Unicode: it holds an unpaired UTF-16 surrogate "
+                         f"({text[error.start]!r})") from None
+    return text
+
+
+def _as_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop
+
+
+def _text_of(part: ContentPart) -> str:
+    if part.type != "text" or part.text is None:
+        raise ValueError(f"only text content parts are supported, got {part.type!r}")
+    return part.text
+
+
+# ---- responses -------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pdserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions' logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, and each chunk of a streamed one (OpenAI uses the same shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds to the message: fields it does not change are left out, not null."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in serialize(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # only on the last chunk, when stream_options.include_usage
+
+
+# ---- from engine events to responses ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's output so far, gathered from its `TokenEvent`s."""
+
+    index: int
+    pieces: list[str] = field(default_factory=list)
+    num_chars: int = 0
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, event: TokenEvent) -> None:
+        self.pieces.append(event.text)
+        self.num_chars += len(event.text)
+        self.num_tokens += len(event.token_ids)
+        self.logprobs.extend(event.logprobs)
+        if event.finished:
+            self.finish_reason = str(event.finish_reason or "stop")
+
+
+class _Format:
+    """What both endpoints' response builders share: the response's identity, and whether to send logprobs."""
+
+    def __init__(self, response_id: str, model: str, tokenizer: Tokenizer, logprobs: bool) -> None:
+        self.response_id, self.model, self.tokenizer, self.logprobs = response_id, model, tokenizer, logprobs
+        self.created = int(time.time())
+
+    def sends(self, event: TokenEvent) -> bool:
+        """Whether `event` deserves a chunk: text held back (an incomplete character, a possible stop
+        string) leaves nothing to send, unless its token's logprobs are due."""
+        return bool(event.text or event.finished or self.logprobs)
+
+
+class CompletionFormat(_Format):
+    """Builds `/v1/completions` responses and chunks."""
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        return []
+
+    def chunk(self, choice: Choice, event: TokenEvent) -> BaseModel | None:
+        """The chunk for `event`, already added to `choice`; None when it carries nothing to send."""
+        if not self.sends(event):
+            return None
+        offset = choice.num_chars - len(event.text)  # where this event's text starts
+        logprobs = completion_logprobs(self.tokenizer, event.logprobs, offset) if self.logprobs else None
+        reason = choice.finish_reason if event.finished else None
+        return self._wrap([CompletionChoice(index=choice.index, text=event.text, logprobs=logprobs,
+                                            finish_reason=reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._wrap([], usage)
+
+    def response(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        return self._wrap([self._choice(choice) for choice in choices], usage)
+
+    def _choice(self, choice: Choice) -> CompletionChoice:
+        logprobs = completion_logprobs(self.tokenizer, choice.logprobs, 0) if self.logprobs else None
+        return CompletionChoice(index=choice.index, text=choice.text, logprobs=logprobs,
+                                finish_reason=choice.finish_reason)
+
+    def _wrap(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
+                                  usage=usage)
+
+
+class ChatFormat(_Format):
+    """Builds `/v1/chat/completions` responses and chunks."""
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        """A stream starts by naming the speaker, once per choice, as OpenAI's does."""
+        return [self._wrap([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+                for index in range(num_choices)]
+
+    def chunk(self, choice: Choice, event: TokenEvent) -> BaseModel | None:
+        if not self.sends(event):
+            return None
+        logprobs = chat_logprobs(self.tokenizer, event.logprobs) if self.logprobs else None
+        reason = choice.finish_reason if event.finished else None
+        delta = ChatDelta(content=event.text) if event.text else ChatDelta()
+        return self._wrap([ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs,
+                                           finish_reason=reason)])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._wrap([], usage)
+
+    def response(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, usage=usage,
+                                      choices=[self._choice(choice) for choice in choices])
+
+    def _choice(self, choice: Choice) -> ChatChoice:
+        logprobs = chat_logprobs(self.tokenizer, choice.logprobs) if self.logprobs else None
+        return ChatChoice(index=choice.index, message=AssistantMessage(content=choice.text), logprobs=logprobs,
+                          finish_reason=choice.finish_reason)
+
+    def _wrap(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=choices,
+                                   usage=usage)
+
+
+ResponseFormat = CompletionFormat | ChatFormat
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+    """`offset`: where the first entry's token starts in the choice's text."""
+    result = CompletionLogprobs()
+    for entry in entries:
+        token = _token_text(tokenizer, entry.token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(entry.logprob)
+        result.top_logprobs.append({_token_text(tokenizer, token_id): logprob for token_id, logprob in entry.top})
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> ChatLogprobs:
+    return ChatLogprobs(content=[
+        TokenLogprob(**_top_logprob(tokenizer, entry.token_id, entry.logprob).model_dump(),
+                     top_logprobs=[_top_logprob(tokenizer, token_id, logprob) for token_id, logprob in entry.top])
+        for entry in entries])
+
+
+def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
+    token = _token_text(tokenizer, token_id)
+    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,282 @@
+"""The serving process: the cluster (or one local engine) behind both front doors, until a signal.
+
+    pdserve serve [--config cluster.yaml] [--host 0.0.0.0] [--port 8000] [--grpc-port 50051] [--api-key K]
+
+Order matters for operators: the HTTP and gRPC servers listen first, answering /health (alive) and
+503 on /ready and on requests while the workers load the model (a minute on a cold cache); then
+the cluster starts and the service turns ready.
+
+On SIGTERM (or SIGINT) both doors drain at once, for at most `--drain-s` seconds: the gateway keeps
+its socket open but answers new requests and /ready with 503 (a load balancer that still sends
+some gets a status to retry elsewhere, not a refused connection), the gRPC server refuses new
+calls and reports NOT_SERVING, and the requests already running, streams included, go on to their
+end. Then the HTTP server closes, cancelling (so aborting) whatever outlived the drain, and the
+cluster stops. A second signal cuts the drain short. `serve` takes the signals itself, not uvicorn,
+which would close its socket at once and, re-raising the signal when done, skip the cluster's stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from cluster.common.errors import ServiceUnavailable
+from cluster.common.events import TokenEvent
+from cluster.common.loads import WorkerLoad
+from cluster.common.sampling_params import SamplingParams
+from cluster.observability.metrics import CONTENT_TYPE, ClusterMetrics
+from cluster.ray_cluster.config import ClusterConfig
+from cluster.ray_cluster.launcher import Cluster, shutdown_ray
+from cluster.serving.cluster_service import ClusterService
+from cluster.serving.local_service import LocalService
+from cluster.serving.metered_service import MeteredService
+from cluster.serving.rate_limits import RateLimits
+from cluster.serving.service import Service
+from cluster.state.connect import connect_state
+from cluster.state.interface import SharedState
+from cluster.weights.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from cluster.serving.grpc.server import GrpcServer
+    from cluster.serving.http.gateway import Gateway, HttpServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 50051  # 0 picks a free port; -1 turns gRPC off
+    api_key: str | None = None  # None: $PDSERVE_API_KEY, if set
+    drain_s: float = 30.0
+    redis_url: str = ""  # the rate limits' buckets (shared by gateway replicas); empty: this process's
+    rate_limit_rps: float = 0.0  # requests per second per API key; 0: none
+    rate_limit_tpm: float = 0.0  # prompt + max tokens per minute per API key; 0: none
+
+
+class DeferredService:
+    """A `Service` whose backend is still starting: not ready (so 503) until `attach` gives it one.
+    The front doors can listen, and report health, while the workers load the model."""
+
+    def __init__(self, model_name: str, tokenizer: Tokenizer) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_model_len = 0
+        self.backend: Service | None = None
+
+    def attach(self, backend: Service) -> None:
+        self.max_model_len = backend.max_model_len
+        self.backend = backend
+
+    @property
+    def ready(self) -> bool:
+        return self.backend is not None and self.backend.ready
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+        if self.backend is None:
+            raise ServiceUnavailable("the workers are still loading the model")
+        async for event in self.backend.generate(prompt, params, request_id):
+            yield event
+
+    async def abort(self, request_id: str) -> None:
+        if self.backend is not None:
+            await self.backend.abort(request_id)
+
+    async def workers(self) -> list[WorkerLoad]:
+        return await self.backend.workers() if self.backend is not None else []
+
+
+class ServiceLauncher:
+    """What runs behind the front doors: the Ray cluster, or with `local` one engine in this process."""
+
+    def __init__(self, config: ClusterConfig, local: bool = False) -> None:
+        self.config, self.local = config, local
+        self.cluster: Cluster | None = None
+        self.local_service: LocalService | None = None
+
+    def describe(self) -> str:
+        if self.local:
+            return "one local engine (no Ray)"
+        where = f"Ray at {self.config.ray_address}" if self.config.ray_address else "an embedded local Ray"
+        return (f"a {self.config.mode} cluster ({self.config.prefill.replicas} prefill, "
+                f"{self.config.decode.replicas} decode) on {where}")
+
+    async def start(self) -> Service:
+        """Load the model everywhere (in a thread: Ray and the weights block) and return the service."""
+        if self.local:
+            self.local_service = await asyncio.to_thread(LocalService.from_config, self.config.engine)
+            return await self.local_service.start()
+        self.cluster = await asyncio.to_thread(Cluster(self.config).start)
+        return ClusterService(self.cluster)
+
+    async def counters(self) -> dict[str, Any]:
+        """The router's decisions, for /metrics (none for a local engine)."""
+        if self.cluster is None or self.cluster.router is None:
+            return {}
+        return await self.cluster.router_stats()
+
+    async def stop(self) -> None:
+        """Stop whatever started; safe to call twice."""
+        if self.local_service is not None:
+            await self.local_service.stop()
+            self.local_service = None
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.stop)
+            self.cluster = None
+            if not self.config.ray_address:  # the embedded Ray is ours: stop its processes too
+                await asyncio.to_thread(shutdown_ray)
+
+
+async def serve(service: DeferredService, backend: ServiceLauncher, options: ServeOptions,
+                on_listening: Callable[[str, int | None], None] | None = None) -> None:
+    """Listen, start the backend, serve until a signal (or the HTTP server stops), then drain both
+    front doors and stop it all."""
+    from cluster.serving.grpc.server import GrpcServer
+    from cluster.serving.http.gateway import HttpServer, build_app, gateway_of
+
+    metrics = ClusterMetrics(service.model_name)
+    state = connect_state(options.redis_url)
+    metrics.sources.append(backend.counters)
+    metrics.sources.append(lambda: _state_counters(state))
+    metered = MeteredService(service, metrics.requests)  # both front doors: every request is timed
+    limits = RateLimits(state, options.rate_limit_rps, options.rate_limit_tpm)
+    app = build_app(metered, api_key=options.api_key, limits=limits)
+    add_status_route(app, metered)
+    add_metrics_route(app, metrics, metered)
+    http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s)
+    http.server = SignalFreeUvicorn(http.config)
+    await http.start()
+    shutdown = Shutdown()
+    shutdown.install()
+    grpc = None
+    try:
+        if options.grpc_port >= 0:
+            grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=options.api_key)
+            await grpc.start()
+        if on_listening is not None:
+            on_listening(http.url, grpc.port if grpc is not None else None)
+        service.attach(await backend.start())
+        log.info("ready: serving %s", service.model_name)
+        await _first_of(shutdown.requested.wait(), http.wait())
+    finally:
+        await drain(gateway_of(app), http, grpc, options.drain_s, shutdown.hurried)
+        await backend.stop()
+        await state.close()
+        shutdown.uninstall()
+
+
+async def drain(gateway: Gateway, http: HttpServer, grpc: GrpcServer | None, drain_s: float,
+                hurried: asyncio.Event) -> None:
+    """Stop taking requests at both doors at once and give those running `drain_s` seconds (less
+    once `hurried` is set) to end; then close the HTTP server, cancelling what is left."""
+    deadline = time.monotonic() + drain_s
+    gateway.start_draining()
+    log.info("draining for up to %gs: %d HTTP requests open", drain_s, len(gateway.runs))
+    grpc_stopped = asyncio.create_task(grpc.stop(drain_s)) if grpc is not None else None
+    await _first_of(gateway.drain(drain_s), hurried.wait())
+    if gateway.runs:
+        log.warning("drain over with %d HTTP requests still open: cancelling them", len(gateway.runs))
+        http.config.timeout_graceful_shutdown = 0  # uvicorn cancels them at once (and says so)
+    else:  # answers still on their way out (and requests just past admission) get the rest of the drain
+        remaining = 1 if hurried.is_set() else math.ceil(deadline - time.monotonic())
+        http.config.timeout_graceful_shutdown = max(1, remaining)
+    await http.stop()
+    if grpc is not None and grpc_stopped is not None:
+        if hurried.is_set():
+            await grpc.stop(0)  # a shorter grace overrides the first one's
+        await grpc_stopped
+
+
+class SignalFreeUvicorn(uvicorn.Server):
+    """uvicorn without its own SIGINT/SIGTERM handlers: `serve` takes the signals (see above)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Shutdown:
+    """SIGTERM and SIGINT, taken on the event loop: the first asks for a drain, a second hurries it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = asyncio.Event()
+        self.hurried = asyncio.Event()
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Take the signals, when this is the main thread (elsewhere the caller stops `serve`)."""
+        loop = asyncio.get_running_loop()
+        for number in self.SIGNALS:
+            previous = signal.getsignal(number)
+            try:
+                loop.add_signal_handler(number, self._on_signal, number)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue
+            self.previous[number] = previous
+
+    def uninstall(self) -> None:
+        loop = asyncio.get_running_loop()
+        for number, previous in self.previous.items():
+            loop.remove_signal_handler(number)
+            signal.signal(number, previous)
+        self.previous.clear()
+
+    def _on_signal(self, number: int) -> None:
+        name = signal.Signals(number).name
+        if self.requested.is_set():
+            log.warning("%s again: cutting the drain short", name)
+            self.hurried.set()
+        else:
+            log.info("%s: stopping", name)
+            self.requested.set()
+
+
+async def _first_of(*awaitables: Awaitable[Any]) -> None:
+    """Wait until one of `awaitables` is done (raising its error, if any); cancel the others."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+    for task in done:
+        task.result()
+
+
+async def _state_counters(state: SharedState) -> dict[str, Any]:
+    """Calls to Redis answered by a fallback (rate limits failed open) in this gateway."""
+    fallbacks = getattr(state, "fallbacks", None)
+    return {"counters": {"pdserve:gateway_redis_fallbacks": sum(fallbacks.values())}} if fallbacks is not None else {}
+
+
+def add_metrics_route(app: Any, metrics: ClusterMetrics, service: Service) -> None:
+    """GET /metrics: Prometheus text format, the whole cluster in one scrape (no API key)."""
+    from fastapi import Response
+
+    @app.get("/metrics", include_in_schema=False)
+    async def scrape() -> Response:
+        return Response(await metrics.exposition(await service.workers()), media_type=CONTENT_TYPE)
+
+
+def add_status_route(app: Any, service: Service) -> None:
+    """GET /v1/workers: every worker's load and KV usage (what `pdserve status` shows)."""
+
+    @app.get("/v1/workers")
+    async def workers() -> dict[str, Any]:
+        loads = await service.workers()
+        return {"model": service.model_name, "ready": service.ready,
+                "workers": [{"worker_id": w.worker_id, "role": w.role, "running": w.num_running,
+                             "waiting": w.num_waiting, "free_blocks": w.num_free_blocks, "blocks": w.num_blocks,
+                             "kv_cache_usage": w.kv_cache_usage} for w in loads]}

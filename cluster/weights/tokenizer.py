@@ -1,0 +1,337 @@
+"""Runtime tokenization: encode, decode, chat templates and streaming detokenization.
+
+Reads a Hugging Face checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json,
+generation_config.json, chat_template.jinja) with the `tokenizers` package and `jinja2` only:
+importing transformers costs seconds and gigabytes that a serving process should not pay.
+Behaviour follows transformers 5's `TokenizersBackend` and `apply_chat_template`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from cluster.common.errors import ModelLoadError
+
+# Named special tokens a chat template may use as variables (transformers passes its special_tokens_map).
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer. Build it with `Tokenizer.from_dir`."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        special_tokens: dict[str, str],
+        chat_template: str | None,
+        generation_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._backend = backend
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self.bos_token_id = self._id_of(special_tokens.get("bos_token"))
+        self.eos_token_id = self._id_of(special_tokens.get("eos_token"))
+        # Generation stops at any of these: instruct models often end turns with a token (<|im_end|>,
+        # <|eot_id|>) other than the tokenizer's EOS, and list it in generation_config.json.
+        candidates = [*generation_eos_token_ids, self.eos_token_id]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in candidates if i is not None))
+
+    @classmethod
+    def from_dir(cls, path: Path | str) -> Tokenizer:
+        """Load the tokenizer of a Hugging Face checkpoint directory."""
+        directory = Path(path)
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(
+                f"no tokenizer.json in {directory}: the checkpoint needs a fast tokenizer file"
+            )
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        config = _read_json(directory / "tokenizer_config.json")
+        special_tokens = _special_tokens(config)
+        generation_config = _read_json(directory / "generation_config.json")
+        return cls(
+            backend,
+            special_tokens,
+            _chat_template(directory, config),
+            _as_id_list(generation_config.get("eos_token_id")),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids this tokenizer can produce, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what tokenizer.json's post-processor adds.
+
+        That post-processor alone decides whether BOS/EOS are added: like transformers 5, which drops
+        tokenizer_config.json's add_bos_token/add_eos_token whenever a tokenizer.json exists.
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. (transformers' clean_up_tokenization_spaces is not applied: transformers 5 skips
+        it for BPE tokenizers too, as it corrupts their output.)"""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_variables: Any,
+    ) -> str:
+        """Render `messages` into a prompt string with the checkpoint's Jinja chat template.
+
+        Extra keyword arguments become template variables (e.g. `enable_thinking=False` for Qwen3).
+        """
+        if not self.chat_template:
+            raise ValueError(
+                "this tokenizer has no chat template (no chat_template in tokenizer_config.json and no "
+                "chat_template.jinja); send a plain completion prompt instead, or use an instruct checkpoint"
+            )
+        # Keys set to None are dropped, as transformers does: APIs send content=None, templates break on it.
+        conversation = [
+            {key: value for key, value in message.items() if value is not None} for message in messages
+        ]
+        variables = {**self.special_tokens, **template_variables}
+        return self._compiled_template.render(
+            messages=conversation, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+        )
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        assert self.chat_template is not None
+        return _compile_chat_template(self.chat_template)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The file's JSON object, or {} when the (optional) file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelLoadError(f"invalid JSON in {path}: {error}") from error
+    return content if isinstance(content, dict) else {}
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """Named special tokens from tokenizer_config.json, where each is a string or an AddedToken dict."""
+    tokens: dict[str, str] = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja (transformers 5 writes it) wins over tokenizer_config.json's entry, as there."""
+    template_file = directory / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: [{"name": ..., "template": ...}]
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [int(item) for item in value if isinstance(item, int)]
+    return []
+
+
+# --------------------------------------------------------------------------------------------------
+# Chat templates, rendered as transformers renders them
+
+
+class _GenerationTagExtension(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it renders."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        line = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(line)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format_string: str) -> str:
+    return datetime.now().strftime(format_string)
+
+
+def _compile_chat_template(template: str) -> jinja2.Template:
+    # Sandboxed: chat templates come with downloaded checkpoints and are untrusted code.
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTagExtension, jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment.from_string(template)
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming detokenization
+
+# Tokens of the prompt decoded along with the output: some decoders (SentencePiece's Metaspace) render
+# a token differently at the start of a text, so the output is always decoded after a little context.
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHARACTER = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text deltas as they are generated.
+
+    Each `add` decodes only the tokens since the last emitted text (vLLM's prefix/read offsets), so a
+    step costs O(a few tokens), not O(sequence). A delta never ends in half a UTF-8 character: while
+    the decoded text ends with U+FFFD, its bytes are held back until the next tokens complete it.
+
+    Stop strings follow OpenAI semantics: once one appears in the output, `stopped` is set and the
+    text (both `text` and what `add` returns) ends right before it. So as never to stream text that a
+    later token turns into a stop string, the last len(longest stop) - 1 characters are held back
+    until they cannot start one. When the request ends otherwise (EOS, length), pass `final=True`
+    with its last token, or call `finish()`, to get what is held back.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Iterable[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._read_offset = len(self._token_ids)  # tokens before it are decoded into `text`
+        self._prefix_offset = 0  # decoding starts here, for context
+        self._stop = tuple(dict.fromkeys(s for s in stop if s))
+        self._stop_hold = max((len(s) for s in self._stop), default=1) - 1
+        self._emitted = 0  # characters of `text` already returned
+        self.output_token_ids: list[int] = []
+        self.text = ""  # the output so far: complete characters only, cut before a stop string
+        self.stopped = False
+        self.stop_string: str | None = None
+
+    def add(self, token_id: int, final: bool = False) -> str:
+        """Take the next output token; return the text that became safe to stream ("" if none).
+
+        `final=True` says this is the request's last token: everything held back is returned too.
+        """
+        if self.stopped:
+            return ""
+        self.output_token_ids.append(token_id)
+        self._token_ids.append(token_id)
+        previous_length = len(self.text)
+        self.text += self._decode_new_text()
+        if self._stop:
+            self._check_stop(previous_length)
+        if final:
+            return self.finish()
+        safe_end = len(self.text) if self.stopped else len(self.text) - self._stop_hold
+        return self._emit_until(safe_end)
+
+    def finish(self) -> str:
+        """Everything not yet returned, including a trailing incomplete character (as U+FFFD)."""
+        if not self.stopped and self._read_offset < len(self._token_ids):
+            previous_length = len(self.text)
+            prefix_text = self._decode(self._prefix_offset, self._read_offset)
+            full_text = self._decode(self._prefix_offset, len(self._token_ids))
+            self.text += full_text[len(prefix_text) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+            if self._stop:
+                self._check_stop(previous_length)
+        return self._emit_until(len(self.text))
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(
+            self._token_ids[start:end], skip_special_tokens=self._skip_special_tokens
+        )
+
+    def _decode_new_text(self) -> str:
+        """The text the tokens after the read offset add, or "" while it ends in a partial character."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        full_text = self._decode(self._prefix_offset, len(self._token_ids))
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHARACTER):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+        return full_text[len(prefix_text) :]
+
+    def _check_stop(self, previous_length: int) -> None:
+        # A new match must end in the new text, so it starts at most len(stop) - 1 characters before it.
+        search_from = max(0, previous_length - self._stop_hold)
+        matches = [(index, s) for s in self._stop if (index := self.text.find(s, search_from)) >= 0]
+        if matches:
+            index, self.stop_string = min(matches)
+            self.text = self.text[:index]
+            self.stopped = True
+
+    def _emit_until(self, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

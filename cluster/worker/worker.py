@@ -1,0 +1,428 @@
+"""A worker: one engine driven by its own thread, plus the KV connector of its role.
+
+The engine is not thread-safe, so everything that touches it runs on the engine thread: callers
+on the asyncio side submit commands (`_call`) that the thread runs between steps, and outputs flow
+back through one asyncio queue per request. The Ray actors of `cluster.ray_cluster.router` wrap this class;
+tests drive it directly with the loopback connector.
+
+Roles: "prefill" runs prompts and sends their KV (`prefill`), "decode" reserves blocks, receives
+KV and streams the rest (`reserve`, `stream`), "colocated" does both phases itself (`generate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import torch
+
+from cluster.common.events import FinishReason, TokenEvent
+from cluster.common.loads import TransferStats, WorkerLoad
+from cluster.common.roles import Role
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
+from cluster.state.interface import SharedState, WorkerInfo
+from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+IDLE_WAIT_S = 0.05
+PUBLISH_S = 0.1  # how often the prefix cache's events go to the shared state
+HEARTBEAT_TTL_S = 10.0
+RECENT_TRANSFERS = 1024  # per-transfer stats kept (the totals count them all)
+
+
+def event_of(output: RequestOutput, worker_id: str) -> TokenEvent:
+    """The engine's output for one request and step, as it crosses process boundaries."""
+    return TokenEvent(output.request_id, output.index, list(output.new_token_ids), output.new_text, output.finished,
+                      output.finish_reason, output.num_prompt_tokens, worker_id, output.num_cached_tokens,
+                      list(output.new_logprobs))
+
+
+class Worker:
+    def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,
+                 receiver: KVReceiver | None = None, overlap_transfer: bool = True,
+                 state: SharedState | None = None, listing: WorkerInfo | None = None) -> None:
+        if role not in tuple(Role):
+            raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
+        self.worker_id, self.role, self.engine = worker_id, Role(role), engine
+        self.sender, self.receiver = sender, receiver
+        # Send a prefill's blocks as they are computed (else all at once at its end: the baseline).
+        self.overlap_transfer = overlap_transfer
+        # Where this worker publishes the blocks its prefix cache stores and evicts (KV-aware routing).
+        self.state = state
+        # How routers find this worker in the shared registry (router replicas discover workers there).
+        self.listing = listing or WorkerInfo(worker_id, role, worker_id)
+        self.publisher: asyncio.Task[None] | None = None
+        self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.stopped = False
+        self.transfers: collections.deque[TransferStats] = collections.deque(maxlen=RECENT_TRANSFERS)
+        # Since start, for the metrics: transfers sent, their bytes and seconds on the wire, failures.
+        self.transfer_count, self.transfer_bytes, self.transfer_seconds, self.transfer_failures = 0, 0, 0.0, 0
+        self.frame_count = 0
+        # Prefills whose KV goes out while they compute: runs of blocks queued by the engine thread,
+        # sent by `prefill` on the event loop. request id -> (blocks queued so far, the queue).
+        self.outboxes: dict[str, _Outbox] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.receiver is not None:
+            await self.receiver.start()
+        self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
+        self.thread.start()
+        if self.state is not None:
+            if self.role in ("prefill", "colocated"):  # their prefix caches steer the routers
+                self.engine.kv_cache.pool.record_events()
+            self.publisher = asyncio.create_task(self._publish())
+
+    async def _publish(self) -> None:
+        """Keep this worker listed in the shared registry (a heartbeat), and every PUBLISH_S send the
+        prefix cache's stored and evicted block hashes. Whenever the index may have missed events
+        (Redis restarted empty, or calls fell back while it was away) send the whole cache again."""
+        assert self.state is not None
+        await self.state.register(self.listing, HEARTBEAT_TTL_S)
+        await self.state.forget_worker(self.worker_id)  # a restarted worker's cache starts empty
+        beat, fallbacks = time.monotonic(), self._state_fallbacks()
+        while not self.stopped:
+            await asyncio.sleep(PUBLISH_S)
+            resync = self._state_fallbacks() != fallbacks
+            if time.monotonic() - beat > HEARTBEAT_TTL_S / 3:
+                beat = time.monotonic()
+                if not await self.state.heartbeat(self.worker_id, HEARTBEAT_TTL_S):
+                    await self.state.register(self.listing, HEARTBEAT_TTL_S)
+                    resync = True
+            if resync and getattr(self.state, "healthy", True):
+                fallbacks = self._state_fallbacks()
+                await self._publish_cache()
+                continue
+            events = await self._call(self.engine.kv_cache.pool.take_events)
+            if events.stored or events.evicted:
+                await self.state.publish_blocks(self.worker_id, events.stored, events.evicted)
+
+    async def _publish_cache(self) -> None:
+        """Replace this worker's entry in the prefix index by every block its cache holds now."""
+        assert self.state is not None
+        pool = self.engine.kv_cache.pool
+
+        def cached_now() -> list[int]:
+            pool.take_events()  # what they would add is in the snapshot already
+            return list(pool.cached)
+
+        snapshot = await self._call(cached_now)
+        await self.state.forget_worker(self.worker_id)
+        if snapshot:
+            await self.state.publish_blocks(self.worker_id, snapshot, [])
+        log.info("%s: published its whole prefix cache again (%d blocks)", self.worker_id, len(snapshot))
+
+    def _state_fallbacks(self) -> int:
+        """Calls to the shared state answered by a fallback since start (each may have lost events)."""
+        return sum(getattr(self.state, "fallbacks", {}).values())
+
+    async def stop(self) -> None:
+        if self.publisher is not None:
+            self.publisher.cancel()
+        if self.state is not None:  # routers stop seeing it now, not when its registration expires
+            await self.state.deregister(self.worker_id)
+            await self.state.close()
+        self.stopped = True
+        self.wake.set()
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, 10)
+        for connector in (self.sender, self.receiver):
+            if connector is not None:
+                await connector.close()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            while not self.commands.empty():
+                self.commands.get()()
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # a broken step must not hang every caller
+                    log.exception("engine step failed on %s", self.worker_id)
+                    self._fail_all(error)
+                    continue
+                for output in outputs:
+                    if output.finished and output.request_id in self.engine.scheduler.held:
+                        self._export(output.request_id)
+                    self._deliver(output.request_id, output)
+                if self.overlap_transfer:
+                    self._export_computed_blocks()
+            if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
+                self.wake.wait(IDLE_WAIT_S)
+                self.wake.clear()
+
+    def _export_computed_blocks(self) -> None:
+        """Queue the blocks each running prefill finished this step, so they travel while the rest
+        of its prompt computes (the overlap of transfer and compute)."""
+        for request_id, outbox in list(self.outboxes.items()):
+            computed = self.engine.computed_blocks(request_id)
+            if computed > outbox.queued:
+                self._post(outbox, self.engine.export_kv(request_id, outbox.queued, computed))
+
+    def _export(self, request_id: str) -> None:
+        """Queue a finished prefill's last blocks (with its first token) and free its blocks right
+        after the step that finished it: waiting for the asyncio side would hold them through the
+        next (maybe long) step."""
+        outbox = self.outboxes.get(request_id)
+        if outbox is not None:
+            self._post(outbox, self.engine.export_kv(request_id, outbox.queued))
+        self.engine.release_held(request_id)
+
+    def _post(self, outbox: _Outbox, export: KVExport) -> None:
+        outbox.queued = export.first_block + export.data.shape[0]
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(outbox.runs.put_nowait, export)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self.streams.get(request_id)
+        if stream is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self.streams):
+            self.engine.abort(request_id)
+            self._deliver(request_id, error)
+
+    async def _call(self, function: Callable[[], T]) -> T:
+        """Run `function` on the engine thread between steps; its result or exception comes back."""
+        assert self.loop is not None, "start() the worker first"
+        future: asyncio.Future[T] = self.loop.create_future()
+
+        def run() -> None:
+            try:
+                result = function()
+            except BaseException as error:
+                self.loop.call_soon_threadsafe(_set_exception, future, error)  # type: ignore[union-attr]
+            else:
+                self.loop.call_soon_threadsafe(_set_result, future, result)  # type: ignore[union-attr]
+
+        self.commands.put(run)
+        self.wake.set()
+        return await future
+
+    # ---- every role ----------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Run a request here from prompt to end (colocated), yielding each step's output."""
+        self._claim(request_id)
+        self.streams[request_id] = asyncio.Queue()
+        try:
+            await self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id=request_id))
+            async for output in self._outputs(request_id):
+                yield output
+        finally:
+            await self._close_stream(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """End the request here (blocks freed at once); whoever streams it gets a last output with
+        finish reason "abort" instead of waiting forever."""
+        if self.receiver is not None:
+            self.receiver.cancel(request_id)
+
+        def end() -> bool:
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(request_id, output)
+            return output is not None
+
+        return await self._call(end)
+
+    async def load(self) -> WorkerLoad:
+        stats = await self._call(self.engine.stats)
+        return WorkerLoad(self.worker_id, self.role, stats.num_running, stats.num_waiting, stats.num_free_blocks,
+                          stats.num_blocks, stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
+                          stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
+                          self.transfer_failures, self.frame_count)
+
+    def _claim(self, request_id: str) -> None:
+        """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use on {self.worker_id}")
+
+    async def _outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        stream = self.streams[request_id]
+        while True:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    async def _close_stream(self, request_id: str) -> None:
+        """Called when a consumer stops listening: a request still running is aborted, so a client
+        that went away frees its blocks within a step."""
+        self.streams.pop(request_id, None)
+        if not self.stopped:
+            await self._call(lambda: self.engine.abort(request_id))
+
+    # ---- prefill role --------------------------------------------------------------------------
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      decode_address: str) -> AsyncIterator[RequestOutput | TransferStats]:
+        """Compute the prompt, sending its KV to `decode_address` chunk by chunk as it computes;
+        yield the first token at once, then the transfer's stats once the last block landed.
+
+        A failed send raises TransferError (the decode worker then recomputes) and stops the
+        prefill; the blocks are released whatever happens.
+        """
+        assert self.sender is not None, "a prefill worker needs a KV sender"
+        # The first token as one engine would sample it (penalties over the prompt, min_tokens masking,
+        # the seed's stream after `seed_offset`), and nothing after it.
+        first_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), ignore_eos=True)
+        self._claim(request_id)
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.streams[request_id] = stream
+        outbox = self.outboxes[request_id] = _Outbox()
+        sending: asyncio.Task[TransferStats] | None = None
+        try:
+            await self._call(lambda: self.engine.add_prefill(prompt_token_ids, first_params, request_id=request_id))
+            sending = asyncio.create_task(self._send_runs(request_id, decode_address, outbox))
+            # A send that fails mid-prompt ends the prefill at once, not after the prompt computed.
+            sending.add_done_callback(lambda task: _raise_into(stream, task))
+            async for output in self._outputs(request_id):
+                yield output
+            if output.finish_reason == FinishReason.ABORT:
+                return  # aborted here: no last frame will come
+            yield await sending
+        finally:
+            self.streams.pop(request_id, None)
+            self.outboxes.pop(request_id, None)
+            if sending is not None and not sending.done():
+                sending.cancel()
+            await self._call(lambda: self.engine.abort(request_id))  # a prefill cut short frees its blocks
+
+    async def _send_runs(self, request_id: str, address: str, outbox: _Outbox) -> TransferStats:
+        """Send the runs of blocks the engine thread queues, in order, until the last one."""
+        assert self.sender is not None
+        stats = TransferStats(request_id, 0, 0.0, frames=0)
+        while True:
+            export = await outbox.runs.get()
+            data = export.data
+            header = KVHeader(request_id=request_id, num_tokens=export.num_tokens, num_blocks=data.shape[0],
+                              block_size=data.shape[3], num_layers=data.shape[1], num_kv_heads=data.shape[4],
+                              head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
+                              first_token_id=export.first_token_id or 0, nbytes=data.numel() * data.element_size(),
+                              first_block=export.first_block, last=export.last)
+            started = time.perf_counter()
+            try:
+                await self.sender.send(address, header, _bytes_of(data))
+            except Exception:
+                self.transfer_failures += 1
+                raise
+            seconds = time.perf_counter() - started
+            self.frame_count += 1
+            stats.nbytes, stats.seconds, stats.frames = stats.nbytes + header.nbytes, stats.seconds + seconds, \
+                stats.frames + 1
+            if export.last:
+                stats.exposed_s = seconds
+                self.transfers.append(stats)
+                self.transfer_count += 1
+                self.transfer_bytes += stats.nbytes
+                self.transfer_seconds += stats.seconds
+                return stats
+
+    # ---- decode role ---------------------------------------------------------------------------
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      lease_s: float = 30.0) -> str | None:
+        """Reserve blocks for the prompt and await its KV; the receiver's address, or None if full.
+
+        When the KV lands it is written into the blocks and the request joins the batch; when the
+        transfer fails or the lease ends first, the prompt is computed here instead.
+        """
+        assert self.receiver is not None, "a decode worker needs a KV receiver"
+        self._claim(request_id)
+        self.streams[request_id] = asyncio.Queue()
+        block_ids = await self._call(lambda: self.engine.reserve_remote(
+            prompt_token_ids, params, request_id=request_id, lease_s=lease_s))
+        if block_ids is None:
+            self.streams.pop(request_id, None)
+            return None
+        runner = self.engine.runner
+        staging = torch.empty((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
+                              dtype=runner.dtype)
+        arrived = self.receiver.expect(request_id, _bytes_of(staging))
+        arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
+        return self.receiver.address
+
+    def _on_kv(self, request_id: str, future: asyncio.Future[KVHeader], staging: torch.Tensor) -> None:
+        if future.cancelled():
+            return  # aborted: the abort freed the blocks
+        error = future.exception()
+
+        def land() -> None:
+            if request_id not in self.engine.scheduler.reserved:
+                return  # aborted or expired meanwhile
+            if error is not None:
+                log.warning("KV for %s did not arrive (%s): recomputing here", request_id, error)
+                self.engine.fail_remote(request_id)
+                return
+            self.engine.import_kv(request_id, staging)
+            self._deliver(request_id, self.engine.admit_remote(request_id, future.result().first_token_id))
+
+        self.commands.put(land)
+        self.wake.set()
+
+    async def recompute(self, request_id: str) -> None:
+        """The sender reported the transfer failed: stop waiting for it, compute the prompt here."""
+        assert self.receiver is not None
+        self.receiver.cancel(request_id)
+        await self._call(lambda: self.engine.fail_remote(request_id))
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a reserved request as they are produced, starting with the first token (the
+        prefill's, or this worker's own when it had to recompute the prompt)."""
+        if request_id not in self.streams:
+            raise KeyError(f"no request {request_id!r} on {self.worker_id}")
+        try:
+            async for output in self._outputs(request_id):
+                yield output
+        finally:
+            await self._close_stream(request_id)
+
+
+@dataclass(slots=True)
+class _Outbox:
+    """A prefill's runs of KV blocks on their way from the engine thread to the sending task."""
+
+    queued: int = 0  # blocks handed to `runs` so far
+    runs: asyncio.Queue[KVExport] = field(default_factory=asyncio.Queue)
+
+
+def _raise_into(stream: asyncio.Queue[RequestOutput | BaseException], task: asyncio.Task[Any]) -> None:
+    """Hand a failed task's error to the stream its consumer reads (it raises there)."""
+    if not task.cancelled() and task.exception() is not None:
+        stream.put_nowait(task.exception())  # type: ignore[arg-type]
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as bytes, shared (no copy): what the connectors send from and land into."""
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
