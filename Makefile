@@ -26,7 +26,7 @@ test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The gRPC stubs, committed under cluster/grpc_stubs (after `make install`: grpcio-tools is a dev
-# dependency; tests/grpc runs this target into a temporary PROTO_OUT and fails if they differ). The
+# dependency; tests/serving/grpc runs this target into a temporary PROTO_OUT and fails if they differ). The
 # -I mapping files the proto as cluster/grpc_stubs/pdserve.proto, so the generated _grpc module
 # imports its pb2 as `cluster.grpc_stubs.pdserve_pb2`, not as a bare top-level module.
 PROTO_OUT ?= .

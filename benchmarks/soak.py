@@ -4,7 +4,7 @@
     python -m benchmarks.soak --seconds 600 --concurrency 16
     python -m benchmarks.soak --model path/to/checkpoint --seconds 60
 
-The same traffic as `tests/gateway/test_soak.py` (`cluster/bench/soak.py`: completions and chats, whole
+The same traffic as `tests/serving/http/test_soak.py` (`cluster/bench/soak.py`: completions and chats, whole
 and streamed, clients that drop streams or cancel requests, invalid requests), against one engine
 (`LocalService`) behind the HTTP gateway, both in this process on one event loop (the engine steps
 in its own thread), with a small KV pool and queue so that preemption and 429s happen. After the

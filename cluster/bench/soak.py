@@ -17,7 +17,7 @@ Every request ends with exactly one outcome:
   find these; `SoakRecord.detail` says what happened.
 
 The server's side (KV pool whole, nothing left running, memory) is the caller's to check:
-`tests/gateway/test_soak.py` (30 s on a tiny model, `PDSERVE_SOAK_S`) and `benchmarks/soak.py`
+`tests/serving/http/test_soak.py` (30 s on a tiny model, `PDSERVE_SOAK_S`) and `benchmarks/soak.py`
 (longer, a JSON summary). Only httpx and numpy are imported: this module runs without torch.
 """
 

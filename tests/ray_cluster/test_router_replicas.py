@@ -16,8 +16,8 @@ from cluster.ray_cluster.launcher import Cluster
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, WorkerActor
 from cluster.state.connect import connect_state
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
-from tests.cluster.test_ray_cluster import alone, assert_pools_whole, collect_tokens, engine_config_for
-from tests.core.test_engine_outputs import GREEDY, PROMPTS
+from tests.engine.test_engine_outputs import GREEDY, PROMPTS
+from tests.ray_cluster.test_ray_cluster import alone, assert_pools_whole, collect_tokens, engine_config_for
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from cluster.bench.soak import ABORTED, ERROR, FINISHED, KINDS, SoakConfig, rss_bytes, run_soak
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.serving.http.gateway import gateway_of
-from tests.gateway.conftest import Gateways, engine_idle, wait_until
+from tests.serving.http.conftest import Gateways, engine_idle, wait_until
 
 SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "30"))
 MAX_RSS_GROWTH = 150 << 20  # generous: what a soak this long might grow by is a few tens of MiB

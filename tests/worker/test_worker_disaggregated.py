@@ -22,7 +22,7 @@ from cluster.transfer.connector import TransferError
 from cluster.transfer.loopback import FailMode, LoopbackHub, LoopbackReceiver, LoopbackSender
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.worker.worker import Worker
-from tests.core.test_engine_outputs import GREEDY, PROMPTS
+from tests.engine.test_engine_outputs import GREEDY, PROMPTS
 
 
 @pytest.fixture(scope="module")

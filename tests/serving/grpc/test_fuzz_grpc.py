@@ -23,8 +23,8 @@ from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 from cluster.serving.grpc.server import SERVICE_NAME, GrpcServer
 from cluster.serving.local_service import LocalService
-from tests.grpc.conftest import ServerLoop, pool_is_whole
 from tests.helpers import nothing_logged_and_idle
+from tests.serving.grpc.conftest import ServerLoop, pool_is_whole
 
 EXAMPLES = 300
 RAW_EXAMPLES = 200

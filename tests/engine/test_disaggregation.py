@@ -15,7 +15,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
-from tests.core.test_engine_outputs import GREEDY, PROMPTS, assert_pool_whole
+from tests.engine.test_engine_outputs import GREEDY, PROMPTS, assert_pool_whole
 
 
 @pytest.fixture(scope="module")

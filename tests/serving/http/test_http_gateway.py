@@ -19,7 +19,7 @@ import pytest
 
 from cluster.serving.http.gateway import HttpServer, gateway_of
 from cluster.serving.http.openai_protocol import ChatCompletionRequest, CompletionRequest
-from tests.gateway.conftest import Gateways, LiveGateway, engine_idle, tiny_config, wait_until
+from tests.serving.http.conftest import Gateways, LiveGateway, engine_idle, tiny_config, wait_until
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -30,8 +30,8 @@ from schemathesis.specs.openapi import checks as openapi_checks
 from cluster.serving.http.openai_protocol import TEMPLATE_ARGUMENTS, ChatCompletionRequest, CompletionRequest
 from cluster.serving.local_service import LocalService
 from cluster.weights.tokenizer import Tokenizer
-from tests.gateway.conftest import LiveGateway, engine_idle
 from tests.helpers import nothing_logged_and_idle
+from tests.serving.http.conftest import LiveGateway, engine_idle
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 EXAMPLES_PER_OPERATION = 50

@@ -18,7 +18,7 @@ from cluster.bench.soak import rss_bytes
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.serving.local_service import LocalService
-from tests.gateway.conftest import Gateways, engine_idle, paced, wait_until
+from tests.serving.http.conftest import Gateways, engine_idle, paced, wait_until
 
 MAX_RSS_GROWTH = 100 << 20  # generous: the burst itself needs a few MiB
 

@@ -7,7 +7,7 @@ import pytest
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from tests.conftest import MAX_TOKENS
-from tests.core.test_engine_outputs import run_staggered
+from tests.engine.test_engine_outputs import run_staggered
 
 pytestmark = pytest.mark.slow
 

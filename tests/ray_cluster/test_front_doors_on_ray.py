@@ -21,8 +21,8 @@ from cluster.serving.cluster_service import ClusterService
 from cluster.serving.metered_service import MeteredService
 from cluster.serving.process import add_metrics_route
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
-from tests.core.test_engine_outputs import PROMPTS
-from tests.gateway.test_metrics import samples, value
+from tests.engine.test_engine_outputs import PROMPTS
+from tests.observability.test_metrics import samples, value
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 MAX_TOKENS = 12

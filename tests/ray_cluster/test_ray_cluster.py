@@ -16,7 +16,7 @@ from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_
 from cluster.ray_cluster.launcher import Cluster
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.conftest import MAX_TOKENS
-from tests.core.test_engine_outputs import GREEDY, PROMPTS
+from tests.engine.test_engine_outputs import GREEDY, PROMPTS
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

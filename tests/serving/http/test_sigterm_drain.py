@@ -24,7 +24,7 @@ import pytest
 
 from cluster.serving.http.gateway import gateway_of
 from cluster.serving.process import drain
-from tests.gateway.conftest import Gateways, engine_idle, paced, tiny_config, wait_until
+from tests.serving.http.conftest import Gateways, engine_idle, paced, tiny_config, wait_until
 
 START_TIMEOUT_S = 120.0
 DRAIN_S = 120  # far more than the streams need: the drain ends when they do

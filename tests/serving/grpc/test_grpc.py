@@ -23,9 +23,9 @@ from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.serving.grpc.server import SERVICE_NAME, GrpcServer
 from cluster.serving.local_service import LocalService
-from tests.grpc.conftest import WAIT_S, ServerLoop, pool_is_whole, wait_until
+from tests.serving.grpc.conftest import WAIT_S, ServerLoop, pool_is_whole, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMPT = "Hello world! How are you doing today?"
 GREEDY = dict(temperature=0, ignore_eos=True)
 LONG = 200  # tokens: seconds of work for the tiny model, which a test then cuts short
