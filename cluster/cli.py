@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from cluster.common.roles import Mode
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rate-limit-rps", type=float, default=0.0, help="requests per second per API key (0: none)")
     serve.add_argument("--rate-limit-tpm", type=float, default=0.0,
                        help="prompt + max tokens per minute per API key (0: none)")
-    serve.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    serve.add_argument("--mode", choices=[str(mode) for mode in Mode], default=None)
     serve.add_argument("--routers", type=int, default=None, help="router replicas (Ray actors) to spread requests over")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "
                        "listed in --redis-url's registry (a second gateway; needs --ray-address and --redis-url)")

@@ -85,6 +85,17 @@ def served_model_name(model: str) -> str:
 
 
 class LLMEngine:
+    """One model's engine: tokenizer, weights, KV cache, scheduler and model runner, stepped by its caller.
+
+    Owns everything a step needs and nothing else: no thread, no event loop, no network. `step()`
+    schedules, runs the model once and returns a `RequestOutput` per request that made progress.
+    Called by a `Worker` on the worker's engine thread (the cluster's path), or directly by library
+    users, `pdserve generate|chat|bench` and the tests; every call must come from one thread. The
+    disaggregation calls (`add_prefill`/`export_kv` on a prefill worker, `reserve_remote`/`import_kv`/
+    `admit_remote` on a decode worker) move a request's KV between two engines without the engine
+    knowing how the bytes travel.
+    """
+
     def __init__(self, config: EngineConfig | None = None, *, progress: bool = False) -> None:
         self.config = config = config or EngineConfig()
         self.model_dir = resolve_model_path(config.model.model, progress=progress)

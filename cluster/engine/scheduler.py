@@ -22,6 +22,15 @@ from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, S
 
 
 class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Owns the waiting queue (a heap by priority, then arrival), the running list, the decode side's
+    reservations for KV arriving from a prefill worker, and the swap space's accounting; the blocks
+    themselves belong to the `KVCacheManager` it is given. Called by `LLMEngine` only (`schedule`,
+    then `update_from_output` with the sampled tokens; `add_request`, `abort`, the `*_remote` calls
+    between steps), on the engine's one thread: it is not thread-safe and does no I/O.
+    """
+
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  num_swap_blocks: int = 0) -> None:
         self.config = config

@@ -32,11 +32,10 @@ from typing import Any
 
 import yaml
 
+from cluster.common.roles import Mode, RoutingPolicy
 from cluster.engine.config import CacheConfig, EngineConfig
 
-MODES = ("disaggregated", "colocated")
 TRANSPORTS = ("ucx",)
-ROUTING = ("kv-aware", "load", "round-robin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +53,7 @@ class PoolConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    mode: str = "disaggregated"
+    mode: str = Mode.DISAGGREGATED
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     transport: str = "ucx"
@@ -63,18 +62,18 @@ class ClusterConfig:
     kv_lease_s: float = 30.0
     kv_overlap: bool = True  # send a prompt's KV chunk by chunk as it computes (else once, at its end)
     redis_url: str = ""  # state shared by router replicas and workers (prefix index); empty: the router's own
-    routing: str = "kv-aware"  # how prefill workers are picked: "kv-aware", "load" or "round-robin"
+    routing: str = RoutingPolicy.KV_AWARE  # how prefill workers are picked: "kv-aware", "load" or "round-robin"
     routers: int = 1  # router replicas; requests are spread over them, each sees every worker
     worker_max_restarts: int = 3  # Ray restarts a dead worker (its requests resume elsewhere meanwhile)
     attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in tuple(Mode):
+            raise ValueError(f"mode must be one of {tuple(map(str, Mode))}, got {self.mode!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.routing not in ROUTING:
-            raise ValueError(f"routing must be one of {ROUTING}, got {self.routing!r}")
+        if self.routing not in tuple(RoutingPolicy):
+            raise ValueError(f"routing must be one of {tuple(map(str, RoutingPolicy))}, got {self.routing!r}")
         if self.routers < 1:
             raise ValueError(f"routers must be >= 1, got {self.routers}")
         if self.worker_max_restarts < -1:
@@ -83,7 +82,7 @@ class ClusterConfig:
             raise ValueError("attach needs redis_url: the workers to attach to are listed in its registry")
         if self.decode.replicas < 1:
             raise ValueError("decode.replicas must be >= 1: decode workers serve every request")
-        if self.mode == "disaggregated" and self.prefill.replicas < 1:
+        if self.mode == Mode.DISAGGREGATED and self.prefill.replicas < 1:
             raise ValueError("prefill.replicas must be >= 1 in disaggregated mode (or use mode: colocated)")
 
 

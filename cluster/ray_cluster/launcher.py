@@ -21,6 +21,7 @@ from typing import Any
 
 from cluster.common.events import TokenEvent
 from cluster.common.loads import WorkerLoad
+from cluster.common.roles import Mode, Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.router import Router, RouterConfig
@@ -55,6 +56,14 @@ def shutdown_ray() -> None:
 
 
 class Cluster:
+    """The launcher: starts (or attaches to) the worker pools and the router replicas on Ray.
+
+    Owns the Ray actor handles of the workers it started and of its routers; stops them on `stop`.
+    Called by the serving process (`ServiceLauncher` starts it in a thread, `ClusterService` calls
+    `generate`/`abort`/`workers` from the server's event loop), by benchmarks and by the tests; the
+    request calls are spread over the router replicas round-robin. Holds no engine itself.
+    """
+
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.prefill: list[Any] = []
@@ -77,13 +86,13 @@ class Cluster:
         import ray
 
         init_ray(self.config.ray_address)
-        colocated = self.config.mode == "colocated"
+        colocated = self.config.mode == Mode.COLOCATED
         if self.config.attach:
             self.prefill, self.decode = asyncio.run(self._registered())
         else:
             if not colocated:
-                self.prefill = self._pool("prefill", self.config.prefill)
-            self.decode = self._pool("colocated" if colocated else "decode", self.config.decode)
+                self.prefill = self._pool(Role.PREFILL, self.config.prefill)
+            self.decode = self._pool(Role.COLOCATED if colocated else Role.DECODE, self.config.decode)
         ray.get([worker.start.remote() for worker in self.prefill + self.decode], timeout=START_TIMEOUT_S)
         infos = ray.get([worker.info.remote() for worker in self.prefill + self.decode])
         self.model_name = infos[0][0]
@@ -92,8 +101,8 @@ class Cluster:
         router_class = ray.remote(num_cpus=0)(Router)
         router_config = RouterConfig(self.config.mode, self.config.kv_lease_s, self.config.engine.cache.block_size,
                                      self.model_name, self.config.redis_url, self.config.routing)
-        self.routers = [router_class.remote(self._named("prefill", self.prefill),
-                                            self._named("colocated" if colocated else "decode", self.decode),
+        self.routers = [router_class.remote(self._named(Role.PREFILL, self.prefill),
+                                            self._named(Role.COLOCATED if colocated else Role.DECODE, self.decode),
                                             router_config)
                         for _ in range(self.config.routers)]
         return self
@@ -102,7 +111,7 @@ class Cluster:
         """The (prefill, decode) workers listed in the shared registry, once a decode worker is there."""
         import ray
 
-        roles = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
+        roles = (Role.COLOCATED,) if self.config.mode == Mode.COLOCATED else (Role.PREFILL, Role.DECODE)
         state = connect_state(self.config.redis_url)
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
@@ -116,8 +125,8 @@ class Cluster:
                             found[info.role].append(handle)
                             self.attached[id(handle)] = (info.worker_id, info.address)
                 decode = found[roles[-1]]
-                if decode and (self.config.mode == "colocated" or found["prefill"]):
-                    return found.get("prefill", []), decode
+                if decode and (self.config.mode == Mode.COLOCATED or found[Role.PREFILL]):
+                    return found.get(Role.PREFILL, []), decode
                 await asyncio.sleep(0.5)
         finally:
             await state.close()

@@ -28,6 +28,7 @@ from cluster.common.block_hashes import prefix_hashes
 from cluster.common.errors import NoCapacityError
 from cluster.common.events import TokenEvent
 from cluster.common.loads import WorkerLoad
+from cluster.common.roles import Mode, Role, RoutingPolicy
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.routing_policy import LOAD_POLL_S, POLL_TIMEOUT_S, decode_rank, prefill_cost
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE
@@ -65,18 +66,23 @@ class _RepeatFilter:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    mode: str = "disaggregated"
+    mode: str = Mode.DISAGGREGATED
     lease_s: float = 30.0
     block_size: int = 16
     model_name: str = ""  # the prefix hashes chain from it, as the workers' caches do
     redis_url: str = ""  # shared with other router replicas and fed by the workers; else this router's own
-    policy: str = "kv-aware"  # prefill workers by queue and cached prefix; "load": queue only; "round-robin"
+    policy: str = RoutingPolicy.KV_AWARE  # how prefill workers are picked (`RoutingPolicy`)
 
 
 class Router:
     """Picks workers for each request and relays its tokens; holds no engine of its own.
 
-    `prefill` and `decode` are (worker id, actor handle) pairs.
+    A Ray actor (async: every method runs on the actor's one event loop). Owns the worker handles it
+    routes to (`prefill` and `decode` are (worker id, Ray actor name, handle) triples, more found
+    later in the registry), the in-flight counts and last polled loads it ranks them by, the dead
+    set, and its decision counters. Called by `Cluster` (`generate`, `abort`, `stats`), one of
+    several replicas; a background task polls the workers' loads and the registry every
+    `LOAD_POLL_S`.
     """
 
     def __init__(self, prefill: list[tuple[str, str, Any]], decode: list[tuple[str, str, Any]],
@@ -116,11 +122,11 @@ class Router:
         live = self._live(self.prefill)
         if not live:
             return None
-        if self.config.policy == "round-robin":  # the baselines the benchmark compares against
+        if self.config.policy == RoutingPolicy.ROUND_ROBIN:  # the baselines the benchmark compares against
             self.turn += 1
             return live[self.turn % len(live)]
         hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name)
-        kv_aware = self.config.policy == "kv-aware" and hashes
+        kv_aware = self.config.policy == RoutingPolicy.KV_AWARE and hashes
         cached = await self.state.match(hashes, [self.ids[id(h)] for h in live]) if kv_aware else {}
 
         def cost(handle: Any) -> int:
@@ -166,7 +172,7 @@ class Router:
         old actor."""
         import ray
 
-        roles = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
+        roles = (Role.COLOCATED,) if self.config.mode == Mode.COLOCATED else (Role.PREFILL, Role.DECODE)
         for info in await self.state.workers():
             if info.role not in roles or info.meta.get("model") != self.config.model_name \
                     or self.addresses.get(info.worker_id) == info.address:
@@ -175,7 +181,7 @@ class Router:
                 handle = ray.get_actor(info.address, namespace=info.meta.get("namespace", RAY_NAMESPACE))
             except ValueError:  # listed, but the actor is gone (its registration has not expired yet)
                 continue
-            pool = self.prefill if info.role == "prefill" else self.decode
+            pool = self.prefill if info.role == Role.PREFILL else self.decode
             old = next((h for h in pool if self.ids[id(h)] == info.worker_id), None)
             if old is not None:
                 pool.remove(old)
@@ -234,7 +240,7 @@ class Router:
 
     async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """One run of the request; raises `_WorkerLost` if its worker dies after streaming tokens."""
-        if self.config.mode == "colocated":
+        if self.config.mode == Mode.COLOCATED:
             for worker in self._decode_order():
                 streamed = False
                 try:

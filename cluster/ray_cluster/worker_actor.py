@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from cluster.common.events import TokenEvent
 from cluster.common.loads import TransferStats, WorkerLoad
+from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import EngineConfig
 from cluster.state.connect import connect_state
@@ -35,8 +36,8 @@ class WorkerActor:
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
-        sender = UCXSender() if role == "prefill" else None
-        receiver = UCXReceiver(host=host) if role == "decode" else None
+        sender = UCXSender() if role == Role.PREFILL else None
+        receiver = UCXReceiver(host=host) if role == Role.DECODE else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
         engine = LLMEngine(engine_config)
         # Router replicas find the worker in the registry by its Ray actor name.

@@ -2,7 +2,7 @@
 
 The engine is not thread-safe, so everything that touches it runs on the engine thread: callers
 on the asyncio side submit commands (`_call`) that the thread runs between steps, and outputs flow
-back through one asyncio queue per request. The Ray actors of `cluster.ray_cluster.router` wrap this class;
+back through one asyncio queue per request. The Ray actors of `cluster.ray_cluster.worker_actor` wrap this class;
 tests drive it directly with the loopback connector.
 
 Roles: "prefill" runs prompts and sends their KV (`prefill`), "decode" reserves blocks, receives
@@ -47,6 +47,15 @@ def event_of(output: RequestOutput, worker_id: str) -> TokenEvent:
 
 
 class Worker:
+    """One engine on its own thread, in a role, with the KV connector of that role.
+
+    Owns the engine, the engine thread (the only thread that touches the engine: commands queued by
+    `_call` run between steps), the per-request output queues, the prefills whose KV is still being
+    sent, and the transfer counters. Its public methods are coroutines called on the event loop
+    that `start` ran on: by `WorkerActor` in a Ray actor, by `LocalService` in the serving process,
+    and by the tests. It publishes its prefix cache and registry listing to the shared state, if given.
+    """
+
     def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,
                  receiver: KVReceiver | None = None, overlap_transfer: bool = True,
                  state: SharedState | None = None, listing: WorkerInfo | None = None) -> None:
@@ -84,7 +93,7 @@ class Worker:
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
         if self.state is not None:
-            if self.role in ("prefill", "colocated"):  # their prefix caches steer the routers
+            if self.role in (Role.PREFILL, Role.COLOCATED):  # their prefix caches steer the routers
                 self.engine.kv_cache.pool.record_events()
             self.publisher = asyncio.create_task(self._publish())
 

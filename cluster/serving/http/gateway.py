@@ -9,10 +9,10 @@ A request's way through:
 2. FastAPI validates the body into a `cluster.serving.http.openai_protocol` model (400 on failure, not FastAPI's 422).
 3. The route checks the model name (404) and that the gateway accepts requests (503 while the service
    starts or the gateway drains), builds the prompt and per-choice `SamplingParams` (400), and opens a
-   `Run`: one engine request per choice, all submitted at once. The response starts only when every
+   `ChoiceStreams`: one engine request per choice, all submitted at once. The response starts only when every
    choice has its first token, so a full queue (429) or a refused request still gets its status code.
 4. The run's events become either one JSON response or server-sent events ending in `data: [DONE]`.
-   However the response ends (done, error, client gone, server stopping), `Run.close` aborts the engine
+   However the response ends (done, error, client gone, server stopping), `ChoiceStreams.close` aborts the engine
    requests that have not finished, so their KV blocks return to the pool within one engine step.
 """
 
@@ -156,7 +156,7 @@ def _describe(problem: Any) -> str:
 # ---- the engine requests behind one API request ----------------------------------------------------
 
 
-class Run:
+class ChoiceStreams:
     """The `n` choices of one API request, each an engine request (`<id>`, or `<id>-<i>` when n > 1),
     merged into one stream of (choice, event) in arrival order.
 
@@ -165,7 +165,7 @@ class Run:
     """
 
     def __init__(self, service: Service, request_id: str, prompt: list[int], params: list[SamplingParams],
-                 runs: set[Run]) -> None:
+                 runs: set[ChoiceStreams]) -> None:
         self.service, self.request_id, self.prompt, self.params, self.runs = service, request_id, prompt, params, runs
         self.request_ids = [request_id] if len(params) == 1 else [f"{request_id}-{i}" for i in range(len(params))]
         self.choices = [Choice(index) for index in range(len(params))]
@@ -244,7 +244,7 @@ class Run:
 class EventStream(StreamingResponse):
     """Server-sent events of a run, which is closed however the response ends."""
 
-    def __init__(self, run: Run, response_format: ResponseFormat, include_usage: bool) -> None:
+    def __init__(self, run: ChoiceStreams, response_format: ResponseFormat, include_usage: bool) -> None:
         super().__init__(_sse(run, response_format, include_usage), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self.run = run
@@ -257,7 +257,7 @@ class EventStream(StreamingResponse):
             await self.run.close()
 
 
-async def _sse(run: Run, response_format: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(run: ChoiceStreams, response_format: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
     for opening in response_format.opening(len(run.choices)):
         yield _event(opening.model_dump_json())
     try:
@@ -309,7 +309,7 @@ class Gateway:
         self.service = service
         self.limits = limits
         self.draining = False
-        self.runs: set[Run] = set()
+        self.runs: set[ChoiceStreams] = set()
 
     @property
     def ready(self) -> bool:
@@ -349,7 +349,7 @@ class Gateway:
             params = body.sampling_params(len(prompt), self.service.max_model_len)
             if self.limits is not None and self.limits.enabled:
                 await self.limits.check(_client_key(request), len(prompt) + sum(p.max_tokens for p in params))
-        run = Run(self.service, request_id, prompt, params, self.runs)
+        run = ChoiceStreams(self.service, request_id, prompt, params, self.runs)
         streaming = False
         try:
             with service_errors(request_id):
@@ -367,7 +367,7 @@ class Gateway:
                 await run.close()
 
 
-def _client_left(run: Run) -> Response:
+def _client_left(run: ChoiceStreams) -> Response:
     log.info("%s: the client went away; aborting", run.request_id)
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
