@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from cluster.common import env
 from cluster.common.roles import Mode
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -142,7 +143,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         overrides["mode"] = args.mode
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
-    redis_url = args.redis_url or os.environ.get("PDSERVE_REDIS_URL")
+    redis_url = args.redis_url or os.environ.get(env.REDIS_URL)
     if redis_url:
         overrides["redis_url"] = redis_url
     if args.attach:
@@ -205,7 +206,7 @@ def command_status(args: argparse.Namespace) -> int:
     import urllib.request
 
     request = urllib.request.Request(args.url.rstrip("/") + "/v1/workers")
-    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    api_key = args.api_key or os.environ.get(env.API_KEY)
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:

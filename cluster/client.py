@@ -36,13 +36,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.common import env
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 
 __all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "ClientError", "Completion", "Model", "Prompt",
            "Stream", "TokenLogprob", "Usage"]
 
-API_KEY_ENV = "PDSERVE_API_KEY"  # as cluster.serving.grpc.server, without importing the server (and torch)
 DEFAULT_TARGET = "localhost:50051"
 MAX_ATTEMPTS = 5
 BACKOFF_S = 0.2  # before the second attempt; doubles each time, up to BACKOFF_MAX_S
@@ -182,7 +182,7 @@ class _Settings:
     def __init__(self, api_key: str | None, timeout: float | None, max_attempts: int) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
-        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        api_key = api_key if api_key is not None else os.environ.get(env.API_KEY) or None
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.timeout = timeout
         self.max_attempts = max_attempts

@@ -49,8 +49,7 @@ from cluster.bench.workloads import (
     build_workload,
     total_requests,
 )
-
-API_KEY_ENV = "PDSERVE_API_KEY"
+from cluster.common import env
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +95,7 @@ class HttpDriver:
 
         self.url, self.options = url.rstrip("/"), options
         self.description = f"HTTP {self.url}"
-        api_key = options.api_key if options.api_key is not None else os.environ.get(API_KEY_ENV)
+        api_key = options.api_key if options.api_key is not None else os.environ.get(env.API_KEY)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=self.url, headers=headers,
                                         timeout=httpx.Timeout(options.timeout_s, connect=30.0),

@@ -1,6 +1,6 @@
 """The router: a Ray actor that picks workers for each request and moves it through them.
 
-One request's path in disaggregated mode (see docs/cluster.md):
+One request's path in disaggregated mode (see docs/ray_cluster.md):
 1. the router orders decode workers by load and asks each in turn to reserve the prompt's blocks;
 2. it picks the prefill worker with the least prompt work ahead (its queue, less the prefix it
    likely caches: `cluster.ray_cluster.routing_policy`), which computes the prompt, sends its KV over UCX to the

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from cluster.common import env
 from cluster.common.errors import ModelLoadError
 from cluster.weights.loader import GGUFCheckpoint, read_gguf
 
@@ -31,7 +32,7 @@ CONVERSION_VERSION = 1
 
 def cache_root() -> Path:
     """`$PDSERVE_CACHE_DIR`, or `~/.cache/pdserve`."""
-    configured = os.environ.get("PDSERVE_CACHE_DIR")
+    configured = os.environ.get(env.CACHE_DIR)
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "pdserve"
 
 

@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.common import env
 from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
 from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
@@ -43,11 +44,10 @@ from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 from cluster.serving.service import Service
 
-__all__ = ["API_KEY_ENV", "SERVICE_NAME", "GrpcServer"]
+__all__ = ["SERVICE_NAME", "GrpcServer"]
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "PDSERVE_API_KEY"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 HEALTH_POLL_S = 0.5
 
@@ -97,7 +97,7 @@ class GrpcServer:
         self.service = service
         self.host = host
         self.port = port
-        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.api_key = api_key if api_key is not None else os.environ.get(env.API_KEY) or None
         self.tls = tls
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cluster.common import env
 from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.sampling_params import SamplingParams
@@ -62,7 +63,6 @@ from cluster.serving.service import Service
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "PDSERVE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: logged, never received
@@ -529,7 +529,7 @@ def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: i
               limits: RateLimits | None = None) -> FastAPI:
     """The gateway app. `api_key` None reads `$PDSERVE_API_KEY`; an empty key (or none at all) leaves
     the API open. The `Gateway` (draining) is `gateway_of(app)`."""
-    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = api_key if api_key is not None else os.environ.get(env.API_KEY) or None
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
     gateway = Gateway(service, limits)
     app.state.gateway = gateway

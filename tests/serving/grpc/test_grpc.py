@@ -325,11 +325,11 @@ def test_committed_stubs_are_current(tmp_path: Path) -> None:
 
 
 def test_docs_examples_run(server: GrpcServer) -> None:
-    """Every ```python block of docs/client.md, pointed at this server (```py blocks are not run)."""
-    examples = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "client.md").read_text(), flags=re.DOTALL)
+    """Every ```python block of docs/serving_grpc.md, pointed at this server (```py blocks are not run)."""
+    examples = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "serving_grpc.md").read_text(), flags=re.DOTALL)
     assert len(examples) >= 6
     for example in examples:
-        code = compile(example.replace("localhost:50051", target(server)), "docs/client.md", "exec")
+        code = compile(example.replace("localhost:50051", target(server)), "docs/serving_grpc.md", "exec")
         exec(code, {"__name__": "__main__"})
 
 
