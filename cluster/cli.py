@@ -216,11 +216,16 @@ def command_status(args: argparse.Namespace) -> int:
         print(f"pdserve: cannot reach {args.url}: {error}", file=sys.stderr)
         return 1
     table = Table(title=f"pdserve at {args.url}: {status['model']} ({'ready' if status['ready'] else 'NOT ready'})")
-    for column in ("worker", "role", "running", "waiting", "free KV blocks", "KV usage"):
-        table.add_column(column, justify="left" if column in ("worker", "role") else "right")
+    # Short headings: the table fits 80 columns. "sent", "failed": KV transfers; "recomp": prompts
+    # whose KV never came (both should stay near 0 failed, 0 recomputed).
+    for column in ("worker", "role", "run", "wait", "free KV", "KV%", "sent", "failed", "recomp"):
+        left = column in ("worker", "role")
+        table.add_column(column, justify="left" if left else "right", no_wrap=left)
     for w in status["workers"]:
         table.add_row(w["worker_id"], w["role"], str(w["running"]), str(w["waiting"]),
-                      f"{w['free_blocks']}/{w['blocks']}", f"{100 * w['kv_cache_usage']:.1f}%")
+                      f"{w['free_blocks']}/{w['blocks']}", f"{100 * w['kv_cache_usage']:.1f}%",
+                      str(w.get("kv_transfers", 0)), str(w.get("kv_transfer_failures", 0)),
+                      str(w.get("kv_recomputes", 0)))
     Console().print(table)
     return 0
 

@@ -41,3 +41,4 @@ class WorkerLoad:
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
     kv_frames: int = 0  # frames sent: a transfer of several chunks sends several
+    kv_recomputes: int = 0  # prompts a decode worker computed itself because their KV did not arrive

@@ -75,6 +75,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_recomputes: int = 0  # decode side: prompts whose KV never came, computed here
 
 
 def served_model_name(model: str) -> str:
@@ -296,4 +297,4 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks, kv_cache_usage=pool.usage,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=self.kv_cache.prefix_queries,
-            prefix_cache_hits=self.kv_cache.prefix_hits)
+            prefix_cache_hits=self.kv_cache.prefix_hits, num_recomputes=self.scheduler.num_recomputes)

@@ -45,6 +45,7 @@ class Scheduler:
         self.order: dict[str, int] = {}
         self.counter = itertools.count()
         self.num_preemptions = 0
+        self.num_recomputes = 0  # reservations whose KV never came: their prompts computed here
         # Disaggregation. Decode side: requests whose KV is in flight, with their lease deadlines,
         # then those whose KV has landed, admitted ahead of the waiting queue (they hold blocks).
         self.reserved: dict[str, tuple[Request, float]] = {}
@@ -149,6 +150,7 @@ class Scheduler:
         entry = self.reserved.pop(request_id, None)
         if entry is None:
             return None
+        self.num_recomputes += 1
         request = entry[0]
         self.kv_cache.free(request)
         request.status = RequestStatus.WAITING

@@ -100,6 +100,8 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
     "pdserve:kv_transfer_seconds": ("Seconds spent sending KV (on the wire).", lambda w: w.kv_transfer_seconds),
     "pdserve:kv_transfer_failures": ("KV sends that failed (the decode worker recomputed).",
                                      lambda w: w.kv_transfer_failures),
+    "pdserve:kv_recomputes": ("Prompts a decode worker computed itself: their KV never came (failed, or lease over).",
+                              lambda w: w.kv_recomputes),
 }
 
 

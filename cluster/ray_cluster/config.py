@@ -43,6 +43,9 @@ class PoolConfig:
     replicas: int = 1
     num_cpus: float = 0.25  # fractional: on a 2-core machine several workers must fit
     resources: dict[str, float] = field(default_factory=dict)
+    # The network interface whose address the pool's KV listeners advertise (e.g. an RDMA NIC);
+    # empty: each node's own address as Ray knows it.
+    kv_interface: str = ""
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -57,6 +60,9 @@ class ClusterConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     transport: str = "ucx"
+    # UCX_TLS for every worker (e.g. "tcp", "rc,sm,self", "tcp,cuda_copy,cuda_ipc"); empty: the workers'
+    # environment, else UCX's default. docs/deploy.md says which to pick.
+    ucx_transports: str = ""
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(cache=CacheConfig(kv_cache_memory_gb=1.0)))
     ray_address: str = ""  # empty: start an embedded local Ray
     kv_lease_s: float = 30.0

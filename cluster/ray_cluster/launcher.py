@@ -155,7 +155,8 @@ class Cluster:
                                           namespace=RAY_NAMESPACE, max_restarts=self.config.worker_max_restarts,
                                           max_task_retries=0)
             workers.append(options.remote(f"{role}-{index}", role, self.config.engine, redis_url=self.config.redis_url,
-                                          overlap_transfer=self.config.kv_overlap, address=name))
+                                          overlap_transfer=self.config.kv_overlap, address=name,
+                                          kv_interface=pool.kv_interface, ucx_transports=self.config.ucx_transports))
         return workers
 
     async def generate(self, prompt: list[int], params: SamplingParams,

@@ -291,13 +291,24 @@ class Router:
             except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
                 if isinstance(error, RayActorError):
                     self._mark_dead(prefill)
-                log.warning("prefill of %s failed (%s): the decode worker recomputes it", request_id, error)
+                self._warn_transfer_failed(request_id, prefill, decode, address, error)
                 self.decisions["transfer_failed"] += 1
                 await decode.recompute.remote(request_id)
             finally:
                 self.queued_tokens[key] -= len(prompt)
         async for event in self._relay(decode.stream, request_id):
             yield event
+
+    def _warn_transfer_failed(self, request_id: str, prefill: Any, decode: Any, address: str, error: Exception) -> None:
+        """Never silent: a recompute costs the prompt twice. The first one after start is most often a
+        network problem (a listener that advertises an address the prefill host cannot reach)."""
+        source, target = self.ids.get(id(prefill), "prefill"), self.ids.get(id(decode), "decode")
+        log.warning("KV of %s from %s to %s at %s failed (%s): %s recomputes the prompt", request_id, source, target,
+                    address, error, target)
+        if not self.decisions["transfer_failed"]:
+            log.warning("first failed KV transfer since start: %s may not reach %s (check that the decode worker "
+                        "advertises an address other hosts can reach, see the pool's kv_interface, and that no "
+                        "firewall is in between)", source, address)
 
     @contextlib.contextmanager
     def _holding(self, handle: Any) -> Iterator[None]:

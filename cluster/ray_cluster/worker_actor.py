@@ -16,12 +16,23 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import EngineConfig
 from cluster.state.connect import connect_state
 from cluster.state.interface import WorkerInfo
+from cluster.transfer.addresses import interface_address
 from cluster.worker.worker import Worker, event_of
 
 log = logging.getLogger(__name__)
 RAY_NAMESPACE = "pdserve"  # workers' actor names live here, so other drivers (gateway replicas) find them
 
 
+
+
+def kv_host(interface: str = "") -> str:
+    """The address this node's KV listener advertises: the named interface's, else the node's own
+    address as Ray knows it (`ray start --node-ip-address`), which other nodes reach it by."""
+    if interface:
+        return interface_address(interface)
+    import ray
+
+    return str(ray.util.get_node_ip_address())
 
 
 class WorkerActor:
@@ -31,13 +42,15 @@ class WorkerActor:
     `max_restarts`) it runs `__init__` again and nothing else, and the routers' next load poll brings
     it back into service."""
 
-    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, host: str = "127.0.0.1",
-                 overlap_transfer: bool = True, redis_url: str = "", address: str = "") -> None:
+    def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, kv_interface: str = "",  # noqa: PLR0913
+                 overlap_transfer: bool = True, redis_url: str = "", address: str = "",
+                 ucx_transports: str = "") -> None:
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
-        sender = UCXSender() if role == Role.PREFILL else None
-        receiver = UCXReceiver(host=host) if role == Role.DECODE else None
+        transports = ucx_transports or None  # UCX_TLS for this worker; None: the environment's, or UCX's default
+        sender = UCXSender(transports=transports) if role == Role.PREFILL else None
+        receiver = UCXReceiver(host=kv_host(kv_interface), transports=transports) if role == Role.DECODE else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
         engine = LLMEngine(engine_config)
         # Router replicas find the worker in the registry by its Ray actor name.

@@ -279,4 +279,6 @@ def add_status_route(app: Any, service: Service) -> None:
         return {"model": service.model_name, "ready": service.ready,
                 "workers": [{"worker_id": w.worker_id, "role": w.role, "running": w.num_running,
                              "waiting": w.num_waiting, "free_blocks": w.num_free_blocks, "blocks": w.num_blocks,
-                             "kv_cache_usage": w.kv_cache_usage} for w in loads]}
+                             "kv_cache_usage": w.kv_cache_usage, "kv_transfers": w.kv_transfers,
+                             "kv_transfer_failures": w.kv_transfer_failures, "kv_recomputes": w.kv_recomputes}
+                            for w in loads]}

@@ -79,6 +79,15 @@ T = TypeVar("T")
 _ucxx: Any = None  # the ucxx module once `init_ucx` ran (imported late: the environment goes first)
 
 
+def transports_in_use() -> str:
+    """The transports UCX was told to use (UCX_TLS), as a log line says it. UCX picks the lanes of
+    each endpoint among them; `UCX_PROTO_INFO=y` makes it print its choice per endpoint."""
+    configured = os.environ.get("UCX_TLS", "")
+    if configured:
+        return f"UCX_TLS={configured}"
+    return "UCX's default (listener endpoints: TCP, or RDMA where a NIC has it)"
+
+
 def init_ucx(transports: str | None = None) -> Any:
     """Initialise UCX once per process (called by `start` and by the first send); returns `ucxx`.
 
@@ -98,6 +107,7 @@ def init_ucx(transports: str | None = None) -> Any:
     except RuntimeError:
         log.info("ucxx was already initialised by someone else; keeping its settings")
     _ucxx = ucxx
+    log.info("UCX initialised: transports %s", transports_in_use())
     return ucxx
 
 
@@ -547,6 +557,7 @@ class UCXSender:
         self._idle: dict[str, list[_Link]] = {}
         self._busy: set[_Link] = set()
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self._linked: set[str] = set()  # peers this sender has connected to (logged once each)
         self._closed = False
 
     async def send(self, address: str, header: KVHeader, payload: memoryview) -> None:
@@ -597,7 +608,11 @@ class UCXSender:
         while True:
             attempt_s = min(max(0.5, self._connect_timeout_s / 4), deadline - loop.time())
             try:
-                return await _bounded(ucxx.create_endpoint(host, port, connect_timeout=attempt_s), attempt_s)
+                endpoint = await _bounded(ucxx.create_endpoint(host, port, connect_timeout=attempt_s), attempt_s)
+                if address not in self._linked:  # once per peer: which link this sender's KV takes
+                    self._linked.add(address)
+                    log.info("KV link to %s open: %s", address, transports_in_use())
+                return endpoint
             except TimeoutError as error:
                 if loop.time() + 1e-3 < deadline:
                     continue

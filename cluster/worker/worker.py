@@ -257,7 +257,7 @@ class Worker:
         return WorkerLoad(self.worker_id, self.role, stats.num_running, stats.num_waiting, stats.num_free_blocks,
                           stats.num_blocks, stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
                           stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
-                          self.transfer_failures, self.frame_count)
+                          self.transfer_failures, self.frame_count, stats.num_recomputes)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
@@ -332,8 +332,9 @@ class Worker:
             started = time.perf_counter()
             try:
                 await self.sender.send(address, header, _bytes_of(data))
-            except Exception:
+            except Exception as error:
                 self.transfer_failures += 1
+                log.warning("%s: KV of %s to %s failed (%s)", self.worker_id, request_id, address, error)
                 raise
             seconds = time.perf_counter() - started
             self.frame_count += 1
@@ -380,7 +381,8 @@ class Worker:
             if request_id not in self.engine.scheduler.reserved:
                 return  # aborted or expired meanwhile
             if error is not None:
-                log.warning("KV for %s did not arrive (%s): recomputing here", request_id, error)
+                log.warning("%s: KV for %s did not arrive at %s (%s): recomputing here", self.worker_id, request_id,
+                            self.receiver.address if self.receiver else "", error)
                 self.engine.fail_remote(request_id)
                 return
             self.engine.import_kv(request_id, staging)
