@@ -24,6 +24,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default="default",
                        help="Hugging Face checkpoint directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--device", default="auto", help="auto (CUDA where there is one), cpu, cuda or cuda:N")
     group.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: from --kv-cache-memory-gb)")
@@ -37,7 +38,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb,
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -154,8 +155,9 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         replicas = getattr(args, f"num_{pool}")
         if replicas is not None:
             overrides[pool] = {"replicas": replicas}
-    engine = {key: getattr(args, key) for key in ("model", "dtype", "kv_cache_memory_gb", "max_num_batched_tokens",
-                                                 "max_num_seqs") if getattr(args, key) is not None}
+    engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb",
+                                                 "max_num_batched_tokens", "max_num_seqs")
+              if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
     return overrides
@@ -226,7 +228,11 @@ def command_status(args: argparse.Namespace) -> int:
                       f"{w['free_blocks']}/{w['blocks']}", f"{100 * w['kv_cache_usage']:.1f}%",
                       str(w.get("kv_transfers", 0)), str(w.get("kv_transfer_failures", 0)),
                       str(w.get("kv_recomputes", 0)))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for w in status["workers"]:
+        if w.get("failure"):
+            console.print(f"[red]{w['worker_id']}[/red] ({w.get('device', '?')}): {w['failure']}")
     return 0
 
 
@@ -276,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-decode", type=int, default=None, help="decode workers")
     serve.add_argument("--model", default=None, help="'default', a Hugging Face model directory or a .gguf file")
     serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default=None, help="every worker's: auto (CUDA where Ray has GPUs), cpu, cuda[:N]")
     serve.add_argument("--kv-cache-memory-gb", type=float, default=None, help="per worker")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)

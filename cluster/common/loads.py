@@ -42,3 +42,5 @@ class WorkerLoad:
     kv_transfer_failures: int = 0
     kv_frames: int = 0  # frames sent: a transfer of several chunks sends several
     kv_recomputes: int = 0  # prompts a decode worker computed itself because their KV did not arrive
+    device: str = ""  # where its engine runs: "cpu", "cuda:0"
+    failure: str = ""  # why it cannot serve (a failed warm-up); empty when it can

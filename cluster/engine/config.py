@@ -5,10 +5,12 @@ Every check raises a `ValueError` that says what to change.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -25,11 +27,14 @@ class ModelConfig:
     dtype: str = "float32"
     # 0 means the model's own max_position_embeddings.
     max_model_len: int = 0
-    device: str = "cpu"
+    # "auto": the first CUDA device where torch sees one, else the CPU; "cpu"; "cuda" or "cuda:N".
+    device: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(DEVICE_PATTERN.fullmatch(self.device) is not None,
+                 f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _require(self.max_model_len >= 0, f"max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
 
 

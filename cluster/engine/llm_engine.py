@@ -21,11 +21,14 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
+from cluster.model.device import resolve_device
 from cluster.model.llama import ArchitectureConfig
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
 from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from cluster.weights.loader import iterate_safetensors, load_hf_config
 from cluster.weights.tokenizer import IncrementalDetokenizer, Tokenizer
+
+WARM_UP_REQUEST_ID = "pdserve-warm-up"
 
 
 @dataclass(slots=True)
@@ -99,6 +102,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, *, progress: bool = False) -> None:
         self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.model.device)  # first: a missing GPU is refused before any loading
         self.model_dir = resolve_model_path(config.model.model, progress=progress)
         self.model_name = served_model_name(config.model.model)
         hf_config = load_hf_config(self.model_dir)
@@ -107,7 +111,7 @@ class LLMEngine:
         self.num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len()
         self.runner = ModelRunner(
-            self.arch, iterate_safetensors(self.model_dir), dtype=config.model.dtype, device=config.model.device,
+            self.arch, iterate_safetensors(self.model_dir), dtype=config.model.dtype, device=str(self.device),
             attention_backend=config.attention_backend, max_model_len=self.max_model_len,
             block_size=config.cache.block_size, num_blocks=self.num_blocks)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
@@ -290,6 +294,25 @@ class LLMEngine:
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+    def warm_up(self) -> None:
+        """Run one short request through a prefill and a decode step, so that a broken device, backend
+        or kernel fails here rather than on a client's request (on CUDA this compiles the Triton
+        kernels and captures the smallest decode graph). Leaves no request, block, cached prefix or
+        counter behind."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up needs an idle engine")
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        self.add_request([0], params, request_id=WARM_UP_REQUEST_ID)
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+        except Exception:
+            self.abort(WARM_UP_REQUEST_ID)  # a failed step leaves the request: its blocks go back
+            raise
+        finally:
+            self.kv_cache.pool.reset_prefix_cache()
+            self.kv_cache.prefix_queries = self.kv_cache.prefix_hits = 0
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool

@@ -43,6 +43,9 @@ class PoolConfig:
     replicas: int = 1
     num_cpus: float = 0.25  # fractional: on a 2-core machine several workers must fit
     resources: dict[str, float] = field(default_factory=dict)
+    # Ray GPUs per worker. None: 0 on the CPU; 0.5 where the engine's device is CUDA (so one prefill
+    # and one decode worker share a GPU), or where it is auto and the Ray cluster has GPUs.
+    num_gpus: float | None = None
     # The network interface whose address the pool's KV listeners advertise (e.g. an RDMA NIC);
     # empty: each node's own address as Ray knows it.
     kv_interface: str = ""
@@ -52,6 +55,8 @@ class PoolConfig:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         if self.num_cpus < 0:
             raise ValueError(f"num_cpus must be >= 0, got {self.num_cpus}")
+        if self.num_gpus is not None and self.num_gpus < 0:
+            raise ValueError(f"num_gpus must be >= 0 (or unset), got {self.num_gpus}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +98,8 @@ class ClusterConfig:
 
 
 ENGINE_KEYS = {
-    "model": ("model", "model"), "dtype": ("model", "dtype"), "max_model_len": ("model", "max_model_len"),
+    "model": ("model", "model"), "dtype": ("model", "dtype"), "device": ("model", "device"),
+    "max_model_len": ("model", "max_model_len"),
     "block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"), "max_num_seqs": ("scheduler", "max_num_seqs"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import tempfile
 import time
@@ -30,7 +31,9 @@ from cluster.state.connect import connect_state
 from cluster.weights.default_model import resolve_model_path
 from cluster.weights.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
+GPUS_PER_WORKER = 0.5  # a CUDA worker's share when its pool does not say: 1 prefill + 1 decode on one GPU
 
 
 def init_ray(address: str = "") -> None:
@@ -69,6 +72,7 @@ class Cluster:
         self.prefill: list[Any] = []
         self.decode: list[Any] = []
         self.routers: list[Any] = []
+        self.failures: dict[str, str] = {}  # worker id -> why it cannot serve (failed warm-up)
         self.ids = itertools.count()
         self.turn = itertools.count()
         self.uid = uuid.uuid4().hex[:8]  # several clusters may share one Ray (benchmarks, tests)
@@ -86,6 +90,7 @@ class Cluster:
         import ray
 
         init_ray(self.config.ray_address)
+        self._check_gpus()
         colocated = self.config.mode == Mode.COLOCATED
         if self.config.attach:
             self.prefill, self.decode = asyncio.run(self._registered())
@@ -94,6 +99,11 @@ class Cluster:
                 self.prefill = self._pool(Role.PREFILL, self.config.prefill)
             self.decode = self._pool(Role.COLOCATED if colocated else Role.DECODE, self.config.decode)
         ray.get([worker.start.remote() for worker in self.prefill + self.decode], timeout=START_TIMEOUT_S)
+        # A worker whose warm-up failed keeps the service unready, with its reason (/ready, status).
+        loads = ray.get([worker.load.remote() for worker in self.prefill + self.decode], timeout=START_TIMEOUT_S)
+        self.failures = {load.worker_id: load.failure for load in loads if load.failure}
+        for worker_id, failure in self.failures.items():
+            log.error("%s cannot serve: %s", worker_id, failure)
         infos = ray.get([worker.info.remote() for worker in self.prefill + self.decode])
         self.model_name = infos[0][0]
         self.max_model_len = min(max_model_len for _, max_model_len in infos)  # every worker must fit it
@@ -142,6 +152,34 @@ class Cluster:
     def _actor_name(self, role: str, index: int) -> str:
         return f"pdserve-{self.uid}-{role}-{index}"
 
+    def gpus_per_worker(self, pool: PoolConfig) -> float:
+        """The Ray GPUs each worker of `pool` asks for (see `PoolConfig.num_gpus`)."""
+        import ray
+
+        device = self.config.engine.model.device
+        if pool.num_gpus is not None:
+            return pool.num_gpus
+        if device == "cpu" or (device == "auto" and not ray.cluster_resources().get("GPU", 0)):
+            return 0.0
+        return GPUS_PER_WORKER
+
+    def _check_gpus(self) -> None:
+        """Refuse at start what can never run: CUDA workers on an embedded Ray without GPUs. On a Ray
+        cluster of its own an autoscaler may add GPU nodes later: there, a warning."""
+        import ray
+
+        pools = [] if self.config.attach else [self.config.decode] if self.config.mode == Mode.COLOCATED \
+            else [self.config.prefill, self.config.decode]
+        needed = sum(pool.replicas * self.gpus_per_worker(pool) for pool in pools)
+        have = float(ray.cluster_resources().get("GPU", 0))
+        if needed <= have:
+            return
+        message = (f"the workers ask for {needed:g} GPUs (device {self.config.engine.model.device!r}) and the Ray "
+                   f"cluster has {have:g}")
+        if not self.config.ray_address:
+            raise ValueError(f"{message}: use --device cpu (or auto), or a machine with a CUDA GPU")
+        log.warning("%s: the workers wait until Ray has them (an autoscaler may add GPU nodes)", message)
+
     def _pool(self, role: str, pool: PoolConfig) -> list[Any]:
         import ray
 
@@ -151,7 +189,8 @@ class Cluster:
             name = self._actor_name(role, index)
             # max_task_retries=0: a stream cut by a worker's death is the router's to resume, not Ray's
             # to replay from its start.
-            options = actor_class.options(num_cpus=pool.num_cpus, resources=dict(pool.resources), name=name,
+            options = actor_class.options(num_cpus=pool.num_cpus, num_gpus=self.gpus_per_worker(pool),
+                                          resources=dict(pool.resources), name=name,
                                           namespace=RAY_NAMESPACE, max_restarts=self.config.worker_max_restarts,
                                           max_task_retries=0)
             workers.append(options.remote(f"{role}-{index}", role, self.config.engine, redis_url=self.config.redis_url,

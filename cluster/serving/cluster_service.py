@@ -25,7 +25,11 @@ class ClusterService:
 
     @property
     def ready(self) -> bool:
-        return self.cluster.router is not None
+        return self.cluster.router is not None and not self.cluster.failures
+
+    @property
+    def problem(self) -> str:
+        return "; ".join(f"{worker_id}: {failure}" for worker_id, failure in self.cluster.failures.items())
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
         if not self.ready:

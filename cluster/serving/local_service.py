@@ -33,7 +33,11 @@ class LocalService:
 
     @property
     def ready(self) -> bool:
-        return self._started and not self.worker.stopped
+        return self._started and not self.worker.stopped and not self.worker.failure
+
+    @property
+    def problem(self) -> str:
+        return f"{self.worker.worker_id}: {self.worker.failure}" if self.worker.failure else ""
 
     async def start(self) -> LocalService:
         await self.worker.start()

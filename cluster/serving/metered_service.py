@@ -35,6 +35,10 @@ class MeteredService:
     def ready(self) -> bool:
         return self.inner.ready
 
+    @property
+    def problem(self) -> str:
+        return self.inner.problem
+
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
         return self.metrics.observe(self.inner.generate(prompt, params, request_id), len(prompt))
 

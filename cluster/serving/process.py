@@ -82,6 +82,10 @@ class DeferredService:
     def ready(self) -> bool:
         return self.backend is not None and self.backend.ready
 
+    @property
+    def problem(self) -> str:
+        return self.backend.problem if self.backend is not None else ""
+
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
         if self.backend is None:
             raise ServiceUnavailable("the workers are still loading the model")
@@ -276,9 +280,10 @@ def add_status_route(app: Any, service: Service) -> None:
     @app.get("/v1/workers")
     async def workers() -> dict[str, Any]:
         loads = await service.workers()
-        return {"model": service.model_name, "ready": service.ready,
+        return {"model": service.model_name, "ready": service.ready, "problem": service.problem,
                 "workers": [{"worker_id": w.worker_id, "role": w.role, "running": w.num_running,
                              "waiting": w.num_waiting, "free_blocks": w.num_free_blocks, "blocks": w.num_blocks,
                              "kv_cache_usage": w.kv_cache_usage, "kv_transfers": w.kv_transfers,
-                             "kv_transfer_failures": w.kv_transfer_failures, "kv_recomputes": w.kv_recomputes}
+                             "kv_transfer_failures": w.kv_transfer_failures, "kv_recomputes": w.kv_recomputes,
+                             "device": w.device, "failure": w.failure}
                             for w in loads]}

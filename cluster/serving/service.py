@@ -39,7 +39,12 @@ class Service(Protocol):
 
     @property
     def ready(self) -> bool:
-        """The model is loaded and the workers a request needs are up."""
+        """The model is loaded and the workers a request needs are up (and passed their warm-up)."""
+        ...
+
+    @property
+    def problem(self) -> str:
+        """Why the service is not ready, when it knows (a worker whose warm-up failed); else ""."""
         ...
 
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:

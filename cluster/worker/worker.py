@@ -83,13 +83,23 @@ class Worker:
         # Prefills whose KV goes out while they compute: runs of blocks queued by the engine thread,
         # sent by `prefill` on the event loop. request id -> (blocks queued so far, the queue).
         self.outboxes: dict[str, _Outbox] = {}
+        # Why this worker cannot serve (its warm-up failed); empty when it can. Reported in its load.
+        self.failure = ""
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Warm the engine up (a short request through prefill and decode), then start serving. A
+        failed warm-up does not raise: the worker reports `failure`, and the service stays unready."""
         self.loop = asyncio.get_running_loop()
+        try:
+            await asyncio.to_thread(self.engine.warm_up)
+        except Exception as error:
+            self.failure = f"warm-up failed on {self.engine.device}: {error!r}"
+            log.error("%s: %s", self.worker_id, self.failure)
         if self.receiver is not None:
             await self.receiver.start()
+            log.info("%s listens for KV at %s", self.worker_id, self.receiver.address)
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
         if self.state is not None:
@@ -257,7 +267,8 @@ class Worker:
         return WorkerLoad(self.worker_id, self.role, stats.num_running, stats.num_waiting, stats.num_free_blocks,
                           stats.num_blocks, stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
                           stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
-                          self.transfer_failures, self.frame_count, stats.num_recomputes)
+                          self.transfer_failures, self.frame_count, stats.num_recomputes, str(self.engine.device),
+                          self.failure)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""

@@ -218,6 +218,11 @@ def test_the_pools_fit_the_worker_groups_that_hold_them(case: str) -> None:
             assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     model = CASES[case].get("model", {})
     assert config.engine.model.model == model.get("name", "default")
+    assert config.engine.model.device == model.get("device", "auto")  # the device reaches every worker
+    gpus_per_pod = {group["groupName"]: int(group["template"]["spec"]["containers"][0]["resources"]["limits"]
+                                            .get("nvidia.com/gpu", 0)) for group in groups}
+    if any(gpus_per_pod.values()):  # GPU pods: each worker asks Ray for the GPU its pod holds
+        assert config.prefill.num_gpus == config.decode.num_gpus == 1
 
 
 def gateway_command(objects: list[dict[str, Any]]) -> list[str]:

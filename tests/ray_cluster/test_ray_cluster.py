@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -305,3 +306,28 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint:
         assert_pools_whole(cluster)
     finally:
         cluster.stop()
+
+
+def cuda_config(checkpoint: Path, device: str = "cuda", **pool: Any) -> ClusterConfig:
+    engine = engine_config_for(checkpoint)
+    return ClusterConfig(engine=replace(engine, model=replace(engine.model, device=device)),
+                         prefill=PoolConfig(**pool), decode=PoolConfig(**pool))
+
+
+def test_gpus_per_worker_follow_the_device(checkpoint: Path) -> None:
+    import ray
+
+    has_gpus = bool(ray.cluster_resources().get("GPU", 0))
+    assert Cluster(cuda_config(checkpoint)).gpus_per_worker(PoolConfig()) == 0.5
+    assert Cluster(cuda_config(checkpoint, "cpu")).gpus_per_worker(PoolConfig()) == 0
+    assert Cluster(cuda_config(checkpoint, "auto")).gpus_per_worker(PoolConfig()) == (0.5 if has_gpus else 0)
+    assert Cluster(cuda_config(checkpoint)).gpus_per_worker(PoolConfig(num_gpus=1)) == 1
+
+
+def test_cuda_workers_on_an_embedded_ray_without_gpus_are_refused_at_start(checkpoint: Path) -> None:
+    import ray
+
+    if ray.cluster_resources().get("GPU", 0):
+        pytest.skip("this Ray has GPUs")
+    with pytest.raises(ValueError, match=r"ask for 1 GPUs \(device 'cuda'\) and the Ray cluster has 0"):
+        Cluster(cuda_config(checkpoint)).start()

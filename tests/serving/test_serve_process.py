@@ -80,3 +80,16 @@ def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path,
 def test_status_of_nothing_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["status", "--url", "http://127.0.0.1:9", "--timeout", "2"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_serve_on_a_missing_gpu_refuses_at_start(checkpoint: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--local", "--device", "cuda", "--model", str(checkpoint),
+               "--host", "127.0.0.1", "--port", "0", "--grpc-port", "-1"]
+    env = {**os.environ, "PDSERVE_API_KEY": ""}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "sees no CUDA device" in result.stderr and "Traceback" not in result.stderr

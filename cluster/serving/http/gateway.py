@@ -389,7 +389,12 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def ready() -> JSONResponse:
         if gateway.ready:
             return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "draining" if gateway.draining else "not ready"}, status_code=503)
+        if gateway.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        body = {"status": "not ready"}
+        if service.problem:  # e.g. a worker whose warm-up failed: what an operator must fix
+            body["reason"] = service.problem
+        return JSONResponse(body, status_code=503)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:

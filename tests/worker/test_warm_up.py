@@ -1,0 +1,102 @@
+"""Ready means it works: every worker runs a request through prefill and decode before it serves, and
+one whose warm-up fails keeps the service unready, saying why."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.serving.cluster_service import ClusterService
+from cluster.serving.http.gateway import build_app
+from cluster.serving.local_service import LocalService
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from cluster.worker.worker import Worker
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def engine_of(checkpoint: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint)), cache=CacheConfig(block_size=2,
+                                                                                              num_blocks=32)))
+
+
+def break_forward(engine: LLMEngine) -> None:
+    """Plant a fault the first forward pass meets: a layer whose weight has the wrong shape."""
+    layer = engine.runner.model.model.layers[0].self_attn.qkv_proj
+    layer.weight = torch.nn.Parameter(torch.zeros(3, 5))
+
+
+def test_warm_up_leaves_nothing_behind(checkpoint: Path) -> None:
+    engine = engine_of(checkpoint)
+    engine.warm_up()
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests()
+    assert stats.num_free_blocks == stats.num_blocks  # nothing held, nothing cached (block_size 2 filled one)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+    assert not engine.detokenizers
+
+
+def test_a_worker_warms_up_before_it_serves(checkpoint: Path) -> None:
+    async def main() -> str:
+        worker = Worker("w-0", "colocated", engine_of(checkpoint))
+        await worker.start()
+        try:
+            return (await worker.load()).failure
+        finally:
+            await worker.stop()
+
+    assert asyncio.run(main()) == ""
+
+
+def test_a_failed_warm_up_keeps_ready_at_503_with_the_reason(checkpoint: Path) -> None:
+    async def main() -> tuple[httpx.Response, str, bool]:
+        engine = engine_of(checkpoint)
+        break_forward(engine)
+        service = await LocalService(engine).start()
+        try:
+            app = build_app(service, api_key="")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gateway") as client:
+                ready = await client.get("/ready")
+            return ready, (await service.worker.load()).failure, service.ready
+        finally:
+            await service.stop()
+
+    ready, failure, is_ready = asyncio.run(main())
+    assert not is_ready
+    assert failure.startswith("warm-up failed on cpu")
+    assert ready.status_code == 503
+    assert ready.json()["status"] == "not ready" and "warm-up failed" in ready.json()["reason"]
+
+
+def test_a_failed_warm_up_leaves_no_request_or_block_behind(checkpoint: Path) -> None:
+    engine = engine_of(checkpoint)
+    break_forward(engine)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        engine.warm_up()
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+class StartedCluster:
+    """What `ClusterService` reads of a started `Cluster`: its routers and its workers' failures."""
+
+    model_name, max_model_len, tokenizer, router = "tiny", 64, None, object()
+
+    def __init__(self, failures: dict[str, str]) -> None:
+        self.failures = failures
+
+
+def test_a_cluster_with_a_failed_worker_is_not_ready_and_names_it() -> None:
+    assert ClusterService(StartedCluster({})).ready
+    service = ClusterService(StartedCluster({"decode-0": "warm-up failed on cuda:0: boom"}))
+    assert not service.ready
+    assert service.problem == "decode-0: warm-up failed on cuda:0: boom"
