@@ -30,6 +30,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
 from cluster.state.interface import SharedState, WorkerInfo
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
+from cluster.worker.kv_staging import landing_buffer, wire_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -342,7 +343,7 @@ class Worker:
                               first_block=export.first_block, last=export.last)
             started = time.perf_counter()
             try:
-                await self.sender.send(address, header, _bytes_of(data))
+                await self.sender.send(address, header, wire_bytes(data))
             except Exception as error:
                 self.transfer_failures += 1
                 log.warning("%s: KV of %s to %s failed (%s)", self.worker_id, request_id, address, error)
@@ -377,9 +378,9 @@ class Worker:
             self.streams.pop(request_id, None)
             return None
         runner = self.engine.runner
-        staging = torch.empty((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
-                              dtype=runner.dtype)
-        arrived = self.receiver.expect(request_id, _bytes_of(staging))
+        staging = landing_buffer((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
+                                 runner.dtype, runner.device)
+        arrived = self.receiver.expect(request_id, wire_bytes(staging))
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
         return self.receiver.address
 
@@ -432,11 +433,6 @@ def _raise_into(stream: asyncio.Queue[RequestOutput | BaseException], task: asyn
     """Hand a failed task's error to the stream its consumer reads (it raises there)."""
     if not task.cancelled() and task.exception() is not None:
         stream.put_nowait(task.exception())  # type: ignore[arg-type]
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The tensor's memory as bytes, shared (no copy): what the connectors send from and land into."""
-    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:
