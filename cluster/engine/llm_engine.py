@@ -298,11 +298,11 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run one short request through a prefill and a decode step, so that a broken device, backend
         or kernel fails here rather than on a client's request (on CUDA this compiles the Triton
-        kernels and captures the smallest decode graph). Leaves no request, block, cached prefix or
-        counter behind."""
+        kernels, and the second decode step captures the batch-1 decode graph). Leaves no request,
+        block, cached prefix or counter behind."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
-        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)  # a prefill, then two decodes
         self.add_request([0], params, request_id=WARM_UP_REQUEST_ID)
         try:
             while self.has_unfinished_requests():

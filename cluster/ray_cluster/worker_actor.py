@@ -49,13 +49,14 @@ class WorkerActor:
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
         transports = ucx_transports or None  # UCX_TLS for this worker; None: the environment's, or UCX's default
+        host = kv_host(kv_interface)
         sender = UCXSender(transports=transports) if role == Role.PREFILL else None
-        receiver = UCXReceiver(host=kv_host(kv_interface), transports=transports) if role == Role.DECODE else None
+        receiver = UCXReceiver(host=host, transports=transports) if role == Role.DECODE else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
         engine = LLMEngine(engine_config)
         # Router replicas find the worker in the registry by its Ray actor name.
         listing = WorkerInfo(worker_id, role, address or worker_id,
-                             {"namespace": RAY_NAMESPACE, "model": engine.model_name})
+                             {"namespace": RAY_NAMESPACE, "model": engine.model_name, "host": host})
         self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
                              overlap_transfer=overlap_transfer, state=state, listing=listing)
         self.started: asyncio.Task[None] | None = None

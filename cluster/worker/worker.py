@@ -346,7 +346,8 @@ class Worker:
                 await self.sender.send(address, header, wire_bytes(data))
             except Exception as error:
                 self.transfer_failures += 1
-                log.warning("%s: KV of %s to %s failed (%s)", self.worker_id, request_id, address, error)
+                log.warning("%s (%s): KV of %s to %s failed (%s)", self.worker_id,
+                            self.listing.meta.get("host", "this host"), request_id, address, error)
                 raise
             seconds = time.perf_counter() - started
             self.frame_count += 1

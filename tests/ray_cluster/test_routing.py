@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from cluster.common.block_hashes import prefix_hashes
 from cluster.common.loads import WorkerLoad
 from cluster.common.sampling_params import SamplingParams
@@ -62,3 +64,18 @@ def test_decode_workers_rank_by_requests_then_queue_then_free_blocks() -> None:
         "idle": (0, load(0, 90)), "fuller": (0, load(0, 10)), "queued": (0, load(3, 90)), "busy": (2, load(0, 99)),
         "unpolled": (1, None)}.items()}
     assert sorted(ranks, key=ranks.__getitem__) == ["idle", "fuller", "queued", "unpolled", "busy"]
+
+
+def test_a_failed_transfer_is_logged_with_both_workers_and_the_first_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    prefill, decode = object(), object()
+    router = Router([("prefill-0", "actor-p", prefill)], [("decode-0", "actor-d", decode)], RouterConfig())
+    address = "ucx://127.0.0.1:4242"
+    with caplog.at_level("WARNING", logger="cluster.ray_cluster.router"):
+        router._warn_transfer_failed("req-1", prefill, decode, address, ConnectionError("refused"))
+        router.decisions["transfer_failed"] += 1
+        router._warn_transfer_failed("req-2", prefill, decode, address, ConnectionError("refused"))
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0] == ("KV of req-1 from prefill-0 to decode-0 at ucx://127.0.0.1:4242 failed (refused): "
+                           "decode-0 recomputes the prompt")
+    assert "first failed KV transfer since start: prefill-0 may not reach ucx://127.0.0.1:4242" in messages[1]
+    assert len(messages) == 3  # the hint comes once
