@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint proto serve chat bench clean
+.PHONY: install test test-fast mutation lint proto serve chat bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,22 @@ lint: install
 
 test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+
+# The in-process tests of the engine core, sampler, detokenizer and KV framing: seconds, no Ray, no
+# servers, no default model. What a developer runs between edits, and what mutation testing runs.
+FAST_TESTS := tests/engine tests/model/test_sampler.py tests/model/test_block_tables.py \
+	tests/weights/test_tokenizer.py tests/transfer/test_connectors.py tests/transfer/test_loopback.py \
+	tests/ray_cluster/test_routing.py tests/worker/test_warm_up.py
+test-fast: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" -k "not ucx" $(FAST_TESTS) $(PYTEST_ARGS)
+
+# Mutation testing (mutmut, [tool.mutmut] in pyproject.toml) of the engine core and the KV framing
+# against the fast tests: about 20-30 minutes on 2 cores, so not part of `make test`. The score and
+# every surviving mutant are in docs/testing.md; `.venv/bin/mutmut results` lists them after a run.
+mutation: install
+	rm -rf mutants
+	HF_HUB_OFFLINE=1 $(VENV)/bin/mutmut run --max-children 2
+	$(PY) -m benchmarks.mutation_score
 
 # The gRPC stubs, committed under cluster/grpc_stubs (after `make install`: grpcio-tools is a dev
 # dependency; tests/serving/grpc runs this target into a temporary PROTO_OUT and fails if they differ). The

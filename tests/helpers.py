@@ -140,3 +140,13 @@ def nothing_logged_and_idle(caplog: pytest.LogCaptureFixture, idle: Callable[[],
     while not idle():
         assert time.monotonic() < end, "requests left running or KV blocks taken"
         time.sleep(0.02)
+
+
+def until_idle(engine: Any, limit: int = 2_000) -> Iterator[int]:
+    """Step numbers while `engine` has unfinished requests, at most `limit`: a hang fails the test at
+    once instead of running into its timeout (mutation testing plants many)."""
+    for step in range(limit):
+        if not engine.has_unfinished_requests():
+            return
+        yield step
+    raise AssertionError(f"the engine still had unfinished requests after {limit} steps")

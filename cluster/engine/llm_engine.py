@@ -25,8 +25,9 @@ from cluster.model.device import resolve_device
 from cluster.model.llama import ArchitectureConfig
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
 from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
+from cluster.weights.detokenizer import IncrementalDetokenizer
 from cluster.weights.loader import iterate_safetensors, load_hf_config
-from cluster.weights.tokenizer import IncrementalDetokenizer, Tokenizer
+from cluster.weights.tokenizer import Tokenizer
 
 WARM_UP_REQUEST_ID = "pdserve-warm-up"
 

@@ -12,6 +12,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import until_idle
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +78,10 @@ def test_full_queue_rejects_then_recovers(engine: LLMEngine) -> None:
     with pytest.raises(QueueFullError):
         engine.add_request([10])
     assert engine.abort(first.request_id)  # an abort frees a place in the queue at once
-    while engine.has_unfinished_requests():
+    for _ in until_idle(engine):
         engine.step()
     engine.add_request([10])  # room again
-    while engine.has_unfinished_requests():
+    for _ in until_idle(engine):
         engine.step()
 
 

@@ -16,6 +16,7 @@ from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS, assert_pool_whole
+from tests.helpers import until_idle
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def make_engine(path: Path, num_blocks: int = 128, budget: int = 2048) -> LLMEng
 def run_prefill(engine: LLMEngine, prompt: list[int], request_id: str, params: SamplingParams = GREEDY) -> int:
     engine.add_prefill(prompt, SamplingParams(max_tokens=1, temperature=params.temperature, ignore_eos=True),
                        request_id=request_id)
-    while engine.has_unfinished_requests():
+    for _ in until_idle(engine):
         outputs = engine.step()
     (output,) = outputs
     return output.token_ids[0]
@@ -40,7 +41,7 @@ def run_prefill(engine: LLMEngine, prompt: list[int], request_id: str, params: S
 
 def drain(engine: LLMEngine) -> dict[str, list[int]]:
     results = {}
-    while engine.has_unfinished_requests():
+    for _ in until_idle(engine):
         for output in engine.step():
             if output.finished:
                 results[output.request_id] = list(output.token_ids)

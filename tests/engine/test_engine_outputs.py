@@ -48,7 +48,9 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingP
     pending = list(enumerate(prompts))
     ids: dict[str, int] = {}
     results: dict[int, list[int]] = {}
-    while pending or engine.has_unfinished_requests():
+    for _ in range(2_000):  # bounded: a hang fails here
+        if not pending and not engine.has_unfinished_requests():
+            break
         if pending:
             index, prompt = pending.pop(0)
             ids[engine.add_request(prompt, params).request_id] = index

@@ -64,6 +64,20 @@ def assert_pool_consistent(scheduler: Scheduler) -> None:
         assert (block.block_id in pool.free_queue) == (block.ref_count == 0)
     for request in scheduler.running:
         assert len(kv_cache.blocks_of[request.request_id]) * BLOCK_SIZE >= request.num_computed_tokens
+        if scheduler.config.batching == "continuous":  # exactly the blocks its computed tokens fill
+            assert len(kv_cache.blocks_of[request.request_id]) == -(-request.num_computed_tokens // BLOCK_SIZE)
+    waiting = {request.request_id for _, _, request in scheduler.waiting}
+    assert not waiting & kv_cache.blocks_of.keys(), "a waiting request holds blocks"
+    # Swap space: the count is the sum of what swapped-out (waiting) requests hold in host memory.
+    assert scheduler.num_swapped_blocks == sum(scheduler.swapped.values()) <= scheduler.num_swap_blocks
+    assert scheduler.swapped.keys() <= waiting
+    # Per-request maps hold only requests still in the engine.
+    assert kv_cache.hashes_of.keys() <= scheduler.requests.keys() | scheduler.held.keys()
+    assert kv_cache.num_cached_of.keys() <= kv_cache.blocks_of.keys()
+    assert scheduler.order.keys() == scheduler.requests.keys()
+    if not scheduler.num_unfinished:
+        assert not kv_cache.blocks_of and not kv_cache.hashes_of and not kv_cache.num_cached_of
+        assert not scheduler.swapped and scheduler.num_swapped_blocks == 0
 
 
 def test_decodes_first_then_chunked_prefill_fills_the_budget() -> None:
@@ -227,3 +241,25 @@ def test_block_invariants_hold_under_random_traffic(ops: list[tuple[str, int, in
     assert_pool_consistent(scheduler)
     assert scheduler.kv_cache.pool.num_free_blocks == num_blocks
     assert not scheduler.kv_cache.blocks_of and not scheduler.kv_cache.block_ids_of
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_step_that_preempts_admits_no_one_and_everyone_finishes(mode: str) -> None:
+    """Preempting to make room and admitting a newcomer in the same step would hand the newcomer the
+    blocks just freed and preempt again next step (thrash): a preempting step admits nobody."""
+    scheduler = make_scheduler(num_blocks=8, preemption_mode=mode)
+    for index in range(3):
+        scheduler.add_request(make_request(f"r{index}", 6, max_tokens=12, first_token=20 * index + 1))
+    preempting_steps = 0
+    for _ in range(500):
+        if not scheduler.num_unfinished:
+            break
+        running_before = {request.request_id for request in scheduler.running}
+        output = scheduler.schedule()
+        if output.preempted:
+            preempting_steps += 1
+            assert {s.request.request_id for s in output.scheduled} <= running_before
+        scheduler.update_from_output(output, stub_sample(output))
+        assert_pool_consistent(scheduler)
+    assert preempting_steps > 0 and not scheduler.num_unfinished
+    assert scheduler.kv_cache.pool.num_free_blocks == 8

@@ -328,3 +328,24 @@ def test_any_parameters_give_valid_tokens(
         assert (logprobs is None) == (params.logprobs is None)
         if logprobs is not None:
             assert logprobs.token_id == token and len(logprobs.top) == params.logprobs
+
+
+def test_temperature_applies_before_top_p() -> None:
+    """vLLM's order: logits are tempered, then top-p keeps the smallest set of tokens reaching p. Raw
+    probabilities of [2, 1, 0] are 0.67, 0.24, 0.09: top-p 0.7 before tempering keeps two tokens;
+    after temperature 0.5 (0.87, 0.12, 0.02) only the first."""
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    sampler = Sampler(3, seed=0)
+    drawn = Counter(sampler(logits, [make_request(f"r{i}", SamplingParams(temperature=0.5, top_p=0.7))]).token_ids[0]
+                    for i in range(300))
+    assert drawn == Counter({0: 300})
+
+
+def test_temperature_applies_before_min_p() -> None:
+    """min-p is relative to the most likely token after tempering: with temperature 2 the second token
+    (probability ratio e^-0.5 = 0.61 to the first) passes min-p 0.5; untempered (0.37) it would not."""
+    logits = torch.tensor([[1.0, 0.0, -9.0]])
+    sampler = Sampler(3, seed=0)
+    drawn = Counter(sampler(logits, [make_request(f"r{i}", SamplingParams(temperature=2.0, min_p=0.5))]).token_ids[0]
+                    for i in range(300))
+    assert set(drawn) == {0, 1}

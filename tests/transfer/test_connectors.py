@@ -366,9 +366,17 @@ def test_cancel_between_frames_refuses_the_rest(pair: Pair) -> None:
     pair.run(body())
 
 
-@pytest.mark.parametrize("fields", [{"first_block": 3, "num_blocks": 1, "last": False},  # the last block, not last
-                                    {"first_block": 0, "num_blocks": 3, "last": True},  # last, short of the end
-                                    {"num_tokens": 0}, {"last": 1}])
+@pytest.mark.parametrize("fields", [
+    {"first_block": 3, "num_blocks": 1, "last": False},  # the last block, not last
+    {"first_block": 0, "num_blocks": 3, "last": True},  # last, short of the end
+    {"first_block": 1, "num_blocks": 4, "last": True},  # past the end
+    {"num_tokens": 0}, {"last": 1}, {"last": "yes"},
+    # Hostile but well-formed: negative, zero, oversized, wrong types.
+    {"num_blocks": 0}, {"num_blocks": -1}, {"block_size": 0}, {"num_tokens": -5}, {"first_block": -1},
+    {"nbytes": -4096}, {"nbytes": 4097}, {"num_layers": -2}, {"head_dim": 1.5}, {"first_token_id": -1},
+    {"num_kv_heads": True}, {"request_id": 7}, {"dtype": None}, {"nbytes": "4096"}, {"num_tokens": 2**62},
+    {"unexpected": 1},
+])
 def test_inconsistent_frame_headers_are_malformed(fields: dict[str, object]) -> None:
     data = msgpack.packb({"version": 2, **dataclasses.asdict(frame_header("h", 0, 4, True)), **fields})
     with pytest.raises(TransferError, match="malformed"):

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.common.errors import ModelLoadError
+from cluster.weights.detokenizer import IncrementalDetokenizer
 from cluster.weights.synthetic import CHATML_TEMPLATE, build_tiny_tokenizer
-from cluster.weights.tokenizer import IncrementalDetokenizer, Tokenizer
+from cluster.weights.tokenizer import Tokenizer
 from tests.helpers import default_model_dir
 
 os.environ["HF_HUB_OFFLINE"] = "1"

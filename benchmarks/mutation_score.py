@@ -1,0 +1,94 @@
+"""The mutation score of the last `make mutation` run (mutmut's results in mutants/), by file.
+
+    python -m benchmarks.mutation_score [--survivors]
+
+Killed and timed-out mutants count as caught (a mutant that loops for ever is caught by its
+timeout); mutants no fast test reaches count as not caught, like survivors. Mutants listed in
+EQUIVALENT (docs/testing.md says why each one cannot change behaviour) are left out of the score.
+Writes benchmarks/results/mutation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.common import RESULTS, console, print_table
+
+MUTANTS = Path(__file__).resolve().parents[1] / "mutants"
+CAUGHT = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout"}
+# Mutants that cannot change what any caller observes (docs/testing.md, "Equivalent mutants").
+EQUIVALENT: dict[str, str] = {}
+
+
+def status(exit_code: int | None) -> str:
+    if exit_code is None:
+        return "not checked"
+    if exit_code in CAUGHT:
+        return CAUGHT[exit_code]
+    return {0: "survived", 5: "no tests", 33: "no tests"}.get(exit_code, "suspicious")
+
+
+def results() -> dict[str, str]:
+    """Mutant name -> status, over every mutated file."""
+    found: dict[str, str] = {}
+    for meta in sorted(MUTANTS.rglob("*.meta")):
+        for name, exit_code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            found[name] = status(exit_code)
+    return found
+
+
+def score(statuses: dict[str, str]) -> dict[str, dict[str, int | float]]:
+    """Per module and in all: caught, not caught, equivalent, the score in percent."""
+    by_module: dict[str, Counter[str]] = {}
+    for name, state in statuses.items():
+        module = name.split(".x")[0] if ".x" in name else name.rsplit(".", 1)[0]
+        counts = by_module.setdefault(module, Counter())
+        counts["equivalent" if name in EQUIVALENT else state] += 1
+    table: dict[str, dict[str, int | float]] = {}
+    total: Counter[str] = Counter()
+    for module, counts in sorted(by_module.items()):
+        total.update(counts)
+        table[module] = _row(counts)
+    table["all"] = _row(total)
+    return table
+
+
+def _row(counts: Counter[str]) -> dict[str, int | float]:
+    caught = counts["killed"] + counts["timeout"]
+    missed = counts["survived"] + counts["no tests"] + counts["suspicious"]
+    scored = caught + missed
+    return {"caught": caught, "survived": counts["survived"], "no_tests": counts["no tests"],
+            "equivalent": counts["equivalent"], "not_checked": counts["not checked"],
+            "score": round(100 * caught / scored, 1) if scored else 0.0}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--survivors", action="store_true", help="list every mutant not caught")
+    args = parser.parse_args()
+    statuses = results()
+    if not statuses:
+        console.print("no mutmut results in mutants/: run `make mutation` first")
+        return 2
+    table = score(statuses)
+    print_table("mutation score (caught = killed + timeout; equivalent mutants left out)",
+                ["module", "caught", "survived", "no tests", "equivalent", "not checked", "score %"],
+                [[module, row["caught"], row["survived"], row["no_tests"], row["equivalent"], row["not_checked"],
+                  row["score"]] for module, row in table.items()])
+    missed = sorted(name for name, state in statuses.items()
+                    if state in ("survived", "no tests", "suspicious") and name not in EQUIVALENT)
+    if args.survivors:
+        for name in missed:
+            console.print(f"{statuses[name]}: {name}")
+    path = RESULTS / "mutation.json"
+    path.write_text(json.dumps({"score": table, "not_caught": {name: statuses[name] for name in missed},
+                                "equivalent": EQUIVALENT}, indent=1) + "\n")
+    console.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
