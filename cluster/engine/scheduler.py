@@ -132,16 +132,18 @@ class Scheduler:
         return self.kv_cache.block_ids(request.request_id)
 
     def admit_remote(self, request_id: str, first_token_id: int) -> Request:
-        """The prompt's KV is in the reserved blocks and the prefill sampled `first_token_id`."""
-        request, _ = self.reserved.pop(request_id)
+        """The prompt's KV is in the reserved blocks and the prefill sampled `first_token_id`, which
+        may end the request already (EOS, a stop token, max_tokens 1): then it finishes here."""
+        request, _ = self.reserved[request_id]
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = 0
         self.kv_cache.cache_blocks(request, request.num_prompt_tokens)
         request.append_output_token(first_token_id)
         status = request.check_stop(self.max_model_len)
         if status is not None:
-            self.finish(request, status)
+            self.finish(request, status)  # leaves `reserved` there
         else:
+            del self.reserved[request_id]
             self.remote_ready.append(request)
         return request
 

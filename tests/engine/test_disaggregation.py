@@ -143,3 +143,20 @@ def test_bad_kv_shape_is_rejected(checkpoint: Path) -> None:
         decode.import_kv("unknown", torch.zeros(3, 3))
     decode.abort("r")
     assert_pool_whole(decode)
+
+
+def test_a_first_token_that_ends_the_request_finishes_it_on_the_decode_side(checkpoint: Path) -> None:
+    """The prefill's token may be the last (max_tokens 1, EOS, a stop token id): the decode worker
+    answers it as finished at once and keeps nothing."""
+    prefill, decode = make_engine(checkpoint), make_engine(checkpoint)
+    prompt = PROMPTS[0]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    assert decode.reserve_remote(prompt, one, request_id="one") is not None
+    first = run_prefill(prefill, prompt, "one", one)
+    decode.import_kv("one", prefill.export_kv("one").data.clone())
+    prefill.release_held("one")
+    output = decode.admit_remote("one", first)
+    assert output.finished and output.token_ids == [first] and output.finish_reason == "length"
+    assert not decode.has_unfinished_requests() and not decode.detokenizers
+    assert_pool_whole(decode)
+    assert_pool_whole(prefill)

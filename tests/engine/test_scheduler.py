@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -263,3 +264,100 @@ def test_a_step_that_preempts_admits_no_one_and_everyone_finishes(mode: str) -> 
         assert_pool_consistent(scheduler)
     assert preempting_steps > 0 and not scheduler.num_unfinished
     assert scheduler.kv_cache.pool.num_free_blocks == 8
+
+
+# ---- disaggregation on the decode side: reservations, their leases, admission --------------------
+
+
+def test_a_reservation_waits_for_its_lease_then_is_recomputed_here() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    request = make_request("remote", 9, max_tokens=3)
+    assert scheduler.reserve_remote(request, lease_s=30.0) == scheduler.kv_cache.block_ids("remote")
+    assert len(scheduler.kv_cache.block_ids("remote")) == 3  # the whole prompt's blocks, reserved
+    with pytest.raises(ValueError, match="^request id 'remote' is already in the engine$"):
+        scheduler.reserve_remote(make_request("remote", 4), lease_s=30.0)
+    assert scheduler.expire_reservations(time.monotonic() + 29) == []  # the lease still holds
+    (expired,) = scheduler.expire_reservations(time.monotonic() + 31)
+    assert expired is request and request.status == RequestStatus.WAITING
+    assert scheduler.num_recomputes == 1 and not scheduler.kv_cache.block_ids("remote")
+    assert scheduler.fail_remote("remote") is None and scheduler.num_recomputes == 1  # counted once
+    run_to_completion(scheduler)
+    assert request.num_output_tokens == 3
+    assert_pool_consistent(scheduler)
+
+
+def test_every_failed_reservation_is_counted_once() -> None:
+    scheduler = make_scheduler(num_blocks=32)
+    for index in range(3):
+        scheduler.reserve_remote(make_request(f"f{index}", 5, first_token=10 * index + 1), lease_s=30.0)
+    assert scheduler.fail_remote("f0") is not None and scheduler.fail_remote("f1") is not None
+    assert scheduler.fail_remote("unknown") is None
+    assert scheduler.num_recomputes == 2
+
+
+def test_admitted_kv_counts_as_computed_not_cached_and_a_first_token_can_end_the_request() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    going_on, ending = make_request("on", 6, max_tokens=3), make_request("end", 6, max_tokens=1, first_token=50)
+    for request in (going_on, ending):
+        scheduler.reserve_remote(request, lease_s=30.0)
+    scheduler.admit_remote("on", first_token_id=7)
+    assert going_on.num_computed_tokens == 6 and going_on.num_cached_tokens == 0
+    assert going_on.status == RequestStatus.WAITING_FOR_REMOTE_KV and list(scheduler.remote_ready) == [going_on]
+    scheduler.admit_remote("end", first_token_id=7)  # max_tokens 1: the prefill's token was the last
+    assert ending.status == RequestStatus.FINISHED_LENGTH
+    assert "end" not in scheduler.requests and not scheduler.kv_cache.block_ids("end")
+    run_to_completion(scheduler)
+    assert going_on.num_output_tokens == 3
+    assert_pool_consistent(scheduler)
+
+
+def test_releasing_an_unknown_held_prefill_is_harmless() -> None:
+    assert make_scheduler().release_held("never-held") is None
+
+
+def test_priority_preemption_takes_the_worst_priority_not_the_last_admitted() -> None:
+    scheduler = make_scheduler(num_blocks=8, policy="priority")
+    for name, priority in (("low", 9), ("high", 0), ("mid", 5)):
+        scheduler.add_request(make_request(name, 4, max_tokens=20, priority=priority, first_token=len(name) * 20))
+    for _ in range(50):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, stub_sample(output))
+        if output.preempted:
+            break
+    assert [request.request_id for request in output.preempted][0] == "low"
+
+
+def test_preemptions_are_counted_exactly() -> None:
+    scheduler = make_scheduler(num_blocks=6)
+    for index in range(2):
+        scheduler.add_request(make_request(f"p{index}", 4, max_tokens=12, first_token=30 * index + 1))
+    events = 0
+    for _ in range(200):
+        if not scheduler.num_unfinished:
+            break
+        output = scheduler.schedule()
+        events += len(output.preempted)
+        scheduler.update_from_output(output, stub_sample(output))
+    assert events > 0 and scheduler.num_preemptions == events
+    assert sum(request.num_preemptions for output in [output] for request in output.preempted) <= events
+
+
+@pytest.mark.parametrize("swap_blocks", [0, 1])
+def test_swap_space_is_used_only_in_swap_mode_and_never_beyond_its_size(swap_blocks: int) -> None:
+    for mode in ("recompute", "swap"):
+        kv_cache = KVCacheManager(BlockPool(6), BLOCK_SIZE)
+        scheduler = Scheduler(SchedulerConfig(preemption_mode=mode), kv_cache, 64, num_swap_blocks=swap_blocks + 8)
+        if mode == "swap":
+            scheduler.num_swap_blocks = swap_blocks
+        for index in range(3):
+            scheduler.add_request(make_request(f"s{index}", 4, max_tokens=10, first_token=30 * index + 1))
+        for _ in range(300):
+            if not scheduler.num_unfinished:
+                break
+            output = scheduler.schedule()
+            if mode == "recompute":
+                assert not output.swap_out
+            assert scheduler.num_swapped_blocks <= scheduler.num_swap_blocks
+            scheduler.update_from_output(output, stub_sample(output))
+            assert_pool_consistent(scheduler)
+        assert not scheduler.num_unfinished and scheduler.num_swapped_blocks == 0

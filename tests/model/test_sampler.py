@@ -349,3 +349,23 @@ def test_temperature_applies_before_min_p() -> None:
     drawn = Counter(sampler(logits, [make_request(f"r{i}", SamplingParams(temperature=2.0, min_p=0.5))]).token_ids[0]
                     for i in range(300))
     assert set(drawn) == {0, 1}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.5), SamplingParams(repetition_penalty=0.7),
+                                    SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=0.25),
+                                    SamplingParams(presence_penalty=-0.5, frequency_penalty=0.5)])
+def test_each_penalty_applies_when_it_is_the_batchs_only_one(params: SamplingParams) -> None:
+    """A batch whose every row asks for one penalty (and none for the others) still gets it."""
+    logits = torch.tensor([[1.5, -0.5, 2.0, 0.8, -1.2, 0.3, -2.0, 0.0]])
+    request = make_request("only", params, prompt=[1, 2, 6], outputs=[2, 3, 3, 4])
+    penalized = logits.clone()
+    apply_penalties(penalized, [request])
+    assert penalized[0].tolist() == pytest.approx(expected_penalized(logits[0].tolist(), request))
+    assert not torch.equal(penalized, logits)
+
+
+def test_min_tokens_skips_stop_ids_past_the_vocabulary() -> None:
+    """A stop id equal to the vocabulary size names no column: EOS is masked, nothing is out of range."""
+    logits = torch.tensor([[9.0, 1.0, 0.0, 3.0]])
+    request = make_request("r", SamplingParams(temperature=0, min_tokens=1, stop_token_ids=(4, 99)))
+    assert Sampler(4)(logits, [request]).token_ids == [3]
