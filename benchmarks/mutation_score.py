@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -19,8 +20,58 @@ from benchmarks.common import RESULTS, console, print_table
 
 MUTANTS = Path(__file__).resolve().parents[1] / "mutants"
 CAUGHT = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout"}
-# Mutants that cannot change what any caller observes (docs/testing.md, "Equivalent mutants").
-EQUIVALENT: dict[str, str] = {}
+# Mutants that cannot change what a caller observes, by the shape of their one-line change
+# (docs/testing.md, "Equivalent mutants"): (name, why, the change with that argument taken out of both
+# sides must leave the line as it was).
+ARGUMENT = r"(?:{name}=[^,()]*(?:\([^()]*\))?)"
+EQUIVALENT_KINDS = (
+    ("device", "on the CPU, where the fast tests run, device=None and no device are the CPU; the CUDA "
+               "path is what tests/model/test_cuda.py (gpu marker) checks", ARGUMENT.format(name="device")),
+    ("zip-strict", "the zipped sequences have equal lengths by construction: strict only guards against a "
+                   "bug elsewhere", ARGUMENT.format(name="strict")),
+    ("int64", "torch.tensor of Python ints is int64 whatever dtype says or omits", ARGUMENT.format(name="dtype")),
+)
+# Which removed argument each kind requires (an int64 dtype, not any dtype).
+REQUIRED = {"int64": r"dtype=torch\.(?:long|int64)\b", "device": r"device=", "zip-strict": r"strict=True"}
+EQUIVALENT: dict[str, str] = {}  # mutant name -> kind, filled by `classify`
+
+
+def changed_lines(name: str) -> tuple[list[str], list[str]]:
+    """The removed and the added lines of a mutant's diff."""
+    from mutmut.__main__ import find_mutant
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    diff = get_diff_for_mutant(name, path=find_mutant(name).path).split("\n")
+    removed = [line[1:] for line in diff if line.startswith("-") and not line.startswith("---")]
+    added = [line[1:] for line in diff if line.startswith("+") and not line.startswith("+++")]
+    return removed, added
+
+
+def equivalent_kind(removed: list[str], added: list[str]) -> str | None:
+    """The kind of equivalent change this is, if it is one of EQUIVALENT_KINDS."""
+    if len(removed) != 1 or len(added) != 1:
+        return None
+    if removed[0].replace('float("-inf")', 'float("-INF")') == added[0]:
+        return "minus-inf"  # float() reads the case-insensitive spelling alike
+    for kind, _, pattern in EQUIVALENT_KINDS:
+        strip = re.compile(rf",?\s*{pattern}\s*,?")
+        if re.search(REQUIRED[kind], removed[0]) and \
+                _squash(strip.sub("", removed[0])) == _squash(strip.sub("", added[0])):
+            return kind
+    return None
+
+
+def _squash(line: str) -> str:
+    return re.sub(r"[\s,]", "", line)
+
+
+def classify(statuses: dict[str, str]) -> None:
+    """Fill EQUIVALENT with the survivors whose change is of an equivalent kind."""
+    for name, state in statuses.items():
+        if state == "survived":
+            kind = equivalent_kind(*changed_lines(name))
+            if kind is not None:
+                EQUIVALENT[name] = kind
 
 
 def status(exit_code: int | None) -> str:
@@ -73,6 +124,7 @@ def main() -> int:
     if not statuses:
         console.print("no mutmut results in mutants/: run `make mutation` first")
         return 2
+    classify(statuses)
     table = score(statuses)
     print_table("mutation score (caught = killed + timeout; equivalent mutants left out)",
                 ["module", "caught", "survived", "no tests", "equivalent", "not checked", "score %"],

@@ -369,3 +369,19 @@ def test_min_tokens_skips_stop_ids_past_the_vocabulary() -> None:
     logits = torch.tensor([[9.0, 1.0, 0.0, 3.0]])
     request = make_request("r", SamplingParams(temperature=0, min_tokens=1, stop_token_ids=(4, 99)))
     assert Sampler(4)(logits, [request]).token_ids == [3]
+
+
+def test_a_seeded_request_continues_its_draws_on_another_sampler() -> None:
+    """A decode worker (a new sampler) after the prefill's tokens, or a run resumed after
+    `seed_offset` tokens, draws what one sampler would have drawn next."""
+    logits = random_logits(1, 40, seed=7, scale=0.5)  # flat: every draw matters
+    params = SamplingParams(temperature=1.0, seed=1234)
+    one = make_request("one", params)
+    sampler = Sampler(40)
+    for _ in range(5):
+        one.append_output_token(sampler(logits, [one]).token_ids[0])
+    after_outputs = make_request("split", params, outputs=one.output_token_ids[:3])
+    assert [Sampler(40)(logits, [after_outputs]).token_ids[0]] == one.output_token_ids[3:4]
+    resumed = make_request("resumed", SamplingParams(temperature=1.0, seed=1234, seed_offset=2),
+                           outputs=one.output_token_ids[2:4])  # 2 drawn elsewhere, 2 here before
+    assert [Sampler(40)(logits, [resumed]).token_ids[0]] == one.output_token_ids[4:5]

@@ -79,3 +79,16 @@ def test_a_failed_transfer_is_logged_with_both_workers_and_the_first_says_why(ca
                            "decode-0 recomputes the prompt")
     assert "first failed KV transfer since start: prefill-0 may not reach ucx://127.0.0.1:4242" in messages[1]
     assert len(messages) == 3  # the hint comes once
+
+
+def test_prefix_hashes_cover_full_blocks_only_and_default_to_the_unnamed_model() -> None:
+    from cluster.engine.block_pool import BlockPool
+    from cluster.engine.kv_cache_manager import KVCacheManager
+    from cluster.engine.request import Request
+
+    prompt = list(range(3, 3 + 2 * 4 + 3))  # 2 full blocks of 4, then 3 tokens
+    assert len(prefix_hashes(prompt, 4)) == 2
+    manager = KVCacheManager(BlockPool(8), 4)  # a worker's cache, model name "" as the default
+    request = Request("r", prompt, SamplingParams())
+    assert manager.allocate_slots(request, len(prompt))
+    assert prefix_hashes(prompt, 4) == manager.hashes_of["r"]

@@ -46,6 +46,7 @@ async def refused_with(pair: Pair, code: Refusal, request_id: str, nbytes: int,
         await pair.sender.send_raw(pair.receiver.address, header_for(request_id, nbytes).to_bytes(),
                                    memoryview(payload))
     assert refused.value.code is code
+    assert str(refused.value).startswith(f"refused ({code.name}): ") and not str(refused.value).endswith("None")
 
 
 @pytest.mark.parametrize("nbytes", [1024, 8 << 20])
@@ -379,5 +380,33 @@ def test_cancel_between_frames_refuses_the_rest(pair: Pair) -> None:
 ])
 def test_inconsistent_frame_headers_are_malformed(fields: dict[str, object]) -> None:
     data = msgpack.packb({"version": 2, **dataclasses.asdict(frame_header("h", 0, 4, True)), **fields})
-    with pytest.raises(TransferError, match="malformed"):
+    with pytest.raises(TransferError, match=r"^malformed header: \S"):
+        KVHeader.from_bytes(data)
+
+
+@pytest.mark.parametrize("num_tokens, first_block, num_blocks", [(1, 0, 1), (16, 0, 1), (17, 0, 2), (32, 1, 1),
+                                                                 (33, 2, 1)])
+def test_headers_at_block_boundaries_are_accepted(num_tokens: int, first_block: int, num_blocks: int) -> None:
+    header = dataclasses.replace(frame_header("b", first_block, num_blocks, True), num_tokens=num_tokens)
+    assert KVHeader.from_bytes(header.to_bytes()) == header
+
+
+def test_a_header_without_its_version_is_malformed() -> None:
+    fields = dataclasses.asdict(frame_header("v", 0, 4, True))
+    for data in (msgpack.packb(fields), msgpack.packb({"version": 1, **fields}), msgpack.packb([1, 2])):
+        with pytest.raises(TransferError, match=r"^malformed header: not a version-2 KV header$"):
+            KVHeader.from_bytes(data)
+
+
+def test_headers_up_to_the_size_limit_are_read_and_larger_ones_refused() -> None:
+    from cluster.transfer.connector import MAX_HEADER_BYTES
+
+    base = len(frame_header("", 0, 4, True).to_bytes())
+    # msgpack writes a str of 256+ characters with 3 bytes of length (1 for the empty id): the id
+    # makes the header exactly the limit.
+    exact = frame_header("x" * (MAX_HEADER_BYTES - base - 2), 0, 4, True)
+    assert len(exact.to_bytes()) == MAX_HEADER_BYTES
+    assert KVHeader.from_bytes(exact.to_bytes()).request_id == exact.request_id
+    data = msgpack.packb({"version": 2, **dataclasses.asdict(dataclasses.replace(exact, request_id="x" * 5000))})
+    with pytest.raises(TransferError, match=rf"^header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}$"):
         KVHeader.from_bytes(data)

@@ -117,3 +117,36 @@ def test_a_closed_sender_refuses_to_send() -> None:
             await sender.send(receiver.address, header_for("r1", 1024), memoryview(random_payload(1024)))
 
     run(hub, test)
+
+
+def test_the_hub_counts_every_frame_that_reaches_a_receiver_and_fail_next_fails_one() -> None:
+    hub = LoopbackHub()
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        for index in range(3):
+            done = receiver.expect(f"r{index}", memoryview(poisoned(NBYTES)))
+            await sender.send(receiver.address, header_for(f"r{index}", NBYTES), memoryview(random_payload(NBYTES)))
+            await done
+        assert hub.frames == 3
+        hub.fail_next()  # one send, by default
+        receiver.expect("x", memoryview(poisoned(NBYTES)))
+        with pytest.raises(TransferError):
+            await sender.send(receiver.address, header_for("x", NBYTES), memoryview(random_payload(NBYTES)))
+        await sender.send(receiver.address, header_for("x", NBYTES), memoryview(random_payload(NBYTES)))
+        assert hub.frames == 4
+        with pytest.raises(TransferError, match=r"^no receiver at loopback://nobody$"):
+            hub.lookup("loopback://nobody")
+
+    run(hub, test)
+
+
+def test_failing_or_cancelling_an_unknown_transfer_is_harmless() -> None:
+    from cluster.transfer.loopback import ReceiveTable
+
+    async def body() -> None:
+        table = ReceiveTable()
+        table.fail("unknown", TransferError("gone"))
+        table.cancel("unknown")
+        assert table.state("unknown") is None
+
+    asyncio.run(body())

@@ -337,3 +337,24 @@ def test_default_model_streams_multibyte_text_and_stops() -> None:
     assert all("\ufffd" not in delta for delta in deltas)
     detokenizer, deltas = stream(tokenizer, output_ids, stop=("本語 —",))
     assert "".join(deltas) == detokenizer.text == "Voilà: 😀🎉 中文 日"
+
+
+def test_a_stop_string_twice_in_one_token_stops_at_the_first(tiny: Tokenizer) -> None:
+    """One token may bring a stop string twice (here a character repeated inside one token's text):
+    the output ends before the first."""
+    text = "Hello there, how are you doing today? I am fine, thank you."
+    token_ids = tiny.encode(text, add_special_tokens=False)
+    doubled = next((token, char) for token in token_ids for char in tiny.decode([token])
+                   if char.isalpha() and tiny.decode([token]).count(char) > 1)
+    stop = doubled[1]
+    detokenizer = IncrementalDetokenizer(tiny, [], stop=(stop,))
+    for token in token_ids:
+        detokenizer.add(token)
+    assert detokenizer.stopped and detokenizer.text == text[:text.index(stop)]
+
+
+def test_the_earliest_of_several_stop_strings_wins(tiny: Tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(tiny, [], stop=("world", "lo w"))
+    for token in tiny.encode("Hello world", add_special_tokens=False):
+        detokenizer.add(token)
+    assert detokenizer.stopped and detokenizer.text == "Hel" and detokenizer.stop_string == "lo w"
