@@ -33,6 +33,20 @@ EQUIVALENT_KINDS = (
 )
 # Which removed argument each kind requires (an int64 dtype, not any dtype).
 REQUIRED = {"int64": r"dtype=torch\.(?:long|int64)\b", "device": r"device=", "zip-strict": r"strict=True"}
+# Changes equivalent in the one place they occur: (kind, why, the original, the mutant), as regexes.
+EQUIVALENT_LINES = (
+    ("falsy-flag", "the flag is only tested for truth, where None and False are alike",
+     r"(?:self\._started|self\._closed) = False|cache_full=False",
+     r"(?:self\._started|self\._closed) = None|cache_full=None"),
+    ("msgpack-defaults", "msgpack's defaults are raw=False and strict_map_key=True; a non-str key fails as a "
+                         "keyword argument anyway (malformed header)",
+     r"msgpack\.unpackb\(data, raw=False, strict_map_key=True\)",
+     r"msgpack\.unpackb\(data, (?:raw=(?:False|None), ?)?(?:strict_map_key=(?:True|None|False))?,? ?\)"),
+    ("stop-search-window", "an earlier match would have stopped the stream at an earlier token: searching the "
+                           "whole text finds the same first match, only slower",
+     r"self\.text\.find\(s, search_from\)|search_from = max\(0, previous_length - self\._stop_hold\)",
+     r"self\.text\.find\(s, (?:None)?,? ?\)|search_from = None"),
+)
 EQUIVALENT: dict[str, str] = {}  # mutant name -> kind, filled by `classify`
 
 
@@ -53,6 +67,10 @@ def equivalent_kind(removed: list[str], added: list[str]) -> str | None:
         return None
     if removed[0].replace('float("-inf")', 'float("-INF")') == added[0]:
         return "minus-inf"  # float() reads the case-insensitive spelling alike
+    for kind, _, original, mutant in EQUIVALENT_LINES:
+        if re.search(original, removed[0]) and re.search(mutant, added[0]) and \
+                re.sub(original, "@", removed[0]) == re.sub(mutant, "@", added[0]):
+            return kind
     for kind, _, pattern in EQUIVALENT_KINDS:
         strip = re.compile(rf",?\s*{pattern}\s*,?")
         if re.search(REQUIRED[kind], removed[0]) and \

@@ -88,7 +88,7 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Enter the request's full blocks up to `num_tokens` into the prefix cache: for blocks filled
         from outside a step (KV received from another worker), once their data is in place."""
-        self._cache_full_blocks(request, self.blocks_of.get(request.request_id, []), num_tokens)
+        self._cache_full_blocks(request, self.blocks_of[request.request_id], num_tokens)
 
     def free(self, request: Request) -> list[int]:
         """Give back the request's blocks; returns their ids (a swap-out copies them first)."""

@@ -67,3 +67,10 @@ def test_disabled_prefix_caching_caches_nothing() -> None:
     block = pool.allocate(1)[0]
     pool.cache(block, 5)
     assert pool.lookup(5) is None
+
+
+def test_an_unknown_request_has_an_empty_block_table() -> None:
+    from cluster.engine.kv_cache_manager import KVCacheManager
+
+    manager = KVCacheManager(BlockPool(4), 4)
+    assert manager.block_ids("nobody") == []

@@ -315,31 +315,44 @@ def test_releasing_an_unknown_held_prefill_is_harmless() -> None:
     assert make_scheduler().release_held("never-held") is None
 
 
-def test_priority_preemption_takes_the_worst_priority_not_the_last_admitted() -> None:
-    scheduler = make_scheduler(num_blocks=8, policy="priority")
-    for name, priority in (("low", 9), ("high", 0), ("mid", 5)):
-        scheduler.add_request(make_request(name, 4, max_tokens=20, priority=priority, first_token=len(name) * 20))
-    for _ in range(50):
+def test_priority_preemption_takes_the_worst_priority_not_yet_scheduled() -> None:
+    """Under the priority policy the victim is the worst-priority request not yet scheduled this step,
+    not the last admitted (FCFS), and never one already scheduled in the same step."""
+    scheduler = make_scheduler(num_blocks=9, policy="priority")
+    scheduler.add_request(make_request("first", 4, max_tokens=30, priority=1, first_token=1))
+    scheduler.add_request(make_request("low", 4, max_tokens=30, priority=9, first_token=40))
+    scheduler.update_from_output(output := scheduler.schedule(), stub_sample(output))
+    scheduler.add_request(make_request("mid", 4, max_tokens=30, priority=5, first_token=80))
+    victims: list[str] = []
+    for _ in range(80):
         output = scheduler.schedule()
+        scheduled = {s.request.request_id for s in output.scheduled}
+        preempted = [request.request_id for request in output.preempted]
+        assert not scheduled & set(preempted), "a request both scheduled and preempted in one step"
+        victims += preempted
         scheduler.update_from_output(output, stub_sample(output))
-        if output.preempted:
+        if victims:
             break
-    assert [request.request_id for request in output.preempted][0] == "low"
+    assert victims[0] == "low"  # FCFS would take "mid", admitted last
 
 
 def test_preemptions_are_counted_exactly() -> None:
     scheduler = make_scheduler(num_blocks=6)
-    for index in range(2):
-        scheduler.add_request(make_request(f"p{index}", 4, max_tokens=12, first_token=30 * index + 1))
+    requests = [make_request(f"p{index}", 4, max_tokens=14, first_token=30 * index + 1) for index in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
     events = 0
-    for _ in range(200):
+    per_request = {request.request_id: 0 for request in requests}
+    for _ in range(300):
         if not scheduler.num_unfinished:
             break
         output = scheduler.schedule()
         events += len(output.preempted)
+        for request in output.preempted:
+            per_request[request.request_id] += 1
         scheduler.update_from_output(output, stub_sample(output))
+    assert events >= 2 and {r.request_id: r.num_preemptions for r in requests} == per_request
     assert events > 0 and scheduler.num_preemptions == events
-    assert sum(request.num_preemptions for output in [output] for request in output.preempted) <= events
 
 
 @pytest.mark.parametrize("swap_blocks", [0, 1])
@@ -361,3 +374,33 @@ def test_swap_space_is_used_only_in_swap_mode_and_never_beyond_its_size(swap_blo
             scheduler.update_from_output(output, stub_sample(output))
             assert_pool_consistent(scheduler)
         assert not scheduler.num_unfinished and scheduler.num_swapped_blocks == 0
+
+
+def test_a_swap_that_exactly_fills_the_swap_space_is_taken() -> None:
+    kv_cache = KVCacheManager(BlockPool(6), BLOCK_SIZE)
+    scheduler = Scheduler(SchedulerConfig(preemption_mode="swap"), kv_cache, 64, num_swap_blocks=3)
+    for index in range(2):
+        scheduler.add_request(make_request(f"s{index}", 8, max_tokens=8, first_token=30 * index + 1))
+    for _ in range(100):
+        output = scheduler.schedule()
+        if output.preempted:
+            break
+        scheduler.update_from_output(output, stub_sample(output))
+    (victim,) = output.preempted
+    assert [order.request_id for order in output.swap_out] == [victim.request_id]
+    assert scheduler.num_swapped_blocks == 3 == scheduler.num_swap_blocks  # exactly full, not refused
+
+
+def test_a_prompt_that_leaves_no_room_for_a_token_is_refused() -> None:
+    scheduler = make_scheduler(num_blocks=4, max_model_len=1024)
+    scheduler.check_request_fits(make_request("fits", 4 * BLOCK_SIZE - 1))
+    with pytest.raises(ValueError, match=r"^the prompt needs 5 KV blocks but the pool has only 4; raise num_blocks"):
+        scheduler.check_request_fits(make_request("full", 4 * BLOCK_SIZE))
+
+
+def test_a_reservation_expires_at_its_deadline() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    scheduler.reserve_remote(make_request("r", 5), lease_s=10.0)
+    deadline = scheduler.reserved["r"][1]
+    assert scheduler.expire_reservations(deadline - 1e-3) == []
+    assert [request.request_id for request in scheduler.expire_reservations(deadline)] == ["r"]

@@ -410,3 +410,11 @@ def test_headers_up_to_the_size_limit_are_read_and_larger_ones_refused() -> None
     data = msgpack.packb({"version": 2, **dataclasses.asdict(dataclasses.replace(exact, request_id="x" * 5000))})
     with pytest.raises(TransferError, match=rf"^header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}$"):
         KVHeader.from_bytes(data)
+
+
+def test_bytes_that_are_no_header_are_malformed_and_an_oversized_header_is_not_sent() -> None:
+    for garbage in (b"\xc1", b"\x92\x01", b"", b"\xdc\xff"):
+        with pytest.raises(TransferError, match=r"^malformed header: "):
+            KVHeader.from_bytes(garbage)
+    with pytest.raises(TransferError, match=r"^header of \d+ bytes exceeds 4096$"):
+        dataclasses.replace(frame_header("x", 0, 4, True), request_id="x" * 5000).to_bytes()

@@ -150,3 +150,68 @@ def test_failing_or_cancelling_an_unknown_transfer_is_harmless() -> None:
         assert table.state("unknown") is None
 
     asyncio.run(body())
+
+
+def test_the_hub_keeps_one_receiver_per_address() -> None:
+    async def body() -> None:
+        hub = LoopbackHub()
+        first, second = LoopbackReceiver(hub, "same"), LoopbackReceiver(hub, "same")
+        await first.start()
+        with pytest.raises(ValueError, match=r"^loopback://same is already registered$"):
+            await second.start()
+        hub.unregister(second)  # not the registered one: nothing changes
+        assert hub.lookup("loopback://same") is first
+        await first.start()  # started already: no second registration
+        await first.close()
+        with pytest.raises(TransferError, match=r"^no receiver at loopback://same$"):
+            hub.lookup("loopback://same")
+
+    asyncio.run(body())
+
+
+def test_finished_ids_are_remembered_up_to_the_bound_then_forgotten_oldest_first() -> None:
+    from cluster.transfer.connector import TransferState
+    from cluster.transfer.loopback import ReceiveTable
+
+    async def body() -> None:
+        table = ReceiveTable(remember=2)
+        for name in ("a", "b", "c"):
+            table.expect(name, memoryview(bytearray(8)))
+            table.cancel(name)
+        assert table.state("a") is None  # forgotten: the oldest went first
+        assert table.state("b") is TransferState.CANCELLED and table.state("c") is TransferState.CANCELLED
+
+    asyncio.run(body())
+
+
+def test_a_closed_receiver_fails_its_transfers_saying_so_and_senders_stay_closed() -> None:
+    async def body() -> None:
+        hub = LoopbackHub()
+        receiver, sender = LoopbackReceiver(hub, "d"), LoopbackSender(hub)
+        await receiver.start()
+        pending = receiver.expect("r", memoryview(poisoned(NBYTES)))
+        await receiver.close()
+        with pytest.raises(TransferError, match=r"^receiver loopback://d closed$"):
+            await pending
+        await sender.close()
+        with pytest.raises(TransferError, match=r"^the sender is closed$"):
+            await sender.send(receiver.address, header_for("r", NBYTES), memoryview(random_payload(NBYTES)))
+
+    asyncio.run(body())
+
+
+def test_buffers_of_any_shape_and_format_are_seen_as_flat_bytes() -> None:
+    import numpy as np
+
+    from cluster.transfer.loopback import readable_bytes, writable_bytes
+
+    for array in (np.zeros((4, 8), dtype=np.float32), np.zeros(16, dtype=np.uint16), np.zeros(32, dtype=np.uint8)):
+        for view in (readable_bytes(memoryview(array)), writable_bytes(memoryview(array))):
+            assert view.format == "B" and view.ndim == 1 and view.nbytes == array.nbytes
+    strided = np.zeros((4, 8), dtype=np.uint8)[:, ::2]
+    with pytest.raises(ValueError, match=r"^the payload is not C-contiguous$"):
+        readable_bytes(memoryview(strided))
+    with pytest.raises(ValueError, match=r"^the receive buffer is not C-contiguous$"):
+        writable_bytes(memoryview(strided))
+    with pytest.raises(ValueError, match=r"^the receive buffer is read-only$"):
+        writable_bytes(memoryview(bytes(8)))

@@ -358,3 +358,20 @@ def test_the_earliest_of_several_stop_strings_wins(tiny: Tokenizer) -> None:
     for token in tiny.encode("Hello world", add_special_tokens=False):
         detokenizer.add(token)
     assert detokenizer.stopped and detokenizer.text == "Hel" and detokenizer.stop_string == "lo w"
+
+
+def test_finish_flushes_a_trailing_partial_character_and_still_checks_stop_strings(tiny: Tokenizer) -> None:
+    """A stream cut inside a multi-byte character ends with U+FFFD; a stop string completed by that
+    flush still cuts the text."""
+    token_ids = tiny.encode("ab 😀", add_special_tokens=False)
+    cut = next(n for n in range(1, len(token_ids) + 1) if tiny.decode(token_ids[:n]).endswith("\ufffd"))
+    detokenizer = IncrementalDetokenizer(tiny, [], stop=("zz",))
+    streamed = "".join(detokenizer.add(token) for token in token_ids[:cut])
+    tail = detokenizer.finish()
+    assert (streamed + tail).endswith("\ufffd") and streamed + tail == detokenizer.text
+    assert detokenizer.finish() == ""  # nothing twice
+    stopping = IncrementalDetokenizer(tiny, [], stop=(tiny.decode(token_ids[:cut])[-2:],))
+    for token in token_ids[:cut]:
+        stopping.add(token)
+    stopping.finish()
+    assert stopping.stopped and not stopping.text.endswith("\ufffd")
