@@ -34,7 +34,7 @@ test-fast: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" -k "not ucx" $(FAST_TESTS) $(PYTEST_ARGS)
 
 # Mutation testing (mutmut, [tool.mutmut] in pyproject.toml) of the engine core and the KV framing
-# against the fast tests: about 20-30 minutes on 2 cores, so not part of `make test`. The score and
+# against the fast tests: about an hour on 2 cores, so not part of `make test`. The score and
 # every surviving mutant are in docs/testing.md; `.venv/bin/mutmut results` lists them after a run.
 mutation: install
 	rm -rf mutants
