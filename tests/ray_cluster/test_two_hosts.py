@@ -33,7 +33,10 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.deploy import test_multinode
 from tests.deploy.test_multinode import RAY, RAY_ENV, Processes, free_port, wait_for_url, wait_until
+
+processes = test_multinode.processes  # the fixture: processes started in sessions of their own, stopped
 
 # Addresses that exist only on the veth pair this test makes, inside its own namespaces.
 HOST_A, HOST_B, PREFIX_LENGTH = "10.213.7.1", "10.213.7.2", 30
@@ -108,17 +111,6 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
     finally:
         for namespace in made:  # deleting a namespace deletes its end of the pair, and so the pair
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-
-
-@pytest.fixture
-def processes() -> Iterator[Processes]:
-    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-2h-logs-"))
-    started = Processes(log_dir)
-    try:
-        yield started
-    finally:
-        started.stop_all()
-        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def call(host: Host, client: Path, url: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
