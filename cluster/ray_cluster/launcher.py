@@ -184,12 +184,13 @@ class Cluster:
         import ray
 
         actor_class = ray.remote(WorkerActor)
+        num_gpus = self.gpus_per_worker(pool)  # asks Ray once per pool, not once per worker
         workers = []
         for index in range(pool.replicas):
             name = self._actor_name(role, index)
             # max_task_retries=0: a stream cut by a worker's death is the router's to resume, not Ray's
             # to replay from its start.
-            options = actor_class.options(num_cpus=pool.num_cpus, num_gpus=self.gpus_per_worker(pool),
+            options = actor_class.options(num_cpus=pool.num_cpus, num_gpus=num_gpus,
                                           resources=dict(pool.resources), name=name,
                                           namespace=RAY_NAMESPACE, max_restarts=self.config.worker_max_restarts,
                                           max_task_retries=0)
