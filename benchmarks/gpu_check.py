@@ -5,7 +5,8 @@
 1. The `gpu`-marked tests (`pytest -m gpu`): greedy tokens on CUDA equal transformers' on CUDA (torch
    and Triton attention), CUDA-graph replays equal eager steps, KV staging through pinned memory.
 2. `pdserve serve --device cuda` on an embedded Ray: 1 prefill + 1 decode worker sharing the GPU
-   (0.5 GPU each), KV over UCX through pinned host buffers; a short serving run against it with
+   (0.5 GPU each), KV over UCX straight from and into device memory (`kv_path` says which path the
+   workers' logs name; PDSERVE_KV_VIA_HOST=1 would stage through pinned host buffers); a short serving run against it with
    `pdserve bench --url` (TTFT, ITL, tokens/s), then the KV figures of /metrics (transfers, bytes,
    failures, recomputes: the last two must be 0).
 3. `python -m benchmarks.kernels --quick`: the Triton kernels against the torch references, decode
@@ -105,7 +106,10 @@ def serving(timeout_s: float) -> dict[str, Any]:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-        result["log_tail"] = log.read_text(errors="replace")[-3000:]
+        text = log.read_text(errors="replace")
+        result["kv_path"] = ("direct" if "straight from and into GPU memory" in text
+                             else "host" if "through pinned host memory" in text else "not logged")
+        result["log_tail"] = text[-3000:]
     return result
 
 

@@ -36,6 +36,23 @@ MAX_HEADER_BYTES = 4096
 HEADER_VERSION = 2
 
 
+class DeviceBytes(Protocol):
+    """Flat bytes in GPU memory (a 1-D uint8 CUDA tensor): what a connector whose
+    `carries_device_memory` is true sends from and receives into with no host copy."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+
+    def __getitem__(self, index: slice) -> Any: ...
+
+
+# What connectors carry: host bytes, or device bytes where the connector says it can.
+KVBytes = memoryview | DeviceBytes
+
+
 class TransferError(RuntimeError):
     """A transfer failed: the peer is gone, refused it, or sent something malformed."""
 
@@ -117,7 +134,12 @@ class KVHeader:
 class KVSender(Protocol):
     """Prefill side."""
 
-    async def send(self, address: str, header: KVHeader, payload: memoryview) -> None:
+    @property
+    def carries_device_memory(self) -> bool:
+        """Whether `send` takes a payload in GPU memory (`DeviceBytes`)."""
+        ...
+
+    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:
         """Deliver header and payload to the receiver at `address`; raises TransferError."""
         ...
 
@@ -129,9 +151,14 @@ class KVReceiver(Protocol):
 
     address: str
 
+    @property
+    def carries_device_memory(self) -> bool:
+        """Whether `expect` takes a buffer in GPU memory (`DeviceBytes`)."""
+        ...
+
     async def start(self) -> None: ...
 
-    def expect(self, request_id: str, buffer: memoryview) -> asyncio.Future[KVHeader]:
+    def expect(self, request_id: str, buffer: KVBytes) -> asyncio.Future[KVHeader]:
         """Accept one payload for `request_id`, of exactly `buffer.nbytes`, written into `buffer`.
 
         The future resolves to the header once the payload is in place, or fails with TransferError

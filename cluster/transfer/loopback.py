@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.transfer.connector import KVHeader, TransferError, TransferState
+from cluster.transfer.connector import DeviceBytes, KVBytes, KVHeader, TransferError, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,28 @@ class FrameRefused(TransferError):
         self.code = code
 
 
-def writable_bytes(buffer: memoryview) -> memoryview:
+def is_device_bytes(buffer: object) -> bool:
+    """Whether `buffer` lives in GPU memory (it has a `__cuda_array_interface__`)."""
+    return hasattr(buffer, "__cuda_array_interface__")
+
+
+def device_bytes(buffer: DeviceBytes, writable: bool) -> DeviceBytes:
+    """`buffer` itself if it is flat device bytes (1-D, uint8, contiguous; writable if asked), else
+    ValueError: UCX sends and receives device memory as one contiguous region."""
+    interface = buffer.__cuda_array_interface__
+    if interface.get("typestr") != "|u1" or len(interface.get("shape", ())) != 1 \
+            or interface.get("strides") not in (None, (1,)):
+        raise ValueError(f"a device buffer must be flat bytes (1-D uint8, contiguous), not {interface!r}")
+    if writable and interface["data"][1]:
+        raise ValueError("the receive buffer is read-only")
+    return buffer
+
+
+def writable_bytes(buffer: KVBytes) -> KVBytes:
     """A flat byte view of a registered buffer; raises ValueError unless writable and C-contiguous."""
-    view = memoryview(buffer)
+    if is_device_bytes(buffer):
+        return device_bytes(buffer, writable=True)  # type: ignore[arg-type]
+    view = memoryview(buffer)  # type: ignore[arg-type]
     if view.readonly:
         raise ValueError("the receive buffer is read-only")
     if not view.c_contiguous:
@@ -68,7 +87,7 @@ def writable_bytes(buffer: memoryview) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def checked_payload(header: KVHeader, payload: memoryview) -> memoryview:
+def checked_payload(header: KVHeader, payload: KVBytes) -> KVBytes:
     """The payload as bytes, refusing to send one whose size differs from what its header says."""
     view = readable_bytes(payload)
     if view.nbytes != header.nbytes:
@@ -76,21 +95,31 @@ def checked_payload(header: KVHeader, payload: memoryview) -> memoryview:
     return view
 
 
-def readable_bytes(payload: memoryview) -> memoryview:
+def readable_bytes(payload: KVBytes) -> KVBytes:
     """A flat byte view of a payload; raises ValueError unless C-contiguous."""
-    view = memoryview(payload)
+    if is_device_bytes(payload):
+        return device_bytes(payload, writable=False)  # type: ignore[arg-type]
+    view = memoryview(payload)  # type: ignore[arg-type]
     if not view.c_contiguous:
         raise ValueError("the payload is not C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def host_only(buffer: KVBytes) -> memoryview:
+    """`buffer` as host bytes; ValueError for device memory (the loopback connector copies with
+    memoryviews)."""
+    if is_device_bytes(buffer):
+        raise ValueError("the loopback connector carries host memory only, not GPU memory")
+    return buffer  # type: ignore[return-value]
+
+
 @dataclass(slots=True)
 class _Slot:
-    buffer: memoryview
+    buffer: KVBytes
     future: asyncio.Future[KVHeader]
     state: TransferState
     landed: int = 0  # bytes of the frames landed so far (frames arrive in order)
-    frame: memoryview | None = None  # the part of `buffer` the frame being received fills
+    frame: KVBytes | None = None  # the part of `buffer` the frame being received fills
 
 
 class ReceiveTable:
@@ -109,7 +138,7 @@ class ReceiveTable:
         self._remember = remember
         self._closed = False
 
-    def expect(self, request_id: str, buffer: memoryview) -> asyncio.Future[KVHeader]:
+    def expect(self, request_id: str, buffer: KVBytes) -> asyncio.Future[KVHeader]:
         """Register `buffer` for `request_id` (called by the receiver's `expect`, in its event loop).
 
         Raises ValueError for an id already pending or receiving, or an unusable buffer, and
@@ -131,7 +160,7 @@ class ReceiveTable:
         slot = self._slots.get(request_id)
         return slot.state if slot is not None else self._finished.get(request_id)
 
-    def admit(self, header: KVHeader) -> memoryview:
+    def admit(self, header: KVHeader) -> KVBytes:
         """Accept a frame whose header was read (called by a receiver before the payload).
 
         Returns the part of the registered buffer the frame fills and marks the id RECEIVING, or
@@ -193,7 +222,7 @@ class ReceiveTable:
         if not slot.future.done():
             slot.future.cancel()
 
-    def is_live(self, request_id: str, frame: memoryview) -> bool:
+    def is_live(self, request_id: str, frame: KVBytes) -> bool:
         """Whether `frame` (from `admit`) is still being received for `request_id` (not cancelled)."""
         slot = self._slots.get(request_id)
         return slot is not None and slot.frame is frame and slot.state is TransferState.RECEIVING
@@ -281,6 +310,8 @@ class LoopbackHub:
 class LoopbackReceiver:
     """`KVReceiver` in process: frames arrive through `deliver`, called by `LoopbackSender`."""
 
+    carries_device_memory = False
+
     def __init__(self, hub: LoopbackHub, name: str) -> None:
         self.address = LOOPBACK_SCHEME + name
         self._hub = hub
@@ -293,9 +324,9 @@ class LoopbackReceiver:
             self._hub.register(self)
             self._started = True
 
-    def expect(self, request_id: str, buffer: memoryview) -> asyncio.Future[KVHeader]:
+    def expect(self, request_id: str, buffer: KVBytes) -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the transfers run in."""
-        return self._table.expect(request_id, buffer)
+        return self._table.expect(request_id, host_only(buffer))
 
     def state(self, request_id: str) -> TransferState | None:
         return self._table.state(request_id)
@@ -316,7 +347,7 @@ class LoopbackReceiver:
             header_bytes = bytes(byte ^ 0x5A for byte in header_bytes)
         try:
             header = KVHeader.from_bytes(header_bytes)
-            buffer = self._table.admit(header)
+            buffer = host_only(self._table.admit(header))
         except FrameRefused as refused:
             log.warning("%s refused a frame: %s", self.address, refused)
             return refused.code
@@ -350,18 +381,20 @@ class LoopbackReceiver:
 class LoopbackSender:
     """`KVSender` in process; `timeout_s` bounds each send as the network senders do."""
 
+    carries_device_memory = False
+
     def __init__(self, hub: LoopbackHub, timeout_s: float = 30.0) -> None:
         self._hub = hub
         self._timeout_s = timeout_s
         self._closed = False
 
-    async def send(self, address: str, header: KVHeader, payload: memoryview) -> None:
+    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:
         """Deliver one frame; returns once the payload is in the receiver's buffer.
 
         Raises TransferError if the receiver is missing, refused the frame, or an injected failure
         hit it; raises ValueError for a payload whose size differs from `header.nbytes`.
         """
-        await self.send_raw(address, header.to_bytes(), checked_payload(header, payload))
+        await self.send_raw(address, header.to_bytes(), host_only(checked_payload(header, payload)))
 
     async def send_raw(self, address: str, header_bytes: bytes, payload: memoryview,
                        declared_length: int | None = None) -> None:
@@ -390,7 +423,7 @@ class LoopbackSender:
         receiver = self._hub.lookup(address)
         if declared_length is not None and declared_length != len(header_bytes):
             header_bytes = b""  # a lying length prefix desynchronises the frame: unreadable
-        code = await receiver.deliver(header_bytes, readable_bytes(payload), mode)
+        code = await receiver.deliver(header_bytes, host_only(readable_bytes(payload)), mode)
         if mode is FailMode.PEER_LOST:
             raise TransferError(f"injected failure: link to {address} lost mid-payload")
         if mode is FailMode.ACK_LOST:

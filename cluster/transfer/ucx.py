@@ -42,6 +42,11 @@ Transports. UCX reads its settings from the environment when `ucxx.init` runs (o
   handling on, so sm is never chosen for them, and UCX_TLS=sm,self alone makes the connect fail
   ("Destination is unreachable"). The benchmark measures sm with worker-address endpoints.
 - RDMA (`UCX_TLS=rc,...`) needs a NIC these machines do not have; untested.
+- GPU memory: a payload or receive buffer in device memory (`DeviceBytes`) is moved by UCX's
+  `cuda_copy` transport (pipelined through UCX's own pinned buffers over TCP), `cuda_ipc` between
+  processes on one node, GPUDirect RDMA with `rc` + `gdr_copy`. UCX_TLS must allow `cuda_copy`
+  (`ucx_carries_device_memory`); otherwise the worker stages through pinned host memory itself.
+  Written against ucxx's documented `__cuda_array_interface__` support, not yet run on a GPU.
 UCX_WARN_UNUSED_ENV_VARS=n is set by default (each process would print a warning otherwise). The
 thread progress mode is slower on 2 cores; polling collapses under load. UCX_TCP_MAX_POLL=1 (UCX
 reads a socket less greedily per progress call) made no consistent difference in the benchmark
@@ -61,7 +66,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from cluster.transfer.connector import MAX_HEADER_BYTES, KVHeader, TransferError, TransferState
+from cluster.transfer.connector import MAX_HEADER_BYTES, KVBytes, KVHeader, TransferError, TransferState
 from cluster.transfer.loopback import FrameRefused, ReceiveTable, Refusal, checked_payload, readable_bytes
 
 log = logging.getLogger(__name__)
@@ -86,6 +91,19 @@ def transports_in_use() -> str:
     if configured:
         return f"UCX_TLS={configured}"
     return "UCX's default (listener endpoints: TCP, or RDMA where a NIC has it)"
+
+
+def ucx_carries_device_memory(transports: str | None = None) -> bool:
+    """Whether UCX, told to use `transports` (else UCX_TLS), may be handed GPU buffers: it needs its
+    CUDA copy transport, which UCX's default (UCX_TLS unset or `all`), `cuda` and `cuda_copy`
+    include, as does an exclusion list (`^...`) that does not name it. The wheels (libucx-cu12) are
+    built with CUDA; the GPU driver must be there at run time."""
+    names = [name.strip() for name in (transports or os.environ.get("UCX_TLS", "")).split(",") if name.strip()]
+    if not names:
+        return True
+    if names[0].startswith("^"):
+        return not {names[0][1:], *names[1:]} & {"cuda", "cuda_copy"}
+    return bool({"all", "cuda", "cuda_copy"} & set(names))
 
 
 def init_ucx(transports: str | None = None) -> Any:
@@ -372,7 +390,8 @@ async def complete(request: Any, timeout_s: float) -> None:
 
 
 class UCXReceiver:
-    """`KVReceiver` over a ucxx listener; one serving task per connected sender endpoint."""
+    """`KVReceiver` over a ucxx listener; one serving task per connected sender endpoint. Buffers may
+    be host bytes or, where `carries_device_memory`, GPU bytes (UCX writes them with CUDA copies)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
                  transports: str | None = None) -> None:
@@ -387,6 +406,10 @@ class UCXReceiver:
         self._receiving: dict[str, _Link] = {}  # request id -> link whose payload fills its buffer
         self._closed = False
 
+    @property
+    def carries_device_memory(self) -> bool:
+        return ucx_carries_device_memory(self._transports)
+
     async def start(self) -> None:
         """Listen (port 0 picks a free one) and set `address`; call once, in the serving event loop."""
         if self._listener is not None:
@@ -397,7 +420,7 @@ class UCXReceiver:
         self.address = f"{UCX_SCHEME}{self._host}:{self._listener.port}"
         log.info("UCX receiver listening at %s", self.address)
 
-    def expect(self, request_id: str, buffer: memoryview) -> asyncio.Future[KVHeader]:
+    def expect(self, request_id: str, buffer: KVBytes) -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the receiver started in."""
         return self._table.expect(request_id, buffer)
 
@@ -501,7 +524,7 @@ class UCXReceiver:
         except _ucx_errors().UCXMessageTruncatedError:
             pass
 
-    async def _land(self, link: _Link, header: KVHeader, buffer: memoryview) -> Refusal:
+    async def _land(self, link: _Link, header: KVHeader, buffer: KVBytes) -> Refusal:
         """Receive the admitted payload straight into `buffer`; returns the ack code.
 
         A transport error or timeout fails the transfer and aborts the endpoint (raised on).
@@ -546,7 +569,8 @@ def _ucx_errors() -> Any:
 
 
 class UCXSender:
-    """`KVSender` over ucxx endpoints, pooled per address (one transfer per endpoint at a time)."""
+    """`KVSender` over ucxx endpoints, pooled per address (one transfer per endpoint at a time). A
+    payload may be host bytes or, where `carries_device_memory`, GPU bytes sent with no host copy."""
 
     def __init__(self, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
                  max_endpoints_per_peer: int = 4, transports: str | None = None) -> None:
@@ -560,7 +584,11 @@ class UCXSender:
         self._linked: set[str] = set()  # peers this sender has connected to (logged once each)
         self._closed = False
 
-    async def send(self, address: str, header: KVHeader, payload: memoryview) -> None:
+    @property
+    def carries_device_memory(self) -> bool:
+        return ucx_carries_device_memory(self._transports)
+
+    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:
         """Deliver one frame; returns once the payload landed in the receiver's buffer.
 
         Raises TransferError if the receiver is unreachable, dies, times out or refuses the frame
@@ -568,7 +596,7 @@ class UCXSender:
         """
         await self.send_raw(address, header.to_bytes(), checked_payload(header, payload))
 
-    async def send_raw(self, address: str, header_bytes: bytes, payload: memoryview,
+    async def send_raw(self, address: str, header_bytes: bytes, payload: KVBytes,
                        declared_length: int | None = None) -> None:
         """Send a frame with the header bytes (and length prefix) given as is: tests, diagnostics."""
         if self._closed:
@@ -620,7 +648,7 @@ class UCXSender:
             except Exception as error:  # UCX errors; anything else is as fatal to the send
                 raise TransferError(f"cannot connect to {address}: {error!r}") from error
 
-    async def _exchange(self, link: _Link, address: str, header_bytes: bytes, payload: memoryview,
+    async def _exchange(self, link: _Link, address: str, header_bytes: bytes, payload: KVBytes,
                         length: int) -> int:
         """Send prefix, header and payload, wait for the ack; the endpoint goes back to the pool
         only if the exchange completed (a broken one is aborted: its stream is out of step)."""

@@ -30,7 +30,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
 from cluster.state.interface import SharedState, WorkerInfo
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
-from cluster.worker.kv_staging import landing_buffer, wire_bytes
+from cluster.worker.kv_staging import landing_buffer, sends_device_memory, wire_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,6 +98,14 @@ class Worker:
         except Exception as error:
             self.failure = f"warm-up failed on {self.engine.device}: {error!r}"
             log.error("%s: %s", self.worker_id, self.failure)
+        if self._direct(self.sender) or self._direct(self.receiver):
+            # UCX's CUDA copies run on this (the event loop's) thread: it needs the device's context.
+            torch.cuda.set_device(self.engine.device)
+        for connector in (self.sender, self.receiver):
+            if connector is not None and self.engine.device.type == "cuda":
+                log.info("%s: KV %s %s", self.worker_id, "leaves" if connector is self.sender else "lands",
+                         "straight from and into GPU memory" if self._direct(connector)
+                         else "through pinned host memory")
         if self.receiver is not None:
             await self.receiver.start()
             log.info("%s listens for KV at %s", self.worker_id, self.receiver.address)
@@ -164,6 +172,11 @@ class Worker:
         for connector in (self.sender, self.receiver):
             if connector is not None:
                 await connector.close()
+
+    def _direct(self, connector: KVSender | KVReceiver | None) -> bool:
+        """Whether KV through `connector` stays in device memory (see `kv_staging`)."""
+        return connector is not None and sends_device_memory(self.engine.device,
+                                                             connector.carries_device_memory)
 
     def _run(self) -> None:
         while not self.stopped:
@@ -343,7 +356,7 @@ class Worker:
                               first_block=export.first_block, last=export.last)
             started = time.perf_counter()
             try:
-                await self.sender.send(address, header, wire_bytes(data))
+                await self.sender.send(address, header, wire_bytes(data, self._direct(self.sender)))
             except Exception as error:
                 self.transfer_failures += 1
                 log.warning("%s (%s): KV of %s to %s failed (%s)", self.worker_id,
@@ -379,9 +392,10 @@ class Worker:
             self.streams.pop(request_id, None)
             return None
         runner = self.engine.runner
+        direct = self._direct(self.receiver)
         staging = landing_buffer((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
-                                 runner.dtype, runner.device)
-        arrived = self.receiver.expect(request_id, wire_bytes(staging))
+                                 runner.dtype, runner.device, direct)
+        arrived = self.receiver.expect(request_id, wire_bytes(staging, direct))
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
         return self.receiver.address
 
