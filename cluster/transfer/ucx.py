@@ -77,8 +77,10 @@ PREFIX = struct.Struct("<Q")
 MIN_BYTES_PER_S = 50e6
 # Waits wake on UCX progress; a watchdog progresses and re-arms this often anyway (a safety net).
 WAKE_UP_S = 0.05
-# How long an abort may drive progress for its endpoint's in-flight request to finish.
-SETTLE_S = 0.1
+# How long an abort may drive progress for its endpoint's in-flight request to finish, and how many
+# progress calls it makes at least (a process descheduled past the deadline still makes them).
+SETTLE_S = 1.0
+SETTLE_CALLS = 8
 T = TypeVar("T")
 
 _ucxx: Any = None  # the ucxx module once `init_ucx` ran (imported late: the environment goes first)
@@ -328,10 +330,13 @@ class _Link:
     def _settle(self) -> None:
         # After the abort UCX still delivers what it had already read from the socket (tens of KiB)
         # at the next progress: drive progress here until the request is done, so that no byte lands
-        # in a registered buffer once `cancel` returned. Bounded: UCX fails the request at once.
-        request, deadline = self._pending, time.monotonic() + SETTLE_S
-        while request is not None and not request.completed and time.monotonic() < deadline:
+        # in a registered buffer once `cancel` returned. Bounded: UCX fails the request at once, so
+        # this normally takes one or two calls; the bound is counted in calls as well as in time
+        # because on a loaded machine the process may sleep past a deadline before its first call.
+        request, deadline, calls = self._pending, time.monotonic() + SETTLE_S, 0
+        while request is not None and not request.completed and (calls < SETTLE_CALLS or time.monotonic() < deadline):
             self._progress.progress_now()
+            calls += 1
         if request is not None and not request.completed:
             log.warning("a UCX request was still in flight %.0f ms after its endpoint closed", 1e3 * SETTLE_S)
 

@@ -49,16 +49,22 @@ def test_payloads_from_another_process_land_bit_for_bit(ucx_pair: Pair) -> None:
         assert np.array_equal(buffers[name], payload(nbytes, index))
 
 
-@pytest.mark.parametrize("via", ["receiver", "future"])
-def test_cancel_mid_payload_from_another_process_stops_the_bytes(ucx_pair: Pair, via: str) -> None:
+@pytest.mark.parametrize("via", ["receiver", "future", "late"])
+def test_cancel_mid_payload_from_another_process_stops_the_bytes(ucx_pair: Pair, via: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancel once part of a large payload landed, by `receiver.cancel` or by cancelling the future:
     the future is cancelled, the sender fails, and not one more byte lands after the cancel took
-    effect (UCX's buffered bytes are flushed before).
+    effect (UCX's buffered bytes are flushed before). "late": the receiver's process is descheduled
+    past the flush's deadline before the flush starts (the way this test once failed on a loaded
+    machine); the flush must still run.
 
     UCX sometimes reads a whole payload in one progress call, leaving nothing to cancel midway: the
     sender sends several, and the first caught midway is cancelled."""
+    from cluster.transfer import ucx
     from cluster.transfer.connector import TransferState
 
+    if via == "late":
+        monkeypatch.setattr(ucx, "SETTLE_S", 0.0)
     nbytes, attempts = 256 << 20, 3
     buffers = [np.zeros(nbytes, dtype=np.uint8) for _ in range(attempts)]
 
@@ -83,7 +89,7 @@ def test_cancel_mid_payload_from_another_process_stops_the_bytes(ucx_pair: Pair,
         process = await start_peer("send", ucx_pair.receiver.address, *(f"{i}:{nbytes}:5" for i in ids))
         for request_id, buffer, done in zip(ids, buffers, futures, strict=True):
             if await caught_midway(request_id, buffer):
-                if via == "receiver":
+                if via in ("receiver", "late"):
                     ucx_pair.receiver.cancel(request_id)
                 else:
                     done.cancel()
