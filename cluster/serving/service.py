@@ -26,6 +26,10 @@ from cluster.common.loads import WorkerLoad
 from cluster.common.sampling_params import SamplingParams
 from cluster.weights.tokenizer import Tokenizer
 
+# The longest request id a client may send (HTTP `X-Request-Id`, gRPC `request_id`): echoed and
+# logged, never used as an engine request id.
+MAX_REQUEST_ID_LENGTH = 128
+
 
 class Service(Protocol):
     @property

@@ -386,8 +386,12 @@ class Worker:
         assert self.receiver is not None, "a decode worker needs a KV receiver"
         self._claim(request_id)
         self.streams[request_id] = asyncio.Queue()
-        block_ids = await self._call(lambda: self.engine.reserve_remote(
-            prompt_token_ids, params, request_id=request_id, lease_s=lease_s))
+        try:
+            block_ids = await self._call(lambda: self.engine.reserve_remote(
+                prompt_token_ids, params, request_id=request_id, lease_s=lease_s))
+        except BaseException:  # refused (a prompt the model cannot take): nothing of it stays here
+            self.streams.pop(request_id, None)
+            raise
         if block_ids is None:
             self.streams.pop(request_id, None)
             return None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,3 +119,44 @@ async def leave_mid_stream(url: str, model: str) -> None:
         async for line in reply.aiter_lines():
             if line.startswith("data: "):
                 break  # the first token came: leave
+
+
+def test_clients_cannot_reach_each_others_requests_through_ids(cluster: Cluster) -> None:
+    """On the cluster path: two clients sending the same X-Request-Id get two requests (the second is
+    not refused, the first is not aborted), and a prompt refused by the decode worker (token ids past
+    the vocabulary) leaves nothing there that a later request with that id would trip on."""
+    from cluster.serving.http.gateway import HttpServer, build_app
+
+    async def main() -> None:
+        service = ClusterService(cluster)
+        http = HttpServer(build_app(service, api_key=""), "127.0.0.1", 0)
+        await http.start()
+        headers = {"X-Request-Id": "shared-id"}
+        long_body = {"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        try:
+            async with httpx.AsyncClient(base_url=http.url, timeout=60) as client:
+                async with client.stream("POST", "/v1/completions", json=long_body, headers=headers) as first:
+                    lines = first.aiter_lines()
+                    async for line in lines:
+                        if line.startswith("data: "):
+                            break
+                    second = await client.post("/v1/completions", headers=headers,
+                                               json={"prompt": PROMPTS[1], "max_tokens": 3})
+                    assert second.status_code == 200, second.text
+                    events = [json.loads(line.removeprefix("data: ")) async for line in lines
+                              if line.startswith("data: ") and line != "data: [DONE]"]
+                assert events[-1]["choices"][0]["finish_reason"] == "length"
+                poisoned = await client.post("/v1/completions", headers={"X-Request-Id": "poison"},
+                                             json={"prompt": [5, 10**6], "max_tokens": 3})
+                assert poisoned.status_code == 400, poisoned.text
+                again = await client.post("/v1/completions", headers={"X-Request-Id": "poison"},
+                                          json={"prompt": PROMPTS[2], "max_tokens": 3})
+                assert again.status_code == 200, again.text
+            deadline = time.monotonic() + 20
+            while not pools_whole(cluster):
+                assert time.monotonic() < deadline, "blocks still held"
+                await asyncio.sleep(0.2)
+        finally:
+            await http.stop()
+
+    asyncio.run(main())

@@ -177,3 +177,19 @@ def test_an_abort_from_elsewhere_ends_the_stream_and_ids_are_not_shared(checkpoi
             assert_whole(prefill, decode)
 
     asyncio.run(main())
+
+
+def test_a_refused_prompt_leaves_nothing_behind_and_its_id_stays_usable(checkpoint: Path) -> None:
+    """A prompt the model cannot take (token ids past the vocabulary) is refused by the decode worker
+    with nothing of it kept: before, its stream entry stayed, and the id was refused for good."""
+    async def main() -> None:
+        async with running_pair(checkpoint) as (prefill, decode, _):
+            with pytest.raises(ValueError, match="token ids"):
+                await decode.reserve("poison", [5, 10**6], GREEDY)
+            assert not decode.streams and decode.receiver.state("poison") is None
+            assert await serve(prefill, decode, "poison", PROMPTS[0]) == (await asyncio.to_thread(
+                lambda: make_engine(checkpoint).generate([PROMPTS[0]], GREEDY)[0].token_ids))
+            assert not decode.streams and not prefill.streams
+            assert_whole(prefill, decode)
+
+    asyncio.run(main())

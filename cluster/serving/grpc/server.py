@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import math
@@ -42,7 +43,7 @@ from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
-from cluster.serving.service import Service
+from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service
 
 __all__ = ["SERVICE_NAME", "GrpcServer"]
 
@@ -71,9 +72,13 @@ class ModelNotFound(LookupError):
     """The request names a model this server does not serve (NOT_FOUND)."""
 
 
-# Errors raised before a request runs: it holds nothing, so there is nothing to abort (and its id
-# may be another request's, when a client reuses one).
+class _InUse(ValueError):
+    """A client's request id already names one of its calls in flight (ALREADY_EXISTS)."""
+
+
+# Errors raised before a request runs: it holds nothing, so there is nothing to abort. First match wins.
 _REFUSALS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (_InUse, grpc.StatusCode.ALREADY_EXISTS),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (jinja2.TemplateError, grpc.StatusCode.INVALID_ARGUMENT),  # a chat the template rejects
     (ModelNotFound, grpc.StatusCode.NOT_FOUND),
@@ -164,7 +169,8 @@ class _Call:
     """One Generate (or Complete) call on this server: what its end must clean up, and what it
     reports when an Abort call ends it."""
 
-    request_id: str
+    request_id: str  # the client's (echoed in every response), else the engine's
+    engine_id: str  # the service's request id: the server's own, never the client's
     task: asyncio.Task[Any] | None  # the task serving the call, which an Abort cancels
     running: bool = False  # the service may hold blocks for the request: abort it if the call ends early
     aborted: bool = False  # ended by an Abort call: finish with an "abort" message, not an error
@@ -185,26 +191,36 @@ class _Call:
 
 
 class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
+    """The gRPC API over a `Service`. Request ids are scoped: the engine id of a call is the server's
+    own, and a client's `request_id` names its call only among calls made with the same API key (the
+    bearer sent; no key, one scope). So an Abort ends only a request of the key that sent it, never
+    another client's, nor an HTTP request."""
+
     def __init__(self, service: Service) -> None:
         self.service = service
-        # The calls in flight here, by request id. An Abort ends the matching call itself: the
-        # service frees the request's blocks, but its event stream would not end on its own.
-        self.calls: dict[str, _Call] = {}
+        # The calls in flight here, by (scope, client's request id). An Abort ends the matching call
+        # itself: the service frees the request's blocks, but its event stream would not end on its own.
+        self.calls: dict[tuple[str, str], _Call] = {}
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        call = _Call(request.request_id or uuid.uuid4().hex, asyncio.current_task())
-        self.calls.setdefault(call.request_id, call)
+        engine_id = f"grpc-{uuid.uuid4().hex}"
+        call = _Call(request.request_id or engine_id, engine_id, asyncio.current_task())
+        key = (_scope_of(context), call.request_id)
         try:
+            _check_request_id(request.request_id)
+            if key in self.calls:
+                raise _InUse(f"request_id {call.request_id!r} is already in flight for this API key")
+            self.calls[key] = call
             prompt = self._prompt_of(request)
             params = _params_of(request.sampling)
             _check_min_tokens(len(prompt), params, self.service.max_model_len)
-            events = self.service.generate(prompt, params, call.request_id)
+            events = self.service.generate(prompt, params, engine_id)
             call.running, call.num_prompt_tokens = True, len(prompt)
             async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
                 async for event in events:
                     call.record(event)
-                    yield _response_of(event)
+                    yield _response_of(event, call.request_id)
         except asyncio.CancelledError:
             if not call.aborted:
                 raise  # the client cancelled, its deadline passed, or the server is stopping
@@ -214,14 +230,14 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             call.running = False
             await context.abort(_status_of(error), str(error))
         except Exception:
-            log.exception("request %s failed", call.request_id)
+            log.exception("request %s (%s) failed", engine_id, call.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"request {call.request_id} failed on the server")
         finally:
-            if self.calls.get(call.request_id) is call:
-                del self.calls[call.request_id]
+            if self.calls.get(key) is call:
+                del self.calls[key]
             if call.running:
                 # Shielded: the call's own cancellation must not cancel the abort that frees the blocks.
-                await asyncio.shield(self.service.abort(call.request_id))
+                await asyncio.shield(self.service.abort(engine_id))
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         responses = [response async for response in self.Generate(request, context)]
@@ -232,13 +248,16 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             logprobs=[entry for r in responses for entry in r.logprobs], usage=last.usage)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        """End the caller's own request of that id (sent with the same API key); any other id is a no-op."""
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        call = self.calls.get(request.request_id)
-        if call is not None and call.running and call.task is not None:
+        call = self.calls.get((_scope_of(context), request.request_id))
+        if call is None:
+            return pb.AbortResponse()
+        if call.running and call.task is not None:
             call.aborted = True
             call.task.cancel()
-        await self.service.abort(request.request_id)
+        await self.service.abort(call.engine_id)
         return pb.AbortResponse()
 
     async def ListModels(self, request: pb.ListModelsRequest,
@@ -283,10 +302,23 @@ def _check_min_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_
                          f"the context is {max_model_len}: at most {room} tokens can be generated")
 
 
-def _response_of(event: TokenEvent) -> pb.GenerateResponse:
+def _scope_of(context: grpc.aio.ServicerContext) -> str:
+    """Whose request ids a call names: the bearer it sent (hashed; with an API key configured the
+    interceptor let only the right one through), else one shared scope for callers without one."""
+    metadata = dict(context.invocation_metadata() or ())
+    bearer = str(metadata.get("authorization", ""))
+    return hashlib.sha256(bearer.encode()).hexdigest() if bearer else ""
+
+
+def _check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_LENGTH or not request_id.isprintable():
+        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LENGTH} printable characters")
+
+
+def _response_of(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
     finish_reason = _FINISH_REASONS.get(str(event.finish_reason), pb.FINISH_REASON_UNSPECIFIED)
     response = pb.GenerateResponse(
-        request_id=event.request_id, index=event.index, token_ids=event.token_ids, text=event.text,
+        request_id=request_id, index=event.index, token_ids=event.token_ids, text=event.text,
         finished=event.finished, finish_reason=finish_reason, logprobs=[_logprobs_of(lp) for lp in event.logprobs])
     if event.finished:
         completion_tokens = event.index + len(event.token_ids)

@@ -2,8 +2,8 @@
 
 A request's way through:
 
-1. Three ASGI middlewares, outermost first: `RequestIdMiddleware` names the request (the client's
-   `X-Request-Id`, else `cmpl-<hex>` / `chatcmpl-<hex>`) and returns the name in the response header;
+1. Three ASGI middlewares, outermost first: `RequestIdMiddleware` names the request (`cmpl-<hex>` /
+   `chatcmpl-<hex>`, always the server's own; a client's `X-Request-Id` is only echoed and logged);
    `BodyLimitMiddleware` refuses bodies over the limit (413); `ApiKeyMiddleware` checks the bearer key
    on `/v1/` routes (401). Their errors, like every other, use OpenAI's error JSON.
 2. FastAPI validates the body into a `cluster.serving.http.openai_protocol` model (400 on failure, not FastAPI's 422).
@@ -59,14 +59,13 @@ from cluster.serving.http.openai_protocol import (
     Usage,
 )
 from cluster.serving.rate_limits import RateLimited, RateLimits
-from cluster.serving.service import Service
+from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: logged, never received
-MAX_REQUEST_ID_LENGTH = 128
 QUIET_PATHS = ("/health", "/ready", "/metrics")  # probed every few seconds: logged at DEBUG only
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
@@ -409,7 +408,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         **ERROR_RESPONSES, 200: {"content": EVENT_STREAM, "description": "a completion, or its chunks as events"}})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gateway.admit(body.model)
-        response_format = CompletionFormat(request.state.request_id, service.model_name, service.tokenizer,
+        response_format = CompletionFormat(request.state.public_id, service.model_name, service.tokenizer,
                                            logprobs=body.logprobs is not None)
         return await gateway.respond(request, body, response_format)
 
@@ -417,7 +416,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         **ERROR_RESPONSES, 200: {"content": EVENT_STREAM, "description": "a chat completion, or its chunks as events"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gateway.admit(body.model)
-        response_format = ChatFormat(request.state.request_id, service.model_name, service.tokenizer,
+        response_format = ChatFormat(request.state.public_id, service.model_name, service.tokenizer,
                                      logprobs=body.logprobs)
         return await gateway.respond(request, body, response_format)
 
@@ -426,8 +425,11 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
 
 
 class RequestIdMiddleware:
-    """Names each request: the client's `X-Request-Id`, else a fresh one; echoes it in the response
-    header, puts it in `request.state.request_id` (the engine request id) and logs the outcome."""
+    """Names each request with an id of the server's own (`cmpl-<hex>`, `chatcmpl-<hex>`): the engine
+    request id, in `request.state.request_id`. A client's `X-Request-Id` is never an engine id (two
+    clients could otherwise pick the same one and end each other's requests): it is only echoed (in
+    the response header and the body's `id`, `request.state.public_id`) and logged next to ours. One
+    over MAX_REQUEST_ID_LENGTH characters or with unprintable ones is a 400."""
 
     PREFIXES = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
 
@@ -437,31 +439,35 @@ class RequestIdMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = self._request_id(scope)
-        scope.setdefault("state", {})["request_id"] = request_id
+        request_id = f"{self.PREFIXES.get(scope['path'], 'req')}-{uuid.uuid4().hex}"
+        given = _header(scope, b"x-request-id")
+        public_id = given or request_id
+        state = scope.setdefault("state", {})
+        state["request_id"], state["public_id"] = request_id, public_id
         started, status = time.perf_counter(), 500
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", public_id.encode())]
             await send(message)
 
         try:
+            if given is not None and (len(given) > MAX_REQUEST_ID_LENGTH or not given.isprintable()):
+                public_id = request_id  # not echoed: it is what was refused
+                error = ApiError(400, f"X-Request-Id must be at most {MAX_REQUEST_ID_LENGTH} printable characters",
+                                 param="X-Request-Id", code="invalid_request_id")
+                return await error.response()(scope, receive, send_with_id)
             await self.app(scope, receive, send_with_id)
         finally:
             level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
             duration = time.perf_counter() - started
-            log.log(level, "%s: %s %s -> %d in %.3fs", request_id, scope["method"], scope["path"], status, duration,
-                    extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
-                           "status": status, "duration_s": round(duration, 6)})
-
-    def _request_id(self, scope: Scope) -> str:
-        given = _header(scope, b"x-request-id")
-        if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isprintable():
-            return given
-        return f"{self.PREFIXES.get(scope['path'], 'req')}-{uuid.uuid4().hex}"
+            client_id = f" (client's id {given!r})" if given and public_id == given else ""
+            log.log(level, "%s%s: %s %s -> %d in %.3fs", request_id, client_id, scope["method"], scope["path"], status,
+                    duration, extra={"request_id": request_id, "client_request_id": given if client_id else None,
+                                     "method": scope["method"], "path": scope["path"], "status": status,
+                                     "duration_s": round(duration, 6)})
 
 
 class BodyLimitMiddleware:

@@ -151,8 +151,11 @@ def assert_answered_or_refused(answer: Any, expected: grpc.StatusCode | None) ->
 
 
 def certain_refusal(request: pb.GenerateRequest, model_name: str) -> grpc.StatusCode | None:
-    """The status a request earns whatever else it holds: NOT_FOUND for another model, then
-    INVALID_ARGUMENT for no prompt, a chat without messages, or a sampling value not a finite number."""
+    """The status a request earns whatever else it holds: INVALID_ARGUMENT for a request id over 128
+    characters or with unprintable ones, NOT_FOUND for another model, then INVALID_ARGUMENT for no
+    prompt, a chat without messages, or a sampling value not a finite number."""
+    if len(request.request_id) > 128 or not request.request_id.isprintable():
+        return grpc.StatusCode.INVALID_ARGUMENT
     if request.model not in ("", model_name):
         return grpc.StatusCode.NOT_FOUND
     sampling = request.sampling

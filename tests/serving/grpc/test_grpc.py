@@ -140,6 +140,39 @@ def test_abort_by_request_id(client: Client, service: LocalService) -> None:
     assert wait_until(lambda: pool_is_whole(service))
 
 
+def test_an_abort_ends_only_a_request_of_the_callers_own_key(server: GrpcServer, service: LocalService) -> None:
+    """Request ids are scoped by the bearer a client sends: another key (or none) aborting the same id
+    is a no-op, and the owner's stream runs to its end (before, any caller could end any request)."""
+    with Client(target(server), api_key="alice", timeout=WAIT_S * 3) as alice, \
+            Client(target(server), api_key="bob", timeout=WAIT_S * 3) as bob, \
+            Client(target(server), timeout=WAIT_S * 3) as anonymous:
+        stream = alice.generate(PROMPT, request_id="shared", max_tokens=40, **GREEDY)
+        next(stream)
+        bob.abort("shared")
+        anonymous.abort("shared")
+        chunks = list(stream)
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 40
+        assert all(chunk.request_id == "shared" for chunk in chunks)  # the client's id, echoed
+        mine = alice.generate(PROMPT, request_id="shared", max_tokens=LONG, **GREEDY)
+        next(mine)
+        alice.abort("shared")
+        assert list(mine)[-1].finish_reason == "abort"
+    assert wait_until(lambda: pool_is_whole(service))
+
+
+def test_request_ids_over_the_limit_or_in_flight_are_refused(client: Client, service: LocalService) -> None:
+    with pytest.raises(ClientError) as refused:
+        client.complete(PROMPT, request_id="x" * 129, max_tokens=2)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "128" in refused.value.details
+    stream = client.generate(PROMPT, request_id="twice", max_tokens=30, **GREEDY)
+    next(stream)
+    with pytest.raises(ClientError) as in_use:
+        client.complete(PROMPT, request_id="twice", max_tokens=2)
+    assert in_use.value.code == grpc.StatusCode.ALREADY_EXISTS and "twice" in in_use.value.details
+    assert list(stream)[-1].finish_reason == "length"  # the refusal did not end the first
+    assert wait_until(lambda: pool_is_whole(service))
+
+
 # ---- retries --------------------------------------------------------------------------------------
 
 def free_port() -> int:

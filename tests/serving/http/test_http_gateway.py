@@ -103,7 +103,7 @@ def test_health_ready_models_and_openapi(client: httpx.Client, tiny: LiveGateway
     assert "HTTPValidationError" not in document["components"]["schemas"]
 
 
-def test_request_ids_are_taken_or_made(client: httpx.Client) -> None:
+def test_request_ids_are_echoed_or_made(client: httpx.Client) -> None:
     body = {"prompt": "Hello", "max_tokens": 2}
     given = client.post("/v1/completions", json=body, headers={"X-Request-Id": "my-id-1"})
     assert given.headers["x-request-id"] == "my-id-1" == given.json()["id"]
@@ -113,6 +113,32 @@ def test_request_ids_are_taken_or_made(client: httpx.Client) -> None:
     assert chat.headers["x-request-id"].startswith("chatcmpl-")
     assert_error(client.post("/v1/completions", json={**body, "model": "nope"}), 404)
     assert client.get("/health").headers["x-request-id"]
+
+
+@pytest.mark.parametrize("given", ["x" * 129, "tab\there"], ids=["too-long", "unprintable"])
+def test_a_request_id_over_the_limit_is_a_400_naming_it(client: httpx.Client, given: str) -> None:
+    response = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+                           headers={"X-Request-Id": given})
+    error = assert_error(response, 400)
+    assert "X-Request-Id" in error["message"] and "128" in error["message"]
+    assert response.headers["x-request-id"] != given
+
+
+def test_a_client_cannot_end_another_clients_request_by_reusing_its_id(client: httpx.Client, tiny: LiveGateway) -> None:
+    """Two clients that send the same X-Request-Id are two requests: the second neither is refused
+    nor ends the first (before, it got a 400 "already in use" whose clean-up aborted the first)."""
+    long_body = {"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    headers = {"X-Request-Id": "shared-id"}
+    with client.stream("POST", "/v1/completions", json=long_body, headers=headers) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the first is streaming
+        second = client.post("/v1/completions", json={"prompt": [9, 9], "max_tokens": 3}, headers=headers)
+        assert second.status_code == 200, second.text
+        assert second.json()["id"] == "shared-id"
+        rest = [json.loads(line.removeprefix("data: ")) for line in lines
+                if line.startswith("data: ") and line != "data: [DONE]"]
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"
+    assert wait_until(lambda: engine_idle(tiny.service))
 
 
 def test_completion_of_token_ids_counts_usage_and_logprobs(client: httpx.Client) -> None:
