@@ -102,8 +102,10 @@ def test_wrong_size_is_refused_and_fails_the_transfer(pair: Pair, header_nbytes:
         done = pair.receiver.expect("r1", memoryview(buffer))
         bystander = pair.receiver.expect("r2", memoryview(other))
         await refused_with(pair, Refusal.WRONG_SIZE, "r1", header_nbytes, payload_nbytes)
-        with pytest.raises(TransferError):
+        with pytest.raises(TransferError) as failed:
             await done
+        # The failure says which sizes disagreed: the frame's and the buffer's.
+        assert str(max(header_nbytes, payload_nbytes)) in str(failed.value) and "1024" in str(failed.value)
         assert pair.receiver.state("r1") is TransferState.FAILED
         assert not bystander.done()
 
@@ -194,6 +196,22 @@ def test_a_timed_out_wait_cancels_the_transfer(pair: Pair) -> None:
 
     pair.run(body())
     assert untouched(buffer)
+
+
+def test_an_id_expected_again_right_after_a_cancel_is_not_cancelled_with_it(pair: Pair) -> None:
+    buffer, payload = poisoned(1024), random_payload(1024)
+
+    async def body() -> None:
+        first = pair.receiver.expect("r1", memoryview(poisoned(1024)))
+        pair.receiver.cancel("r1")
+        retry = pair.receiver.expect("r1", memoryview(buffer))  # before the cancelled future's callbacks ran
+        await asyncio.sleep(0.01)
+        assert first.cancelled() and pair.receiver.state("r1") is TransferState.PENDING and not retry.done()
+        await pair.sender.send(pair.receiver.address, header_for("r1", 1024), memoryview(payload))
+        assert (await asyncio.wait_for(retry, 5)).request_id == "r1"
+
+    pair.run(body())
+    assert np.array_equal(buffer, payload.reshape(-1))
 
 
 def test_cancel_mid_payload_stops_the_bytes(pair: Pair) -> None:
@@ -346,6 +364,24 @@ def test_a_frame_out_of_place_fails_the_transfer(pair: Pair, frames: list[tuple[
         assert pair.receiver.state("odd") is TransferState.FAILED
 
     pair.run(body())
+
+
+def test_a_frame_past_the_buffer_end_is_refused_though_not_the_last(pair: Pair) -> None:
+    buffer = poisoned(4 * 512)
+
+    async def body() -> None:
+        done = pair.receiver.expect("big", memoryview(buffer))
+        # Three blocks of 1,024 bytes: a valid header (not yet the last block), but 3,072 bytes for 2,048.
+        with pytest.raises(FrameRefused) as refused:
+            await pair.sender.send(pair.receiver.address, frame_header("big", 0, 3, False, block_nbytes=1024),
+                                   memoryview(random_payload(3 * 1024)))
+        assert refused.value.code is Refusal.WRONG_SIZE
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(done, 5)
+        assert pair.receiver.state("big") is TransferState.FAILED
+
+    pair.run(body())
+    assert untouched(buffer)
 
 
 def test_cancel_between_frames_refuses_the_rest(pair: Pair) -> None:

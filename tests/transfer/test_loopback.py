@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from cluster.transfer.connector import TransferError, TransferState
+from cluster.transfer.connector import KVHeader, TransferError, TransferState
 from cluster.transfer.loopback import FailMode, FrameRefused, LoopbackHub, LoopbackReceiver, LoopbackSender, Refusal
 from tests.transfer.test_connectors import header_for, poisoned, random_payload, untouched
 
@@ -40,19 +40,20 @@ def test_unreachable_touches_nothing() -> None:
 
 
 def test_peer_lost_fails_both_sides_midway() -> None:
-    hub, buffer = LoopbackHub(), poisoned(NBYTES)
+    hub, buffer, payload = LoopbackHub(), poisoned(NBYTES), random_payload(NBYTES)
 
     async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
         done = receiver.expect("r1", memoryview(buffer))
         hub.fail_next(1, FailMode.PEER_LOST)
         with pytest.raises(TransferError, match="lost"):
-            await sender.send(receiver.address, header_for("r1", NBYTES), memoryview(random_payload(NBYTES)))
+            await sender.send(receiver.address, header_for("r1", NBYTES), memoryview(payload))
         with pytest.raises(TransferError, match="peer lost"):
             await done
         assert receiver.state("r1") is TransferState.FAILED
 
     run(hub, test)
-    assert not untouched(buffer[: NBYTES // 2]) and untouched(buffer[NBYTES // 2:])
+    # Exactly the first half landed, as `FailMode.PEER_LOST` promises.
+    assert (buffer[: NBYTES // 2] == payload.reshape(-1)[: NBYTES // 2]).all() and untouched(buffer[NBYTES // 2:])
 
 
 def test_ack_lost_lands_the_payload_but_fails_the_sender() -> None:
@@ -193,6 +194,8 @@ def test_a_closed_receiver_fails_its_transfers_saying_so_and_senders_stay_closed
         await receiver.close()
         with pytest.raises(TransferError, match=r"^receiver loopback://d closed$"):
             await pending
+        with pytest.raises(TransferError, match="receiver is closed"):
+            receiver.expect("later", memoryview(poisoned(NBYTES)))
         await sender.close()
         with pytest.raises(TransferError, match=r"^the sender is closed$"):
             await sender.send(receiver.address, header_for("r", NBYTES), memoryview(random_payload(NBYTES)))
@@ -205,7 +208,9 @@ def test_buffers_of_any_shape_and_format_are_seen_as_flat_bytes() -> None:
 
     from cluster.transfer.loopback import readable_bytes, writable_bytes
 
-    for array in (np.zeros((4, 8), dtype=np.float32), np.zeros(16, dtype=np.uint16), np.zeros(32, dtype=np.uint8)):
+    arrays = (np.zeros((4, 8), dtype=np.float32), np.zeros(16, dtype=np.uint16), np.zeros(32, dtype=np.uint8),
+              np.zeros((4, 8), dtype=np.uint8), np.zeros(32, dtype=np.int8))
+    for array in arrays:
         for view in (readable_bytes(memoryview(array)), writable_bytes(memoryview(array))):
             assert view.format == "B" and view.ndim == 1 and view.nbytes == array.nbytes
     strided = np.zeros((4, 8), dtype=np.uint8)[:, ::2]
@@ -215,3 +220,105 @@ def test_buffers_of_any_shape_and_format_are_seen_as_flat_bytes() -> None:
         writable_bytes(memoryview(strided))
     with pytest.raises(ValueError, match=r"^the receive buffer is read-only$"):
         writable_bytes(memoryview(bytes(8)))
+
+
+def test_the_receive_table_says_which_request_it_refuses_and_why() -> None:
+    from cluster.transfer.loopback import ReceiveTable
+
+    def refusal(table: ReceiveTable, header: KVHeader) -> FrameRefused:
+        with pytest.raises(FrameRefused) as refused:
+            table.admit(header)
+        return refused.value
+
+    async def body() -> None:
+        table = ReceiveTable()
+        refused = refusal(table, header_for("stranger", 1024))
+        assert refused.code is Refusal.NOT_EXPECTED and "'stranger'" in str(refused)
+        done = table.expect("landed", memoryview(poisoned(1024)))
+        table.admit(header_for("landed", 1024))
+        refused = refusal(table, header_for("landed", 1024))
+        assert refused.code is Refusal.BUSY and "'landed'" in str(refused)
+        table.complete(header_for("landed", 1024))
+        await done
+        refused = refusal(table, header_for("landed", 1024))
+        assert refused.code is Refusal.REPLAY and "'landed'" in str(refused) and "DONE" in str(refused)
+        table.expect("dropped", memoryview(poisoned(1024)))
+        table.cancel("dropped")
+        refused = refusal(table, header_for("dropped", 1024))
+        assert refused.code is Refusal.CANCELLED and "'dropped'" in str(refused)
+        table.expect("small", memoryview(poisoned(512)))
+        refused = refusal(table, header_for("small", 1024))
+        assert refused.code is Refusal.WRONG_SIZE and all(text in str(refused) for text in ("'small'", "1024", "512"))
+
+    asyncio.run(body())
+
+
+def test_a_second_frame_while_one_lands_is_refused_busy_and_the_first_lands() -> None:
+    hub, buffer, payload = LoopbackHub(), poisoned(NBYTES), random_payload(NBYTES)
+
+    async def test(receiver: LoopbackReceiver, sender: LoopbackSender) -> None:
+        done = receiver.expect("r1", memoryview(buffer))
+        first = asyncio.ensure_future(sender.send(receiver.address, header_for("r1", NBYTES), memoryview(payload)))
+        while receiver.state("r1") is not TransferState.RECEIVING:
+            await asyncio.sleep(0)
+        with pytest.raises(FrameRefused) as refused:
+            await sender.send(receiver.address, header_for("r1", NBYTES), memoryview(random_payload(NBYTES, seed=1)))
+        assert refused.value.code is Refusal.BUSY
+        await first
+        await done
+
+    run(hub, test)
+    assert (buffer == payload.reshape(-1)).all()
+
+
+def test_cancelling_a_transfer_whose_payload_arrives_stops_its_carrier_and_only_then() -> None:
+    from cluster.transfer.loopback import ReceiveTable
+
+    async def body() -> None:
+        stopped: list[str] = []
+        table = ReceiveTable(on_stop=stopped.append)
+        table.expect("waiting", memoryview(poisoned(1024)))
+        table.cancel("waiting")  # nothing arriving: no carrier to stop
+        assert stopped == []
+        table.expect("arriving", memoryview(poisoned(1024)))
+        table.admit(header_for("arriving", 1024))
+        table.cancel("arriving")
+        assert stopped == ["arriving"] and table.state("arriving") is TransferState.CANCELLED
+
+    asyncio.run(body())
+
+
+def test_an_id_expected_again_is_remembered_from_its_last_finish() -> None:
+    from cluster.transfer.loopback import ReceiveTable
+
+    async def body() -> None:
+        table = ReceiveTable(remember=2)
+        for name in ("a", "b", "a", "c"):  # "a" retried after "b": "b" is now the oldest finished id
+            table.expect(name, memoryview(bytearray(8)))
+            table.cancel(name)
+        assert table.state("b") is None
+        assert table.state("a") is TransferState.CANCELLED and table.state("c") is TransferState.CANCELLED
+
+    asyncio.run(body())
+
+
+def test_transfers_abandoned_at_close_and_finished_ones_raise_no_event_loop_errors() -> None:
+    import gc
+
+    async def body() -> None:
+        errors: list[dict[str, object]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        hub = LoopbackHub()
+        receiver, sender = LoopbackReceiver(hub, "d"), LoopbackSender(hub)
+        await receiver.start()
+        done = receiver.expect("landed", memoryview(poisoned(1024)))
+        await sender.send(receiver.address, header_for("landed", 1024), memoryview(random_payload(1024)))
+        await done
+        receiver.expect("abandoned", memoryview(poisoned(1024)))  # nobody awaits it
+        await receiver.close()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()  # an exception never retrieved is reported when its future is collected
+        assert errors == []
+
+    asyncio.run(body())
