@@ -6,9 +6,9 @@
    and Triton attention), CUDA-graph replays equal eager steps, KV staging through pinned memory.
 2. `pdserve serve --device cuda` on an embedded Ray: 1 prefill + 1 decode worker sharing the GPU
    (0.5 GPU each), KV over UCX straight from and into device memory (`kv_path` says which path the
-   workers' logs name; PDSERVE_KV_VIA_HOST=1 would stage through pinned host buffers); a short serving run against it with
-   `pdserve bench --url` (TTFT, ITL, tokens/s), then the KV figures of /metrics (transfers, bytes,
-   failures, recomputes: the last two must be 0).
+   workers' logs name; PDSERVE_KV_VIA_HOST=1 would stage through pinned host buffers); a short
+   serving run against it with `pdserve bench --url` (TTFT, ITL, tokens/s), then the KV figures
+   of /metrics (transfers, bytes, failures, recomputes: the last two must be 0).
 3. `python -m benchmarks.kernels --quick`: the Triton kernels against the torch references, decode
    attention against the HBM copy bandwidth measured in the same run, prefill against torch's flash
    SDPA (its own JSON in benchmarks/results/).

@@ -31,13 +31,23 @@ EQUIVALENT_KINDS = (
                    "bug elsewhere", ARGUMENT.format(name="strict")),
     ("int64", "torch.tensor of Python ints is int64 whatever dtype says or omits", ARGUMENT.format(name="dtype")),
 )
+# "message-text" (`_message_text_only`): a message reworded by case or XX-wrapping; the tests check
+# what a refusal or error says (the request, the sizes, the limit), not its letters.
 # Which removed argument each kind requires (an int64 dtype, not any dtype).
 REQUIRED = {"int64": r"dtype=torch\.(?:long|int64)\b", "device": r"device=", "zip-strict": r"strict=True"}
 # Changes equivalent in the one place they occur: (kind, why, the original, the mutant), as regexes.
 EQUIVALENT_LINES = (
     ("falsy-flag", "the flag is only tested for truth, where None and False are alike",
-     r"(?:self\._started|self\._closed) = False|cache_full=False",
-     r"(?:self\._started|self\._closed) = None|cache_full=None"),
+     r"(?:self\._started|self\._closed) = False|cache_full=False|popitem\(last=False\)",
+     r"(?:self\._started|self\._closed) = None|cache_full=None|popitem\(last=None\)"),
+    ("always-cast", "casting a view that already is flat bytes to bytes gives the same view of the same memory",
+     r'view\.cast\("B"\) if view\.format != "B" or view\.ndim != 1 else view',
+     r'view\.cast\("B"\) if (?:\(view\.format != "B" or view\.ndim != 1\) or True|'
+     r'view\.format != "XXBXX" or view\.ndim != 1) else view'),
+    ("unreadable-header", "the injected corruption must make the header unreadable: any bytes that are no msgpack "
+                          "map are refused as MALFORMED alike",
+     r'header_bytes = b""|bytes\(byte \^ 0x5A for byte in header_bytes\)',
+     r'header_bytes = b"XXXX"|bytes\(byte (?:&|\^|\|) 0x5[AB] for byte in header_bytes\)'),
     ("msgpack-defaults", "msgpack's defaults are raw=False and strict_map_key=True; a non-str key fails as a "
                          "keyword argument anyway (malformed header)",
      r"msgpack\.unpackb\(data, raw=False, strict_map_key=True\)",
@@ -67,6 +77,8 @@ def equivalent_kind(removed: list[str], added: list[str]) -> str | None:
         return None
     if removed[0].replace('float("-inf")', 'float("-INF")') == added[0]:
         return "minus-inf"  # float() reads the case-insensitive spelling alike
+    if _message_text_only(removed[0], added[0]):
+        return "message-text"
     for kind, _, original, mutant in EQUIVALENT_LINES:
         if re.search(original, removed[0]) and re.search(mutant, added[0]) and \
                 re.sub(original, "@", removed[0]) == re.sub(mutant, "@", added[0]):
@@ -77,6 +89,21 @@ def equivalent_kind(removed: list[str], added: list[str]) -> str | None:
                 _squash(strip.sub("", removed[0])) == _squash(strip.sub("", added[0])):
             return kind
     return None
+
+
+def _message_text_only(removed: str, added: str) -> bool:
+    """Whether a message's wording is all that changed: the same line but for the text of its string
+    literals, XX-wrapped or in another case, on a line that raises or names a reason or message."""
+    if not re.search(r"raise |Error\(|Refused\(|reason|message", removed) or removed == added:
+        return False
+    literal = re.compile(r'(["\'])(.*?)\1')
+    if literal.sub("@", removed) != literal.sub("@", added):
+        return False
+
+    def texts(line: str) -> list[str]:
+        return [match.group(2).lower().replace("xx", "") for match in literal.finditer(line)]
+
+    return texts(removed) == texts(added)
 
 
 def _squash(line: str) -> str:
