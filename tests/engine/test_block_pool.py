@@ -74,3 +74,13 @@ def test_an_unknown_request_has_an_empty_block_table() -> None:
 
     manager = KVCacheManager(BlockPool(4), 4)
     assert manager.block_ids("nobody") == []
+
+
+def test_a_pool_of_one_block_serves_and_an_empty_pool_is_refused() -> None:
+    pool = BlockPool(1)
+    (block,) = pool.allocate(1)
+    assert pool.num_free_blocks == 0
+    pool.free([block])
+    assert pool.num_free_blocks == 1
+    with pytest.raises(ValueError, match="at least one block, got 0"):
+        BlockPool(0)

@@ -86,6 +86,7 @@ def test_decodes_first_then_chunked_prefill_fills_the_budget() -> None:
     scheduler.add_request(make_request("a", 6, max_tokens=5))
     first = scheduler.schedule()
     assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("a", 6)]
+    assert first.num_batched_tokens == 6  # the budget is not all used
     scheduler.update_from_output(first, stub_sample(first))
     scheduler.add_request(make_request("b", 20, first_token=100))
     second = scheduler.schedule()
@@ -404,3 +405,149 @@ def test_a_reservation_expires_at_its_deadline() -> None:
     deadline = scheduler.reserved["r"][1]
     assert scheduler.expire_reservations(deadline - 1e-3) == []
     assert [request.request_id for request in scheduler.expire_reservations(deadline)] == ["r"]
+
+
+def test_without_chunked_prefill_a_prompt_of_exactly_the_budget_runs_at_once() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    scheduler.add_request(make_request("a", 8))
+    output = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 8)]
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_request_goes_on() -> None:
+    scheduler = make_scheduler()
+    first = make_request("a", 4)
+    scheduler.add_request(first)
+    with pytest.raises(ValueError, match="^request id 'a' is already in the engine$"):
+        scheduler.add_request(make_request("a", 6, first_token=50))
+    run_to_completion(scheduler)
+    assert first.num_output_tokens == 4
+
+
+def test_eos_ends_a_request_once_min_tokens_are_out_unless_it_is_ignored() -> None:
+    scheduler = make_scheduler()
+    prompt = [5, 6, 7]
+    requests = {
+        "plain": Request("plain", prompt, SamplingParams(max_tokens=6, temperature=0), eos_token_ids=(0,)),
+        "min": Request("min", prompt, SamplingParams(max_tokens=6, min_tokens=3, temperature=0), eos_token_ids=(0,)),
+        "ignored": Request("ignored", prompt, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0),
+                           eos_token_ids=(0,)),
+    }
+    for request in requests.values():
+        scheduler.add_request(request)
+    while scheduler.num_unfinished:  # the model samples EOS every time
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, {s.request.request_id: 0 for s in output.scheduled if s.samples})
+    assert {request_id: (request.num_output_tokens, request.status) for request_id, request in requests.items()} == {
+        "plain": (1, RequestStatus.FINISHED_STOPPED), "min": (3, RequestStatus.FINISHED_STOPPED),
+        "ignored": (6, RequestStatus.FINISHED_LENGTH)}
+
+
+def test_a_request_ended_between_schedule_and_update_takes_no_token_and_the_rest_do() -> None:
+    """Between a step's schedule and its update a request may end (aborted, or stopped by a stop
+    string its caller found): it takes no token, and the requests scheduled after it take theirs."""
+    scheduler = make_scheduler()
+    requests = {request_id: make_request(request_id, 4, max_tokens=1 if request_id == "last" else 5,
+                                         first_token=20 * index + 1)
+                for index, request_id in enumerate(("aborted", "stopped", "going", "last"))}
+    for request in requests.values():
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.abort("aborted")
+    scheduler.finish(requests["stopped"], RequestStatus.FINISHED_STOPPED)
+    finished = scheduler.update_from_output(output, stub_sample(output))
+    assert finished == [requests["last"]]  # the requests this update finished
+    assert {request_id: request.output_token_ids for request_id, request in requests.items()} == {
+        "aborted": [], "stopped": [], "going": [7], "last": [7]}
+    assert requests["going"].num_computed_tokens == 4
+    run_to_completion(scheduler)
+    assert requests["going"].num_output_tokens == 5 and requests["stopped"].num_output_tokens == 0
+    assert_pool_consistent(scheduler)
+
+
+def test_without_swap_space_swap_mode_recomputes() -> None:
+    scheduler = Scheduler(SchedulerConfig(preemption_mode="swap"), KVCacheManager(BlockPool(2), BLOCK_SIZE), 64)
+    for index in range(2):  # one block each, until both need a second one
+        scheduler.add_request(make_request(f"s{index}", 3, max_tokens=6, first_token=30 * index + 1))
+    outputs = run_to_completion(scheduler)
+    assert any(output.preempted for output in outputs)
+    assert not any(output.swap_out for output in outputs)
+
+
+def test_priority_preemption_never_takes_a_request_already_scheduled_in_the_step() -> None:
+    """The worst-priority request ("low") was admitted first, so it is scheduled before "high" each
+    step: when "high" needs a block it preempts itself, not "low", whose step is already planned."""
+    scheduler = make_scheduler(num_blocks=3, policy="priority")
+    low = make_request("low", 3, max_tokens=6, priority=9)
+    scheduler.add_request(low)
+    scheduler.update_from_output(output := scheduler.schedule(), stub_sample(output))
+    high = make_request("high", 3, max_tokens=6, priority=1, first_token=40)
+    scheduler.add_request(high)
+    victims: list[str] = []
+    for _ in range(200):
+        if not scheduler.num_unfinished:
+            break
+        output = scheduler.schedule()
+        scheduled = {s.request.request_id for s in output.scheduled}
+        preempted = [request.request_id for request in output.preempted]
+        assert not scheduled & set(preempted), "a request both scheduled and preempted in one step"
+        victims += preempted
+        scheduler.update_from_output(output, stub_sample(output))
+        assert_pool_consistent(scheduler)
+    assert victims and not scheduler.num_unfinished
+    assert low.num_output_tokens == high.num_output_tokens == 6
+
+
+def test_a_request_preempted_twice_counts_twice_and_reports_the_cache_of_its_first_admission() -> None:
+    """Recomputed after a preemption, a request finds its own blocks in the prefix cache: that is not
+    a cache hit of its prompt, which had none (the prompts share nothing)."""
+    scheduler = make_scheduler(num_blocks=5)
+    requests = [make_request(f"p{index}", 4, max_tokens=10, first_token=30 * index + 1) for index in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    per_request = {request.request_id: 0 for request in requests}
+    for output in run_to_completion(scheduler):
+        for request in output.preempted:
+            per_request[request.request_id] += 1
+    assert max(per_request.values()) >= 2
+    assert {request.request_id: request.num_preemptions for request in requests} == per_request
+    assert scheduler.kv_cache.prefix_hits > 0  # readmissions did hit their own blocks
+    assert [request.num_cached_tokens for request in requests] == [0, 0, 0]
+
+
+def test_static_batching_admits_a_request_only_when_its_whole_prompt_fits() -> None:
+    """A static batch runs to its end: its prompts' blocks are reserved at admission, so a prompt that
+    does not fit whole waits for the next batch rather than preempting later."""
+    scheduler = make_scheduler(num_blocks=3, batching="static", max_num_batched_tokens=4, max_num_seqs=2)
+    first, second = make_request("first", 8, max_tokens=4), make_request("second", 8, max_tokens=4, first_token=50)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    output = scheduler.schedule()
+    assert [request.request_id for request in scheduler.running] == ["first"]
+    assert len(scheduler.kv_cache.block_ids("first")) == 2  # its whole prompt, though 4 tokens run
+    scheduler.update_from_output(output, stub_sample(output))
+    outputs = run_to_completion(scheduler)
+    assert not any(output.preempted for output in outputs)
+    assert first.num_output_tokens == second.num_output_tokens == 4
+
+
+def test_prefix_cache_lookups_and_hits_add_up_over_requests() -> None:
+    scheduler = make_scheduler()
+    for request_id, prompt_len in (("a", 13), ("b", 13), ("c", 9)):  # the same first tokens
+        scheduler.add_request(make_request(request_id, prompt_len, max_tokens=1))
+        run_to_completion(scheduler)
+    kv_cache = scheduler.kv_cache
+    assert (kv_cache.prefix_queries, kv_cache.prefix_hits) == (13 + 13 + 9, 12 + 8)
+
+
+def test_a_follow_up_prompt_hits_the_blocks_the_answer_filled() -> None:
+    """A chat's next turn repeats the last prompt and its answer: the blocks the answer's tokens
+    filled are cached too, chained to the prompt's."""
+    scheduler = make_scheduler()
+    first = make_request("first", 6, max_tokens=8)  # 13 tokens computed: 3 full blocks
+    scheduler.add_request(first)
+    run_to_completion(scheduler)
+    follow_up = Request("next", first.all_token_ids + [90, 91], SamplingParams(max_tokens=1, temperature=0))
+    scheduler.add_request(follow_up)
+    scheduler.schedule()
+    assert follow_up.num_cached_tokens == 12

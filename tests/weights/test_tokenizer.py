@@ -263,6 +263,8 @@ def test_stop_strings_cut_the_text_before_them(
     if detokenizer.stopped:
         assert detokenizer.stop_string is not None and text.startswith(expected + detokenizer.stop_string)
         assert detokenizer.add(5) == "" and detokenizer.finish() == ""
+    else:
+        assert detokenizer.stop_string is None
 
 
 def test_stop_string_spanning_tokens_is_found_when_its_last_token_arrives(tiny: Tokenizer) -> None:
@@ -375,3 +377,37 @@ def test_finish_flushes_a_trailing_partial_character_and_still_checks_stop_strin
         stopping.add(token)
     stopping.finish()
     assert stopping.stopped and not stopping.text.endswith("\ufffd")
+
+
+def metaspace_tokenizer() -> Tokenizer:
+    """A SentencePiece-style tokenizer (Llama 2, Mistral): a word's leading space is a "▁" that the
+    Metaspace decoder drops at the start of a text. Ids: 1 a special token, 2-4 words."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "\u2581Hello": 2, "\u2581world": 3, "\u2581again": 4}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.add_special_tokens(["<s>"])
+    return Tokenizer(backend, {}, None)
+
+
+def test_a_skipped_special_token_keeps_the_space_before_the_next_word() -> None:
+    """The special token decodes to nothing: the next word is still decoded after the text before it,
+    not at the start of a text, where the decoder would drop its space."""
+    tokenizer = metaspace_tokenizer()
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    deltas = [detokenizer.add(token) for token in (2, 1, 3, 4)]
+    assert deltas == ["Hello", "", " world", " again"]
+    assert detokenizer.text == tokenizer.decode([2, 1, 3, 4]) == "Hello world again"
+
+
+def test_special_tokens_are_streamed_only_when_asked(tiny: Tokenizer) -> None:
+    output_ids = [*tiny.encode("Hello", add_special_tokens=False), 2, *tiny.encode(" world", add_special_tokens=False)]
+    special = tiny.decode([2], skip_special_tokens=False)
+    assert special
+    for skip, expected in ((True, "Hello world"), (False, f"Hello{special} world")):
+        detokenizer = IncrementalDetokenizer(tiny, [], skip_special_tokens=skip)
+        streamed = "".join(detokenizer.add(token) for token in output_ids) + detokenizer.finish()
+        assert streamed == detokenizer.text == expected
