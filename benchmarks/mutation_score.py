@@ -40,6 +40,9 @@ EQUIVALENT_LINES = (
     ("falsy-flag", "the flag is only tested for truth, where None and False are alike",
      r"(?:self\._started|self\._closed) = False|cache_full=False|popitem\(last=False\)",
      r"(?:self\._started|self\._closed) = None|cache_full=None|popitem\(last=None\)"),
+    ("unsigned-ids", "prompt token ids are checked to lie in [0, vocabulary) before anything hashes them "
+                     "(serving.service.check_prompt), where signed and unsigned 64-bit give the same bytes",
+     r'array\("q", token_ids\)', r'array\("Q", token_ids\)'),
     ("always-cast", "casting a view that already is flat bytes to bytes gives the same view of the same memory",
      r'view\.cast\("B"\) if view\.format != "B" or view\.ndim != 1 else view',
      r'view\.cast\("B"\) if (?:\(view\.format != "B" or view\.ndim != 1\) or True|'

@@ -17,6 +17,7 @@ from cluster.common import env
 from cluster.common.roles import Mode
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.serving.request_limits import RequestLimits
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -184,7 +185,8 @@ def command_serve(args: argparse.Namespace) -> int:
         raise ValueError("--attach serves the workers of a running Ray cluster: give its --ray-address")
     options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
                            drain_s=args.drain_s, redis_url=config.redis_url, rate_limit_rps=args.rate_limit_rps,
-                           rate_limit_tpm=args.rate_limit_tpm)
+                           rate_limit_tpm=args.rate_limit_tpm,
+                           request_limits=RequestLimits.parse(args.request_limit))
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
@@ -236,6 +238,15 @@ def command_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def request_limit(text: str) -> str:
+    """An argparse type: `NAME=VALUE` of a known request limit (a bad one exits 2 with the reason)."""
+    try:
+        RequestLimits.parse([text])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Serve LLMs on a disaggregated prefill/decode "
                                      "cluster: paged KV cache, continuous batching, Ray, UCX.")
@@ -274,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rate-limit-rps", type=float, default=0.0, help="requests per second per API key (0: none)")
     serve.add_argument("--rate-limit-tpm", type=float, default=0.0,
                        help="prompt + max tokens per minute per API key (0: none)")
+    serve.add_argument("--request-limit", action="append", default=[], metavar="NAME=VALUE", type=request_limit,
+                       help="what one request may ask, e.g. max_stop_strings=32 (repeatable; the names and defaults: "
+                       "docs/security.md)")
     serve.add_argument("--mode", choices=[str(mode) for mode in Mode], default=None)
     serve.add_argument("--routers", type=int, default=None, help="router replicas (Ray actors) to spread requests over")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "

@@ -24,7 +24,7 @@ import math
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -39,7 +39,9 @@ from cluster.ray_cluster.launcher import Cluster, shutdown_ray
 from cluster.serving.cluster_service import ClusterService
 from cluster.serving.local_service import LocalService
 from cluster.serving.metered_service import MeteredService
+from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimits
+from cluster.serving.request_limits import RequestLimits
 from cluster.serving.service import Service
 from cluster.state.connect import connect_state
 from cluster.state.interface import SharedState
@@ -62,6 +64,7 @@ class ServeOptions:
     redis_url: str = ""  # the rate limits' buckets (shared by gateway replicas); empty: this process's
     rate_limit_rps: float = 0.0  # requests per second per API key; 0: none
     rate_limit_tpm: float = 0.0  # prompt + max tokens per minute per API key; 0: none
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # both doors: what one request may ask
 
 
 class DeferredService:
@@ -154,7 +157,9 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     metrics.sources.append(lambda: _state_counters(state))
     metered = MeteredService(service, metrics.requests)  # both front doors: every request is timed
     limits = RateLimits(state, options.rate_limit_rps, options.rate_limit_tpm)
-    app = build_app(metered, api_key=options.api_key, limits=limits)
+    off_loop = OffLoop()  # one pool for both doors' tokenizing and formatting
+    app = build_app(metered, api_key=options.api_key, limits=limits, request_limits=options.request_limits,
+                    off_loop=off_loop)
     add_status_route(app, metered)
     add_metrics_route(app, metrics, metered)
     http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s)
@@ -165,7 +170,8 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     grpc = None
     try:
         if options.grpc_port >= 0:
-            grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=options.api_key)
+            grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=options.api_key,
+                              request_limits=options.request_limits, off_loop=off_loop)
             await grpc.start()
         if on_listening is not None:
             on_listening(http.url, grpc.port if grpc is not None else None)
@@ -176,6 +182,7 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
         await drain(gateway_of(app), http, grpc, options.drain_s, shutdown.hurried)
         await backend.stop()
         await state.close()
+        off_loop.close()
         shutdown.uninstall()
 
 

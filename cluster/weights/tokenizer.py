@@ -93,7 +93,9 @@ class Tokenizer:
         That post-processor alone decides whether BOS/EOS are added: like transformers 5, which drops
         tokenizer_config.json's add_bos_token/add_eos_token whenever a tokenizer.json exists.
         """
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets other threads run while the Rust code works (encode holds the GIL for all
+        # of it: seconds for a large prompt, during which a front door's event loop could not run).
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. (transformers' clean_up_tokenization_spaces is not applied: transformers 5 skips

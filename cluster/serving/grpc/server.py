@@ -43,6 +43,8 @@ from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
+from cluster.serving.off_loop import OffLoop
+from cluster.serving.request_limits import RequestLimits
 from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service
 
 __all__ = ["SERVICE_NAME", "GrpcServer"]
@@ -78,7 +80,7 @@ class _InUse(ValueError):
 
 # Errors raised before a request runs: it holds nothing, so there is nothing to abort. First match wins.
 _REFUSALS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (_InUse, grpc.StatusCode.ALREADY_EXISTS),
+    (_InUse, grpc.StatusCode.ALREADY_EXISTS),  # before ValueError: it is one
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (jinja2.TemplateError, grpc.StatusCode.INVALID_ARGUMENT),  # a chat the template rejects
     (ModelNotFound, grpc.StatusCode.NOT_FOUND),
@@ -98,8 +100,11 @@ class GrpcServer:
     """
 
     def __init__(self, service: Service, host: str = "0.0.0.0", port: int = 50051, *, api_key: str | None = None,
-                 tls: tuple[bytes, bytes] | None = None) -> None:
+                 tls: tuple[bytes, bytes] | None = None, request_limits: RequestLimits | None = None,
+                 off_loop: OffLoop | None = None) -> None:
         self.service = service
+        self.request_limits = request_limits or RequestLimits()
+        self.off_loop = off_loop or OffLoop()
         self.host = host
         self.port = port
         self.api_key = api_key if api_key is not None else os.environ.get(env.API_KEY) or None
@@ -113,7 +118,8 @@ class GrpcServer:
         interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key else []
         interceptors.append(MalformedRequestInterceptor())
         server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
-        pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.service), server)
+        pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.service, self.request_limits,
+                                                                                     self.off_loop), server)
         self.health = health.aio.HealthServicer()  # a fresh one: a drained one ignores updates for good
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -196,8 +202,11 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
     bearer sent; no key, one scope). So an Abort ends only a request of the key that sent it, never
     another client's, nor an HTTP request."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, request_limits: RequestLimits | None = None,
+                 off_loop: OffLoop | None = None) -> None:
         self.service = service
+        self.request_limits = request_limits or RequestLimits()
+        self.off_loop = off_loop or OffLoop()
         # The calls in flight here, by (scope, client's request id). An Abort ends the matching call
         # itself: the service frees the request's blocks, but its event stream would not end on its own.
         self.calls: dict[tuple[str, str], _Call] = {}
@@ -212,8 +221,11 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             if key in self.calls:
                 raise _InUse(f"request_id {call.request_id!r} is already in flight for this API key")
             self.calls[key] = call
-            prompt = self._prompt_of(request)
+            if request.model and request.model != self.service.model_name:
+                raise ModelNotFound(f"this server serves {self.service.model_name!r}, not {request.model!r}")
             params = _params_of(request.sampling)
+            self._check_limits(request, params)  # before any work: a 4 MB prompt is not tokenized
+            prompt = await self.off_loop.run(self._prompt_of, request)
             _check_min_tokens(len(prompt), params, self.service.max_model_len)
             events = self.service.generate(prompt, params, engine_id)
             call.running, call.num_prompt_tokens = True, len(prompt)
@@ -265,9 +277,14 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         model = pb.Model(name=self.service.model_name, max_model_len=self.service.max_model_len)
         return pb.ListModelsResponse(models=[model])
 
+    def _check_limits(self, request: pb.GenerateRequest, params: SamplingParams) -> None:
+        texts = [request.text] if request.WhichOneof("prompt") == "text" else \
+            [message.content for message in request.chat.messages]
+        self.request_limits.check_prompt(sum(len(text.encode("utf-8", "surrogatepass")) for text in texts),
+                                         len(request.chat.messages))
+        self.request_limits.check_sampling(params.stop, params.stop_token_ids, 1, params.logprobs)
+
     def _prompt_of(self, request: pb.GenerateRequest) -> list[int]:
-        if request.model and request.model != self.service.model_name:
-            raise ModelNotFound(f"this server serves {self.service.model_name!r}, not {request.model!r}")
         tokenizer = self.service.tokenizer
         kind = request.WhichOneof("prompt")
         if kind == "text":

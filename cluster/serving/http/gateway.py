@@ -58,7 +58,9 @@ from cluster.serving.http.openai_protocol import (
     ResponseFormat,
     Usage,
 )
+from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
+from cluster.serving.request_limits import LimitExceeded, RequestLimits
 from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,8 @@ def service_errors(request_id: str) -> Iterator[None]:
         yield
     except ApiError:
         raise
+    except LimitExceeded as error:
+        raise ApiError(400, str(error), code="request_limit_exceeded") from error
     except (ValueError, jinja2.TemplateError) as error:
         raise ApiError(400, str(error)) from error
     except (QueueFullError, NoCapacityError) as error:
@@ -302,11 +306,15 @@ async def _disconnected(receive: Receive) -> None:
 
 
 class Gateway:
-    """What the routes share: the service, and whether new requests are accepted (`draining`)."""
+    """What the routes share: the service, the limits, the pool that keeps tokenizing and formatting
+    off the event loop, and whether new requests are accepted (`draining`)."""
 
-    def __init__(self, service: Service, limits: RateLimits | None = None) -> None:
+    def __init__(self, service: Service, limits: RateLimits | None = None,
+                 request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None) -> None:
         self.service = service
         self.limits = limits
+        self.request_limits = request_limits or RequestLimits()
+        self.off_loop = off_loop or OffLoop()
         self.draining = False
         self.runs: set[ChoiceStreams] = set()
 
@@ -344,7 +352,8 @@ class Gateway:
         """Run the request and answer it: JSON, or an event stream (which closes the run itself)."""
         request_id = request.state.request_id
         with service_errors(request_id):
-            prompt = body.prompt_ids(self.service.tokenizer)
+            body.check_limits(self.request_limits)  # before any work: a 4 MB prompt is not tokenized
+            prompt = await self.off_loop.run(body.prompt_ids, self.service.tokenizer)
             params = body.sampling_params(len(prompt), self.service.max_model_len)
             if self.limits is not None and self.limits.enabled:
                 await self.limits.check(_client_key(request), len(prompt) + sum(p.max_tokens for p in params))
@@ -359,8 +368,10 @@ class Gateway:
                     return EventStream(run, response_format, body.include_usage)
                 if not await _unless_disconnected(request, run.finish()):
                     return _client_left(run)
-            answer = response_format.response(run.choices, run.usage())
-            return Response(answer.model_dump_json(), media_type="application/json")
+            # n choices with logprobs make a large answer: formatted off the loop too.
+            answer = await self.off_loop.run(lambda: response_format.response(run.choices, run.usage())
+                                             .model_dump_json())
+            return Response(answer, media_type="application/json")
         finally:
             if not streaming:
                 await run.close()
@@ -537,12 +548,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              limits: RateLimits | None = None) -> FastAPI:
+              limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
+              off_loop: OffLoop | None = None) -> FastAPI:
     """The gateway app. `api_key` None reads `$PDSERVE_API_KEY`; an empty key (or none at all) leaves
     the API open. The `Gateway` (draining) is `gateway_of(app)`."""
     api_key = api_key if api_key is not None else os.environ.get(env.API_KEY) or None
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
-    gateway = Gateway(service, limits)
+    gateway = Gateway(service, limits, request_limits, off_loop)
     app.state.gateway = gateway
     _add_routes(app, gateway)
     app.add_exception_handler(ApiError, _api_error)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
+from cluster.serving.request_limits import RequestLimits
 from cluster.weights.tokenizer import Tokenizer
 
 # Each choice is an engine request of its own: `n` multiplies the load one HTTP request can add.
@@ -85,6 +86,22 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def check_limits(self, limits: RequestLimits) -> None:
+        """This request against `limits`, before any work (tokenizing included): LimitExceeded."""
+        limits.check_prompt(self.prompt_bytes(), self.num_messages())
+        limits.check_sampling(_as_list(self.stop), self.stop_token_ids or (), self.n, self.logprobs_asked())
+
+    def prompt_bytes(self) -> int:
+        """UTF-8 bytes of the prompt's text (0 for token ids)."""
+        raise NotImplementedError
+
+    def num_messages(self) -> int:
+        return 0
+
+    def logprobs_asked(self) -> int | None:
+        """Top logprobs per generated token, None if no logprobs at all."""
+        raise NotImplementedError
+
     def choice_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
         """One `SamplingParams` per choice. With a seed, choice i samples with `seed + i`: the same
         seed for all would make the n choices identical. Raises ValueError for invalid values."""
@@ -106,6 +123,13 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    def prompt_bytes(self) -> int:
+        texts = [self.prompt] if isinstance(self.prompt, str) else [p for p in self.prompt if isinstance(p, str)]
+        return sum(_utf8_length(text) for text in texts)
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The prompt's token ids: text is encoded with the tokenizer's special tokens (BOS), as vLLM does."""
@@ -139,6 +163,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+    def text(self) -> str:
+        """The message's text as the template gets it ("" for none; parts joined, unchecked)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text or "" for part in self.content)
+        return self.content or ""
+
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
@@ -156,6 +186,15 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables (enable_thinking=False)
+
+    def prompt_bytes(self) -> int:
+        return sum(_utf8_length(message.text()) for message in self.messages)
+
+    def num_messages(self) -> int:
+        return len(self.messages)
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The rendered chat template, encoded without special tokens: the template already has them
@@ -208,6 +247,10 @@ def _checked_text(text: str) -> str:
         raise ValueError(f"the prompt is not valid Unicode: it holds an unpaired UTF-16 surrogate "
                          f"({text[error.start]!r})") from None
     return text
+
+
+def _utf8_length(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))  # an unpaired surrogate is refused later, with its reason
 
 
 def _as_list(stop: str | list[str] | None) -> list[str]:
