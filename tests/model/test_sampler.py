@@ -5,6 +5,7 @@ Every random draw comes from a fixed seed, so the statistical checks are determi
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.request import Request
-from cluster.model.sampler import Sampler, apply_penalties, process_logits, top_k_top_p_cutoffs
+from cluster.model.sampler import TOP_P_PREFIX, Sampler, apply_penalties, process_logits, top_k_top_p_cutoffs
 
 EOS = 0
 
@@ -132,6 +133,42 @@ def test_filters_match_a_full_sort_reference_whatever_the_prefix_width() -> None
             for row in range(rows):
                 expected = reference_filter(logits[row], top_k[row], top_p[row], 0.0).isfinite()
                 assert torch.equal(logits[row] >= cutoffs[row], expected), (trial, width, row)
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.5, [0]), (0.75, [0, 1])])
+def test_top_p_drops_a_token_whose_higher_ranked_mass_is_exactly_top_p(top_p: float, kept: list[int]) -> None:
+    """Probabilities 1/2, 1/4, 1/8, 1/8 (exact in float32): with top_p 0.5 the second token has exactly
+    0.5 ranked above it, so it goes (vLLM keeps a token while that mass is strictly below top_p)."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 1.0]]) * math.log(2)
+    cutoffs = top_k_top_p_cutoffs(logits, [0], [top_p])
+    assert (logits[0] >= cutoffs[0]).nonzero().squeeze(1).tolist() == kept
+    assert torch.equal(logits[0] >= cutoffs[0], reference_filter(logits[0], 0, top_p, 0.0).isfinite())
+
+
+def test_top_p_wider_than_the_ranked_prefix_keeps_the_right_tokens() -> None:
+    """Two tiers of tokens, the higher one (even ids, 73% of the mass) wider than the prefix that
+    top-p ranks first: that prefix holds too little mass to decide, the full ranking keeps the tier."""
+    vocab_size = 3 * TOP_P_PREFIX
+    logits = (torch.arange(vocab_size) % 2 == 0).float().unsqueeze(0)
+    for top_k in (0, -1):
+        cutoffs = top_k_top_p_cutoffs(logits, [top_k], [0.6])
+        assert torch.equal(logits[0] >= cutoffs[0], logits[0] == 1)
+
+
+def test_top_p_just_below_one_when_the_ranked_mass_rounds_below_it() -> None:
+    """With logits 0..19, the float32 probabilities sum to 1 - 3e-7, under top_p = 1 - 1e-7: the whole
+    row is ranked and still short of top_p, which must keep (almost) everything, not fail."""
+    logits = torch.arange(20, dtype=torch.float32).unsqueeze(0)
+    params = SamplingParams(top_p=1 - 1e-7)
+    cutoffs = top_k_top_p_cutoffs(logits, [0], [params.top_p])
+    assert torch.all((logits[0] >= cutoffs[0]) >= reference_filter(logits[0], 0, params.top_p, 0.0).isfinite())
+    assert 0 <= Sampler(20, seed=0)(logits, [make_request("r", params)]).token_ids[0] < 20
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 6])
+def test_rows_that_ask_for_no_filter_keep_every_token(top_k: int) -> None:
+    logits = random_logits(2, 6, seed=8)
+    assert top_k_top_p_cutoffs(logits, [top_k, top_k], [1.0, 1.0]).tolist() == [[float("-inf")]] * 2
 
 
 # Seeds.
@@ -352,6 +389,7 @@ def test_temperature_applies_before_min_p() -> None:
 
 
 @pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.5), SamplingParams(repetition_penalty=0.7),
+                                    SamplingParams(repetition_penalty=2.0), SamplingParams(presence_penalty=1.0),
                                     SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=0.25),
                                     SamplingParams(presence_penalty=-0.5, frequency_penalty=0.5)])
 def test_each_penalty_applies_when_it_is_the_batchs_only_one(params: SamplingParams) -> None:
