@@ -30,16 +30,24 @@ EQUIVALENT_KINDS = (
     ("zip-strict", "the zipped sequences have equal lengths by construction: strict only guards against a "
                    "bug elsewhere", ARGUMENT.format(name="strict")),
     ("int64", "torch.tensor of Python ints is int64 whatever dtype says or omits", ARGUMENT.format(name="dtype")),
+    ("last-dim", "dim=-1 is the default of topk (the only call where dropping it survives)",
+     ARGUMENT.format(name="dim")),
 )
 # "message-text" (`_message_text_only`): a message reworded by case or XX-wrapping; the tests check
 # what a refusal or error says (the request, the sizes, the limit), not its letters.
 # Which removed argument each kind requires (an int64 dtype, not any dtype).
-REQUIRED = {"int64": r"dtype=torch\.(?:long|int64)\b", "device": r"device=", "zip-strict": r"strict=True"}
+REQUIRED = {"int64": r"dtype=torch\.(?:long|int64)\b", "device": r"device=", "zip-strict": r"strict=True",
+            "last-dim": r"\.topk\(.*dim=-1"}
 # Changes equivalent in the one place they occur: (kind, why, the original, the mutant), as regexes.
 EQUIVALENT_LINES = (
     ("falsy-flag", "the flag is only tested for truth, where None and False are alike",
      r"(?:self\._started|self\._closed) = False|cache_full=False|popitem\(last=False\)",
      r"(?:self\._started|self\._closed) = None|cache_full=None|popitem\(last=None\)"),
+    ("dim-one", "the sampler's tensors are 2-D (rows, vocabulary): dim=+1 is dim=-1",
+     r"dim=-1", r"dim=\+1"),
+    ("cpu-device", "on the CPU, where the fast tests run, a device of None is the CPU (the gpu tests check CUDA)",
+     r"device = (?:logits|raw_logits)\.device|\.to\(device\)|, vocab_size, device\)",
+     r"device = None|\.to\(None\)|, vocab_size, None\)"),
     ("unsigned-ids", "prompt token ids are checked to lie in [0, vocabulary) before anything hashes them "
                      "(serving.service.check_prompt), where signed and unsigned 64-bit give the same bytes",
      r'array\("q", token_ids\)', r'array\("Q", token_ids\)'),
@@ -60,6 +68,27 @@ EQUIVALENT_LINES = (
      r"self\.text\.find\(s, search_from\)|search_from = max\(0, previous_length - self\._stop_hold\)",
      r"self\.text\.find\(s, (?:None)?,? ?\)|search_from = None"),
 )
+# Equivalent mutants read one by one (the reasoning is in docs/testing.md), by name: a name belongs
+# to one version of its function, so a change to the function means reading its survivors again.
+SAMPLER = "cluster.model.sampler.x_"
+EQUIVALENT_NAMED = {
+    **{f"{SAMPLER}_top_p_cutoffs__mutmut_{n}": "top-p-inactive-rows" for n in (63, 64, 65, 68)},
+    **{f"{SAMPLER}top_k_top_p_cutoffs__mutmut_{n}": "cost-only" for n in (24, 28, 29, 35, 37, 38, 45)},
+    f"{SAMPLER}_top_p_cutoffs__mutmut_103": "cost-only",  # a redundant re-rank at exact equality
+    f"{SAMPLER}_top_p_cutoffs__mutmut_20": "cost-only",  # torch.where picks norm when every row has top-k
+    f"{SAMPLER}_top_p_cutoffs__mutmut_42": "top-k-dominates",
+    f"{SAMPLER}_top_p_cutoffs__mutmut_53": "top-p-of-one", f"{SAMPLER}_top_p_cutoffs__mutmut_54": "top-p-of-one",
+    f"{SAMPLER}token_occurrences__mutmut_16": "same-call",  # repeat_interleave(lengths) as documented
+    f"{SAMPLER}apply_penalties__mutmut_27": "zero-logit",  # 0 divided or multiplied by the penalty is 0
+    "cluster.engine.scheduler.xǁSchedulerǁfail_remote__mutmut_12": "waiting-status",
+    "cluster.engine.scheduler.xǁSchedulerǁ_schedule_running__mutmut_6": "cost-only",
+    "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁ__init____mutmut_8": "none-slice",
+    "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁ_decode_new_text__mutmut_8": "none-slice",
+    "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁfinish__mutmut_12": "none-slice",
+    "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁ_emit_until__mutmut_1": "empty-emit",
+    "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁfinish__mutmut_1": "nothing-pending",
+    "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁfinish__mutmut_3": "nothing-pending",
+}
 EQUIVALENT: dict[str, str] = {}  # mutant name -> kind, filled by `classify`
 
 
@@ -78,7 +107,8 @@ def equivalent_kind(removed: list[str], added: list[str]) -> str | None:
     """The kind of equivalent change this is, if it is one of EQUIVALENT_KINDS."""
     if len(removed) != 1 or len(added) != 1:
         return None
-    if removed[0].replace('float("-inf")', 'float("-INF")') == added[0]:
+    if removed[0].replace('float("-inf")', 'float("-INF")') == added[0] or \
+            removed[0].replace('float("inf")', 'float("INF")') == added[0]:
         return "minus-inf"  # float() reads the case-insensitive spelling alike
     if _message_text_only(removed[0], added[0]):
         return "message-text"
@@ -117,7 +147,7 @@ def classify(statuses: dict[str, str]) -> None:
     """Fill EQUIVALENT with the survivors whose change is of an equivalent kind."""
     for name, state in statuses.items():
         if state == "survived":
-            kind = equivalent_kind(*changed_lines(name))
+            kind = EQUIVALENT_NAMED.get(name) or equivalent_kind(*changed_lines(name))
             if kind is not None:
                 EQUIVALENT[name] = kind
 
