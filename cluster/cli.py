@@ -186,7 +186,8 @@ def command_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
                            drain_s=args.drain_s, redis_url=config.redis_url, rate_limit_rps=args.rate_limit_rps,
                            rate_limit_tpm=args.rate_limit_tpm,
-                           request_limits=RequestLimits.parse(args.request_limit))
+                           request_limits=RequestLimits.parse(args.request_limit), api_keys_file=args.api_keys_file,
+                           trusted_proxies=args.trusted_proxies)
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
@@ -285,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rate-limit-rps", type=float, default=0.0, help="requests per second per API key (0: none)")
     serve.add_argument("--rate-limit-tpm", type=float, default=0.0,
                        help="prompt + max tokens per minute per API key (0: none)")
+    serve.add_argument("--api-keys-file", default="", help="YAML/JSON of API keys, one tenant each with its own "
+                       "rate limits (docs/security.md); with or without --api-key")
+    serve.add_argument("--trusted-proxies", default="", help="addresses or networks (comma-separated) whose "
+                       "X-Forwarded-For is believed, e.g. the Ingress's; default: nobody's")
     serve.add_argument("--request-limit", action="append", default=[], metavar="NAME=VALUE", type=request_limit,
                        help="what one request may ask, e.g. max_stop_strings=32 (repeatable; the names and defaults: "
                        "docs/security.md)")

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from cluster.common import env
 from cluster.common.errors import ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.loads import WorkerLoad
@@ -36,6 +38,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.observability.metrics import CONTENT_TYPE, ClusterMetrics
 from cluster.ray_cluster.config import ClusterConfig
 from cluster.ray_cluster.launcher import Cluster, shutdown_ray
+from cluster.serving.api_keys import ApiKeys
 from cluster.serving.cluster_service import ClusterService
 from cluster.serving.local_service import LocalService
 from cluster.serving.metered_service import MeteredService
@@ -60,6 +63,8 @@ class ServeOptions:
     port: int = 8000
     grpc_port: int = 50051  # 0 picks a free port; -1 turns gRPC off
     api_key: str | None = None  # None: $PDSERVE_API_KEY, if set
+    api_keys_file: str = ""  # more keys, one tenant each (cluster.serving.api_keys); with or without api_key
+    trusted_proxies: str = ""  # whose X-Forwarded-For the gateway believes (addresses, networks); "": nobody
     drain_s: float = 30.0
     redis_url: str = ""  # the rate limits' buckets (shared by gateway replicas); empty: this process's
     rate_limit_rps: float = 0.0  # requests per second per API key; 0: none
@@ -158,11 +163,14 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     metered = MeteredService(service, metrics.requests)  # both front doors: every request is timed
     limits = RateLimits(state, options.rate_limit_rps, options.rate_limit_tpm)
     off_loop = OffLoop()  # one pool for both doors' tokenizing and formatting
-    app = build_app(metered, api_key=options.api_key, limits=limits, request_limits=options.request_limits,
+    api_keys = ApiKeys.of(options.api_key if options.api_key is not None else os.environ.get(env.API_KEY) or None,
+                          options.api_keys_file or None)
+    app = build_app(metered, api_key=api_keys, limits=limits, request_limits=options.request_limits,
                     off_loop=off_loop)
     add_status_route(app, metered)
     add_metrics_route(app, metrics, metered)
-    http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s)
+    http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s,
+                      trusted_proxies=options.trusted_proxies)
     http.server = SignalFreeUvicorn(http.config)
     await http.start()
     shutdown = Shutdown()
@@ -170,7 +178,7 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     grpc = None
     try:
         if options.grpc_port >= 0:
-            grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=options.api_key,
+            grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=api_keys, limits=limits,
                               request_limits=options.request_limits, off_loop=off_loop)
             await grpc.start()
         if on_listening is not None:

@@ -1,5 +1,6 @@
-"""Per-API-key rate limits and token quotas, kept in the shared state so every gateway replica
-counts against the same buckets (Redis; or this process alone without it).
+"""Per-tenant rate limits and token quotas, kept in the shared state so every gateway replica
+counts against the same buckets (Redis; or this process alone without it). A tenant is an API key's
+(cluster.serving.api_keys), with its own limits or the server's; without keys, a client address.
 
 Two token buckets per key: requests per second (burst: one second's worth, at least 1) and tokens
 per minute, where a request costs its prompt plus its max_tokens (burst: one minute's worth). A
@@ -9,9 +10,11 @@ one that could never fit the per-minute quota with 400.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from cluster.serving.api_keys import Tenant
 from cluster.state.interface import SharedState
 
 
@@ -32,6 +35,14 @@ class RateLimits:
     @property
     def enabled(self) -> bool:
         return self.requests_per_s > 0 or self.tokens_per_min > 0
+
+    def for_tenant(self, tenant: Tenant | None) -> RateLimits:
+        """These limits with the tenant's own where its key sets them."""
+        if tenant is None:
+            return self
+        return dataclasses.replace(
+            self, requests_per_s=self.requests_per_s if tenant.requests_per_s is None else tenant.requests_per_s,
+            tokens_per_min=self.tokens_per_min if tenant.tokens_per_min is None else tenant.tokens_per_min)
 
     async def check(self, key: str, tokens: int) -> None:
         """Take one request and `tokens` from `key`'s buckets, or raise RateLimited / ValueError."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import logging
 import math
 import os
@@ -43,7 +42,9 @@ from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
+from cluster.serving.api_keys import ApiKeys, Tenant
 from cluster.serving.off_loop import OffLoop
+from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import RequestLimits
 from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service
 
@@ -85,6 +86,7 @@ _REFUSALS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (jinja2.TemplateError, grpc.StatusCode.INVALID_ARGUMENT),  # a chat the template rejects
     (ModelNotFound, grpc.StatusCode.NOT_FOUND),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RateLimited, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ServiceUnavailable, grpc.StatusCode.UNAVAILABLE),
 )
@@ -94,20 +96,24 @@ _REFUSAL_TYPES = tuple(error_type for error_type, _ in _REFUSALS)
 class GrpcServer:
     """Serves `service` over gRPC from the running event loop (next to an HTTP server, say).
 
-    `api_key` (default: $PDSERVE_API_KEY; none: no check) must come as `authorization: Bearer <key>`
-    metadata. `tls` is (certificate chain, private key), both PEM. `port` 0 picks a free port;
-    `port` holds the bound one after `start()`.
+    `api_key`, one key or the `ApiKeys` of several tenants (default: $PDSERVE_API_KEY; none: no
+    check), must come as `authorization: Bearer <key>` metadata; `limits` are the tenants' rate limits, as on HTTP.
+    `tls` is (certificate chain, private key), both PEM. `port` 0 picks a free port; `port` holds the
+    bound one after `start()`.
     """
 
-    def __init__(self, service: Service, host: str = "0.0.0.0", port: int = 50051, *, api_key: str | None = None,
-                 tls: tuple[bytes, bytes] | None = None, request_limits: RequestLimits | None = None,
+    def __init__(self, service: Service, host: str = "0.0.0.0", port: int = 50051, *,
+                 api_key: str | ApiKeys | None = None, tls: tuple[bytes, bytes] | None = None,
+                 limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
                  off_loop: OffLoop | None = None) -> None:
         self.service = service
+        self.api_keys = api_key if isinstance(api_key, ApiKeys) else \
+            ApiKeys.of(api_key if api_key is not None else os.environ.get(env.API_KEY) or None)
+        self.limits = limits
         self.request_limits = request_limits or RequestLimits()
         self.off_loop = off_loop or OffLoop()
         self.host = host
         self.port = port
-        self.api_key = api_key if api_key is not None else os.environ.get(env.API_KEY) or None
         self.tls = tls
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -115,11 +121,12 @@ class GrpcServer:
 
     async def start(self) -> None:
         # The key check comes first: a caller without the key learns nothing, not even that its bytes are bad.
-        interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key else []
+        interceptors = [ApiKeyInterceptor(self.api_keys)] if self.api_keys.enabled else []
         interceptors.append(MalformedRequestInterceptor())
         server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
-        pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.service, self.request_limits,
-                                                                                     self.off_loop), server)
+        servicer = InferenceServicer(self.service, api_keys=self.api_keys, limits=self.limits,
+                                     request_limits=self.request_limits, off_loop=self.off_loop)
+        pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
         self.health = health.aio.HealthServicer()  # a fresh one: a drained one ignores updates for good
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -198,13 +205,15 @@ class _Call:
 
 class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
     """The gRPC API over a `Service`. Request ids are scoped: the engine id of a call is the server's
-    own, and a client's `request_id` names its call only among calls made with the same API key (the
-    bearer sent; no key, one scope). So an Abort ends only a request of the key that sent it, never
-    another client's, nor an HTTP request."""
+    own, and a client's `request_id` names its call only among calls of the same tenant (the API key's;
+    without keys, the bearer sent, or one scope for callers without one). So an Abort ends only a
+    request of the tenant that sent it, never another client's, nor an HTTP request."""
 
-    def __init__(self, service: Service, request_limits: RequestLimits | None = None,
-                 off_loop: OffLoop | None = None) -> None:
+    def __init__(self, service: Service, *, api_keys: ApiKeys | None = None, limits: RateLimits | None = None,
+                 request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None) -> None:
         self.service = service
+        self.api_keys = api_keys or ApiKeys()
+        self.limits = limits
         self.request_limits = request_limits or RequestLimits()
         self.off_loop = off_loop or OffLoop()
         # The calls in flight here, by (scope, client's request id). An Abort ends the matching call
@@ -215,7 +224,8 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         engine_id = f"grpc-{uuid.uuid4().hex}"
         call = _Call(request.request_id or engine_id, engine_id, asyncio.current_task())
-        key = (_scope_of(context), call.request_id)
+        tenant = self._tenant_of(context)
+        key = (self._scope_of(context, tenant), call.request_id)
         try:
             _check_request_id(request.request_id)
             if key in self.calls:
@@ -227,6 +237,9 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             self._check_limits(request, params)  # before any work: a 4 MB prompt is not tokenized
             prompt = await self.off_loop.run(self._prompt_of, request)
             _check_min_tokens(len(prompt), params, self.service.max_model_len)
+            limits = self.limits.for_tenant(tenant) if self.limits is not None else None
+            if limits is not None and limits.enabled:
+                await limits.check(_bucket_of(context, tenant), len(prompt) + params.max_tokens)
             events = self.service.generate(prompt, params, engine_id)
             call.running, call.num_prompt_tokens = True, len(prompt)
             async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
@@ -240,6 +253,8 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             yield call.aborted_response()
         except _REFUSAL_TYPES as error:
             call.running = False
+            if isinstance(error, RateLimited):
+                context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(error.retry_after_s)))),))
             await context.abort(_status_of(error), str(error))
         except Exception:
             log.exception("request %s (%s) failed", engine_id, call.request_id)
@@ -263,7 +278,7 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         """End the caller's own request of that id (sent with the same API key); any other id is a no-op."""
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        call = self.calls.get((_scope_of(context), request.request_id))
+        call = self.calls.get((self._scope_of(context, self._tenant_of(context)), request.request_id))
         if call is None:
             return pb.AbortResponse()
         if call.running and call.task is not None:
@@ -271,6 +286,18 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             call.task.cancel()
         await self.service.abort(call.engine_id)
         return pb.AbortResponse()
+
+    def _tenant_of(self, context: grpc.aio.ServicerContext) -> Tenant | None:
+        return self.api_keys.tenant_of(_authorization(context)) if self.api_keys.enabled else None
+
+    @staticmethod
+    def _scope_of(context: grpc.aio.ServicerContext, tenant: Tenant | None) -> str:
+        """Whose request ids a call names: its tenant's; without keys, the bearer it sent (hashed),
+        else one shared scope for callers without one."""
+        if tenant is not None:
+            return "tenant:" + tenant.name
+        bearer = _authorization(context)
+        return hashlib.sha256(bearer.encode()).hexdigest() if bearer else ""
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
@@ -319,12 +346,16 @@ def _check_min_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_
                          f"the context is {max_model_len}: at most {room} tokens can be generated")
 
 
-def _scope_of(context: grpc.aio.ServicerContext) -> str:
-    """Whose request ids a call names: the bearer it sent (hashed; with an API key configured the
-    interceptor let only the right one through), else one shared scope for callers without one."""
-    metadata = dict(context.invocation_metadata() or ())
-    bearer = str(metadata.get("authorization", ""))
-    return hashlib.sha256(bearer.encode()).hexdigest() if bearer else ""
+def _authorization(context: grpc.aio.ServicerContext) -> str:
+    return str(dict(context.invocation_metadata() or ()).get("authorization", ""))
+
+
+def _bucket_of(context: grpc.aio.ServicerContext, tenant: Tenant | None) -> str:
+    """Whom the rate limits count against: the key's tenant, else the peer's address (as on HTTP)."""
+    if tenant is not None:
+        return "tenant:" + tenant.name
+    peer = context.peer() or "unknown"  # "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234"
+    return "addr:" + peer.partition(":")[2].rpartition(":")[0].strip("[]")
 
 
 def _check_request_id(request_id: str) -> None:
@@ -355,11 +386,11 @@ def _status_of(error: Exception) -> grpc.StatusCode:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Admits calls whose `authorization` metadata is `Bearer <key>`; others end UNAUTHENTICATED.
-    The health service is exempt: load balancers and Kubernetes probes send no metadata."""
+    """Admits calls whose `authorization` metadata is `Bearer <key>` of a known key; others end
+    UNAUTHENTICATED. The health service is exempt: load balancers and Kubernetes probes send no metadata."""
 
-    def __init__(self, api_key: str) -> None:
-        self.expected = f"Bearer {api_key}".encode()
+    def __init__(self, api_keys: ApiKeys) -> None:
+        self.api_keys = api_keys
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -367,9 +398,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(f"/{health.SERVICE_NAME}/"):
             return handler
         metadata = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
-        given = metadata.get("authorization", "")
-        given = given.encode() if isinstance(given, str) else given
-        if hmac.compare_digest(given, self.expected):  # constant time: no guessing the key byte by byte
+        if self.api_keys.tenant_of(metadata.get("authorization")) is not None:  # constant time per key
             return handler
         return _refusing(handler)
 

@@ -19,7 +19,6 @@ A request's way through:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import os
@@ -43,6 +42,7 @@ from cluster.common import env
 from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.sampling_params import SamplingParams
+from cluster.serving.api_keys import ApiKeys, Tenant
 from cluster.serving.http.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -355,8 +355,10 @@ class Gateway:
             body.check_limits(self.request_limits)  # before any work: a 4 MB prompt is not tokenized
             prompt = await self.off_loop.run(body.prompt_ids, self.service.tokenizer)
             params = body.sampling_params(len(prompt), self.service.max_model_len)
-            if self.limits is not None and self.limits.enabled:
-                await self.limits.check(_client_key(request), len(prompt) + sum(p.max_tokens for p in params))
+            tenant = getattr(request.state, "tenant", None)
+            limits = self.limits.for_tenant(tenant) if self.limits is not None else None
+            if limits is not None and limits.enabled:
+                await limits.check(_bucket_of(request, tenant), len(prompt) + sum(p.max_tokens for p in params))
         run = ChoiceStreams(self.service, request_id, prompt, params, self.runs)
         streaming = False
         try:
@@ -511,29 +513,30 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """401 for `/v1/` requests without `Authorization: Bearer <key>`; health checks stay open."""
+    """401 for `/v1/` requests without `Authorization: Bearer <key>` of a known key; health checks
+    stay open. The key's tenant goes to `request.state.tenant` (its rate limits, its scope)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.api_key = app, api_key.encode()
+    def __init__(self, app: ASGIApp, api_keys: ApiKeys) -> None:
+        self.app, self.api_keys = app, api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or self._authorized(scope):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        tenant = self.api_keys.tenant_of(_header(scope, b"authorization"))
+        if tenant is not None:
+            scope.setdefault("state", {})["tenant"] = tenant
             return await self.app(scope, receive, send)
         error = ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
-        scheme, _, key = (_header(scope, b"authorization") or "").partition(" ")
-        # compare_digest: the time taken must not reveal how much of a guessed key was right.
-        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key)
 
-
-def _client_key(request: Request) -> str:
-    """Whom the rate limits count against: the API key sent, else the client's address."""
-    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-    if scheme.lower() == "bearer" and key.strip():
-        return "key:" + key.strip()  # the shared state hashes it before it names anything in Redis
+def _bucket_of(request: Request, tenant: Tenant | None) -> str:
+    """Whom the rate limits count against: the key's tenant, else the client's address (as the
+    trusted proxies forward it). Never a bearer the server does not know: a client could send a
+    fresh one with each request."""
+    if tenant is not None:
+        return "tenant:" + tenant.name
     return "addr:" + (request.client.host if request.client else "unknown")
 
 
@@ -544,15 +547,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-# ---- the app and its server ------------------------------------------------------------------------
-
-
-def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+def build_app(service: Service, *, api_key: str | ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
               off_loop: OffLoop | None = None) -> FastAPI:
-    """The gateway app. `api_key` None reads `$PDSERVE_API_KEY`; an empty key (or none at all) leaves
-    the API open. The `Gateway` (draining) is `gateway_of(app)`."""
-    api_key = api_key if api_key is not None else os.environ.get(env.API_KEY) or None
+    """The gateway app. `api_key`: one key, or the `ApiKeys` of several tenants (None reads
+    `$PDSERVE_API_KEY`); no key at all leaves the API open. The `Gateway` (draining) is `gateway_of(app)`."""
+    api_keys = api_key if isinstance(api_key, ApiKeys) else \
+        ApiKeys.of(api_key if api_key is not None else os.environ.get(env.API_KEY) or None)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
     gateway = Gateway(service, limits, request_limits, off_loop)
     app.state.gateway = gateway
@@ -562,8 +563,8 @@ def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: i
     app.add_exception_handler(RequestValidationError, _validation_error)
     _document_400_not_422(app)
     # add_middleware wraps: the last added runs first.
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if api_keys.enabled:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     return app
@@ -599,10 +600,14 @@ class HttpServer:
     """
 
     def __init__(self, app: ASGIApp, host: str = "0.0.0.0", port: int = 8000, *,
-                 graceful_shutdown_s: float = 10.0) -> None:
+                 graceful_shutdown_s: float = 10.0, trusted_proxies: str = "") -> None:
         self.app, self.host, self.requested_port = app, host, port
+        # X-Forwarded-For / -Proto are believed only from `trusted_proxies` (addresses and networks,
+        # comma-separated, e.g. the Ingress pods' CIDR): from anyone else a client could name any
+        # address, and so any rate-limit bucket. Empty (the default): from nobody, not even 127.0.0.1.
         self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                     timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)))
+                                     timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)),
+                                     proxy_headers=bool(trusted_proxies), forwarded_allow_ips=trusted_proxies or None)
         self.server = uvicorn.Server(self.config)
         self.socket: socket.socket | None = None
         self.task: asyncio.Task[None] | None = None

@@ -21,8 +21,11 @@ from cluster.client import AsyncClient, Client, ClientError
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
+from cluster.serving.api_keys import ApiKeys
 from cluster.serving.grpc.server import SERVICE_NAME, GrpcServer
 from cluster.serving.local_service import LocalService
+from cluster.serving.rate_limits import RateLimits
+from cluster.state.connect import connect_state
 from tests.serving.grpc.conftest import WAIT_S, ServerLoop, pool_is_whole, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -261,6 +264,32 @@ def test_api_key(server_loop: ServerLoop, service: LocalService) -> None:
             assert member.complete(PROMPT, max_tokens=2).usage.completion_tokens == 2
     finally:
         server_loop.run(server.stop(0))
+
+
+def test_tenants_have_their_own_keys_rate_limits_and_request_ids(server_loop: ServerLoop,
+                                                                    service: LocalService) -> None:
+    """Several keys, one tenant each: rate limits on gRPC as on HTTP (before, gRPC had none), per
+    tenant, RESOURCE_EXHAUSTED with a retry-after; and a tenant's Abort cannot reach another's request."""
+    tenants = ApiKeys.from_entries([{"name": "a", "key": "key-a"}, {"name": "b", "key": "key-b"},
+                                    {"name": "fast", "key": "key-fast", "rate_limit_rps": 1000}])
+    server = server_loop.start_server(service, api_key=tenants,
+                                      limits=RateLimits(connect_state(""), requests_per_s=0.2))
+    try:
+        with Client(target(server), api_key="key-a", max_attempts=1) as a, \
+                Client(target(server), api_key="key-b", max_attempts=1) as b, \
+                Client(target(server), api_key="key-fast", max_attempts=1) as fast:
+            stream = a.generate(PROMPT, request_id="mine", max_tokens=30, **GREEDY)
+            next(stream)
+            with pytest.raises(ClientError) as limited:
+                a.complete(PROMPT, max_tokens=2)
+            assert limited.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "per second" in limited.value.details
+            b.abort("mine")  # another tenant: a no-op
+            assert list(stream)[-1].finish_reason == "length"
+            assert b.complete(PROMPT, max_tokens=2).usage.completion_tokens == 2
+            assert [fast.complete(PROMPT, max_tokens=2).finish_reason for _ in range(3)] == ["length"] * 3
+    finally:
+        server_loop.run(server.stop(0))
+    assert wait_until(lambda: pool_is_whole(service))
 
 
 def test_tls(server_loop: ServerLoop, service: LocalService) -> None:

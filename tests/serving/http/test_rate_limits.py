@@ -1,4 +1,6 @@
-"""Per-key rate limits and token quotas at the gateway: 429 with Retry-After, shared through Redis."""
+"""Per-tenant rate limits and token quotas at both doors: 429 (RESOURCE_EXHAUSTED) with Retry-After,
+shared through Redis; a tenant is an API key's, else a client address that no header can change
+unless it comes from a trusted proxy."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import httpx
 import pytest
 
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.serving.api_keys import ApiKeys
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.serving.local_service import LocalService
 from cluster.serving.rate_limits import RateLimits
@@ -26,28 +29,33 @@ def body(model: str, max_tokens: int = 5) -> dict[str, Any]:
     return {"model": model, "prompt": [5, 17, 33, 9], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-async def gateways(checkpoint: Path, redis_url: str, count: int, **limits: float) -> tuple[LocalService, list]:
+TENANTS = ApiKeys.from_entries([{"name": "a", "key": "key-a"}, {"name": "b", "key": "key-b"},
+                                {"name": "fast", "key": "key-fast", "rate_limit_rps": 1000}])
+
+
+async def gateways(checkpoint: Path, redis_url: str, count: int, api_key: str | ApiKeys = "",
+                   trusted_proxies: str = "", **limits: float) -> tuple[LocalService, list]:
     """`count` gateways in front of one engine, each with its own connection to the shared state."""
     service = await LocalService.from_config(EngineConfig(model=ModelConfig(model=str(checkpoint)),
                                                           cache=CacheConfig(block_size=4, num_blocks=64))).start()
     servers = []
     for _ in range(count):
-        server = HttpServer(build_app(service, api_key="", limits=RateLimits(connect_state(redis_url), **limits)),
-                            "127.0.0.1", 0)
+        app = build_app(service, api_key=api_key, limits=RateLimits(connect_state(redis_url), **limits))
+        server = HttpServer(app, "127.0.0.1", 0, trusted_proxies=trusted_proxies)
         await server.start()
         servers.append(server)
     return service, servers
 
 
 @pytest.mark.parametrize("where", ["in_process", "redis"])
-def test_requests_per_second_per_key_shared_by_replicas(checkpoint: Path, redis_server: Any, where: str) -> None:
+def test_requests_per_second_per_tenant_shared_by_replicas(checkpoint: Path, redis_server: Any, where: str) -> None:
     url = redis_server.url if where == "redis" else ""
 
     async def main() -> None:
         # One gateway without Redis (its own buckets); two replicas sharing Redis's.
-        service, servers = await gateways(checkpoint, url, 2 if url else 1, requests_per_s=0.2)
+        service, servers = await gateways(checkpoint, url, 2 if url else 1, TENANTS, requests_per_s=0.2)
         try:
-            key = {"Authorization": f"Bearer key-{where}"}
+            key = {"Authorization": "Bearer key-a"}
             async with httpx.AsyncClient(timeout=60) as client:
                 first = await client.post(servers[0].url + "/v1/completions", json=body(service.model_name),
                                           headers=key)
@@ -58,8 +66,15 @@ def test_requests_per_second_per_key_shared_by_replicas(checkpoint: Path, redis_
                 assert int(second.headers["Retry-After"]) >= 1
                 assert second.json()["error"]["code"] == "rate_limit_exceeded"
                 other = await client.post(servers[-1].url + "/v1/completions", json=body(service.model_name),
-                                          headers={"Authorization": "Bearer someone-else"})
-                assert other.status_code == 200  # buckets are per key
+                                          headers={"Authorization": "Bearer key-b"})
+                assert other.status_code == 200  # buckets are per tenant
+                fast = [(await client.post(servers[-1].url + "/v1/completions", json=body(service.model_name),
+                                           headers={"Authorization": "Bearer key-fast"})).status_code
+                        for _ in range(3)]
+                assert fast == [200] * 3  # its own limit: 1,000 per second
+                stranger = await client.post(servers[-1].url + "/v1/completions", json=body(service.model_name),
+                                             headers={"Authorization": "Bearer key-c"})
+                assert stranger.status_code == 401
         finally:
             for server in servers:
                 await server.stop()
@@ -81,5 +96,26 @@ def test_tokens_per_minute_quota(checkpoint: Path) -> None:
         finally:
             await server.stop()
             await service.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_without_keys_the_bucket_is_the_address_whatever_the_client_sends(checkpoint: Path, trusted: bool) -> None:
+    """Keyless, a client is its address: a fresh bearer or X-Forwarded-For per request does not give it
+    a fresh bucket (before, any bearer was a bucket of its own). X-Forwarded-For counts only from a
+    trusted proxy: here the test itself, on 127.0.0.1, when `trusted`."""
+    async def main() -> None:
+        service, (server,) = await gateways(checkpoint, "", 1, "", "127.0.0.1" if trusted else "",
+                                            requests_per_s=0.2)
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                statuses = [(await client.post("/v1/completions", json=body(service.model_name), headers={
+                    "Authorization": f"Bearer fresh-{index}", "X-Forwarded-For": f"10.9.8.{index}"})).status_code
+                            for index in range(2)]
+        finally:
+            await server.stop()
+            await service.stop()
+        assert statuses == ([200, 200] if trusted else [200, 429])
 
     asyncio.run(main())
