@@ -1,9 +1,23 @@
 """What a worker reports about itself: its load (what routers rank workers by, and /metrics and
-`pdserve status` show) and the stats of each KV transfer it sent."""
+`pdserve status` show), the stats of each KV transfer it sent, and the ticket a decode worker gives
+out for a transfer it expects."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class KVTicket:
+    """Where a prefill worker sends one request's KV, and the one-time token the decode worker accepts
+    its frames with: a peer that can reach the receiver's port but was not given the ticket (it
+    travels in Ray calls only) cannot land bytes in a reserved buffer. Printed, it is its address."""
+
+    address: str
+    token: str = field(repr=False)
+
+    def __str__(self) -> str:
+        return self.address
 
 
 @dataclass(slots=True)

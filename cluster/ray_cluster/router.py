@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError
 from cluster.common.block_hashes import prefix_hashes
 from cluster.common.errors import NoCapacityError
 from cluster.common.events import TokenEvent
-from cluster.common.loads import WorkerLoad
+from cluster.common.loads import KVTicket, WorkerLoad
 from cluster.common.roles import Mode, Role, RoutingPolicy
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.routing_policy import LOAD_POLL_S, POLL_TIMEOUT_S, decode_rank, prefill_cost
@@ -258,11 +258,11 @@ class Router:
         for decode in self._decode_order():
             try:
                 with self._holding(decode):  # counted from the reservation on, so a burst spreads out
-                    address = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s)
-                    if address is None:
+                    ticket = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s)
+                    if ticket is None:
                         self.decisions["reserve_refused"] += 1
                         continue
-                    async for event in self._disaggregated(decode, address, request_id, prompt, params):
+                    async for event in self._disaggregated(decode, ticket, request_id, prompt, params):
                         news = seen.news(event)
                         if news is not None:
                             yield news
@@ -275,7 +275,7 @@ class Router:
                 self.decisions["rerouted"] += 1
         raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
 
-    async def _disaggregated(self, decode: Any, address: str, request_id: str, prompt: list[int],
+    async def _disaggregated(self, decode: Any, ticket: KVTicket, request_id: str, prompt: list[int],
                              params: SamplingParams) -> AsyncIterator[TokenEvent]:
         prefill = await self._pick_prefill(prompt)
         if prefill is None:  # every prefill worker is gone: the decode worker runs the prompt itself
@@ -285,13 +285,13 @@ class Router:
             key = id(prefill)
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
             try:
-                async for item in self._relay(prefill.prefill, request_id, prompt, params, address):
+                async for item in self._relay(prefill.prefill, request_id, prompt, params, ticket):
                     if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
                         yield replace(item, finished=False, finish_reason=None)
             except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
                 if isinstance(error, RayActorError):
                     self._mark_dead(prefill)
-                self._warn_transfer_failed(request_id, prefill, decode, address, error)
+                self._warn_transfer_failed(request_id, prefill, decode, ticket.address, error)
                 self.decisions["transfer_failed"] += 1
                 await decode.recompute.remote(request_id)
             finally:

@@ -10,7 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from cluster.common.events import TokenEvent
-from cluster.common.loads import TransferStats, WorkerLoad
+from cluster.common.loads import KVTicket, TransferStats, WorkerLoad
 from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import EngineConfig
@@ -95,12 +95,13 @@ class WorkerActor:
             yield event_of(output, worker.worker_id)
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      address: str) -> AsyncIterator[TokenEvent | TransferStats]:
+                      ticket: KVTicket) -> AsyncIterator[TokenEvent | TransferStats]:
         worker = await self._ready()
-        async for item in worker.prefill(request_id, prompt, params, address):
+        async for item in worker.prefill(request_id, prompt, params, ticket):
             yield item if isinstance(item, TransferStats) else event_of(item, worker.worker_id)
 
-    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, lease_s: float) -> str | None:
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      lease_s: float) -> KVTicket | None:
         return await (await self._ready()).reserve(request_id, prompt, params, lease_s)
 
     async def recompute(self, request_id: str) -> None:

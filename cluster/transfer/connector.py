@@ -33,7 +33,8 @@ from typing import Any, Protocol
 import msgpack
 
 MAX_HEADER_BYTES = 4096
-HEADER_VERSION = 2
+HEADER_VERSION = 3
+MAX_TOKEN_CHARS = 64  # a transfer's token (`KVTicket.token`): 32 hex digits
 
 
 class DeviceBytes(Protocol):
@@ -84,6 +85,7 @@ class KVHeader:
     nbytes: int  # of this frame's payload
     first_block: int = 0
     last: bool = True
+    token: str = ""  # the transfer's one-time token, from the decode worker's `KVTicket`
 
     @property
     def block_nbytes(self) -> int:
@@ -117,7 +119,8 @@ class KVHeader:
         ints = (self.num_tokens, self.num_blocks, self.block_size, self.num_layers, self.num_kv_heads,
                 self.head_dim, self.first_token_id, self.nbytes, self.first_block)
         if not isinstance(self.request_id, str) or not isinstance(self.dtype, str) or \
-                not isinstance(self.last, bool) or \
+                not isinstance(self.last, bool) or not isinstance(self.token, str) or \
+                len(self.token) > MAX_TOKEN_CHARS or \
                 not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in ints):
             raise TransferError("malformed header: wrong field types")
         if self.num_blocks == 0 or self.nbytes % self.num_blocks:
@@ -158,8 +161,9 @@ class KVReceiver(Protocol):
 
     async def start(self) -> None: ...
 
-    def expect(self, request_id: str, buffer: KVBytes) -> asyncio.Future[KVHeader]:
-        """Accept one payload for `request_id`, of exactly `buffer.nbytes`, written into `buffer`.
+    def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
+        """Accept one payload for `request_id`, of exactly `buffer.nbytes`, written into `buffer`, in
+        frames whose header carries `token` (others are refused UNAUTHENTICATED, harmlessly).
 
         The future resolves to the header once the payload is in place, or fails with TransferError
         (wrong size, peer lost) or CancelledError (`cancel`). Frames for ids not expected are refused.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class Refusal(enum.IntEnum):
     CANCELLED = 5  # the id was cancelled, before or during the payload
     BUSY = 6  # a payload for this id is being received right now
     FAILED = 7  # the receiver could not land the payload (timeout, closing)
+    UNAUTHENTICATED = 8  # the header's token is not the one the transfer was expected with
 
 
 class FrameRefused(TransferError):
@@ -120,6 +122,7 @@ class _Slot:
     state: TransferState
     landed: int = 0  # bytes of the frames landed so far (frames arrive in order)
     frame: KVBytes | None = None  # the part of `buffer` the frame being received fills
+    token: str = ""  # what every frame's header must carry
 
 
 class ReceiveTable:
@@ -138,8 +141,9 @@ class ReceiveTable:
         self._remember = remember
         self._closed = False
 
-    def expect(self, request_id: str, buffer: KVBytes) -> asyncio.Future[KVHeader]:
-        """Register `buffer` for `request_id` (called by the receiver's `expect`, in its event loop).
+    def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
+        """Register `buffer` for `request_id`, whose frames must carry `token` (called by the
+        receiver's `expect`, in its event loop).
 
         Raises ValueError for an id already pending or receiving, or an unusable buffer, and
         TransferError once closed. An id that finished may be expected again (a deliberate retry).
@@ -151,7 +155,7 @@ class ReceiveTable:
         if request_id in self._slots:
             raise ValueError(f"request {request_id!r} is already expected")
         future: asyncio.Future[KVHeader] = asyncio.get_running_loop().create_future()
-        self._slots[request_id] = _Slot(writable_bytes(buffer), future, TransferState.PENDING)
+        self._slots[request_id] = _Slot(writable_bytes(buffer), future, TransferState.PENDING, token=token)
         self._finished.pop(request_id, None)
         future.add_done_callback(lambda done: self._on_future_done(request_id, done))
         return future
@@ -171,6 +175,10 @@ class ReceiveTable:
         slot = self._slots.get(header.request_id)
         if slot is None:
             raise self._refusal_for_unknown(header.request_id)
+        # Refused without failing the transfer: whoever forges frames must not be able to cancel it.
+        if not hmac.compare_digest(header.token.encode(), slot.token.encode()):
+            raise FrameRefused(Refusal.UNAUTHENTICATED, f"request {header.request_id!r}: the frame's token is "
+                                                        "not the transfer's")
         if slot.state is TransferState.RECEIVING:
             raise FrameRefused(Refusal.BUSY, f"request {header.request_id!r} is already receiving")
         start = header.first_block * header.block_nbytes
@@ -324,9 +332,9 @@ class LoopbackReceiver:
             self._hub.register(self)
             self._started = True
 
-    def expect(self, request_id: str, buffer: KVBytes) -> asyncio.Future[KVHeader]:
+    def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the transfers run in."""
-        return self._table.expect(request_id, host_only(buffer))
+        return self._table.expect(request_id, host_only(buffer), token)
 
     def state(self, request_id: str) -> TransferState | None:
         return self._table.state(request_id)

@@ -425,9 +425,9 @@ class UCXReceiver:
         self.address = f"{UCX_SCHEME}{self._host}:{self._listener.port}"
         log.info("UCX receiver listening at %s", self.address)
 
-    def expect(self, request_id: str, buffer: KVBytes) -> asyncio.Future[KVHeader]:
+    def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the receiver started in."""
-        return self._table.expect(request_id, buffer)
+        return self._table.expect(request_id, buffer, token)
 
     def state(self, request_id: str) -> TransferState | None:
         return self._table.state(request_id)

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,12 +25,12 @@ from typing import Any, TypeVar
 import torch
 
 from cluster.common.events import FinishReason, TokenEvent
-from cluster.common.loads import TransferStats, WorkerLoad
+from cluster.common.loads import KVTicket, TransferStats, WorkerLoad
 from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
 from cluster.state.interface import SharedState, WorkerInfo
-from cluster.transfer.connector import KVHeader, KVReceiver, KVSender
+from cluster.transfer.connector import KVHeader, KVReceiver, KVSender, TransferError
 from cluster.worker.kv_staging import landing_buffer, sends_device_memory, wire_bytes
 
 log = logging.getLogger(__name__)
@@ -309,8 +310,8 @@ class Worker:
     # ---- prefill role --------------------------------------------------------------------------
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      decode_address: str) -> AsyncIterator[RequestOutput | TransferStats]:
-        """Compute the prompt, sending its KV to `decode_address` chunk by chunk as it computes;
+                      ticket: KVTicket) -> AsyncIterator[RequestOutput | TransferStats]:
+        """Compute the prompt, sending its KV to the decode worker's `ticket` chunk by chunk as it computes;
         yield the first token at once, then the transfer's stats once the last block landed.
 
         A failed send raises TransferError (the decode worker then recomputes) and stops the
@@ -327,7 +328,7 @@ class Worker:
         sending: asyncio.Task[TransferStats] | None = None
         try:
             await self._call(lambda: self.engine.add_prefill(prompt_token_ids, first_params, request_id=request_id))
-            sending = asyncio.create_task(self._send_runs(request_id, decode_address, outbox))
+            sending = asyncio.create_task(self._send_runs(request_id, ticket, outbox))
             # A send that fails mid-prompt ends the prefill at once, not after the prompt computed.
             sending.add_done_callback(lambda task: _raise_into(stream, task))
             async for output in self._outputs(request_id):
@@ -342,7 +343,7 @@ class Worker:
                 sending.cancel()
             await self._call(lambda: self.engine.abort(request_id))  # a prefill cut short frees its blocks
 
-    async def _send_runs(self, request_id: str, address: str, outbox: _Outbox) -> TransferStats:
+    async def _send_runs(self, request_id: str, ticket: KVTicket, outbox: _Outbox) -> TransferStats:
         """Send the runs of blocks the engine thread queues, in order, until the last one."""
         assert self.sender is not None
         stats = TransferStats(request_id, 0, 0.0, frames=0)
@@ -353,14 +354,14 @@ class Worker:
                               block_size=data.shape[3], num_layers=data.shape[1], num_kv_heads=data.shape[4],
                               head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
                               first_token_id=export.first_token_id or 0, nbytes=data.numel() * data.element_size(),
-                              first_block=export.first_block, last=export.last)
+                              first_block=export.first_block, last=export.last, token=ticket.token)
             started = time.perf_counter()
             try:
-                await self.sender.send(address, header, wire_bytes(data, self._direct(self.sender)))
+                await self.sender.send(ticket.address, header, wire_bytes(data, self._direct(self.sender)))
             except Exception as error:
                 self.transfer_failures += 1
                 log.warning("%s (%s): KV of %s to %s failed (%s)", self.worker_id,
-                            self.listing.meta.get("host", "this host"), request_id, address, error)
+                            self.listing.meta.get("host", "this host"), request_id, ticket.address, error)
                 raise
             seconds = time.perf_counter() - started
             self.frame_count += 1
@@ -377,8 +378,9 @@ class Worker:
     # ---- decode role ---------------------------------------------------------------------------
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      lease_s: float = 30.0) -> str | None:
-        """Reserve blocks for the prompt and await its KV; the receiver's address, or None if full.
+                      lease_s: float = 30.0) -> KVTicket | None:
+        """Reserve blocks for the prompt and await its KV; the ticket a prefill worker sends it with (the
+        receiver's address and a one-time token), or None if full.
 
         When the KV lands it is written into the blocks and the request joins the batch; when the
         transfer fails or the lease ends first, the prompt is computed here instead.
@@ -399,14 +401,18 @@ class Worker:
         direct = self._direct(self.receiver)
         staging = landing_buffer((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
                                  runner.dtype, runner.device, direct)
-        arrived = self.receiver.expect(request_id, wire_bytes(staging, direct))
+        ticket = KVTicket(self.receiver.address, secrets.token_hex(16))
+        arrived = self.receiver.expect(request_id, wire_bytes(staging, direct), ticket.token)
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
-        return self.receiver.address
+        return ticket
 
     def _on_kv(self, request_id: str, future: asyncio.Future[KVHeader], staging: torch.Tensor) -> None:
         if future.cancelled():
             return  # aborted: the abort freed the blocks
         error = future.exception()
+        first_token_id = future.result().first_token_id if error is None else -1
+        if error is None and not 0 <= first_token_id < self.engine.arch.vocab_size:
+            error = TransferError(f"first token id {first_token_id} is outside the vocabulary")  # a sender's bug
 
         def land() -> None:
             if request_id not in self.engine.scheduler.reserved:
@@ -417,7 +423,7 @@ class Worker:
                 self.engine.fail_remote(request_id)
                 return
             self.engine.import_kv(request_id, staging)
-            self._deliver(request_id, self.engine.admit_remote(request_id, future.result().first_token_id))
+            self._deliver(request_id, self.engine.admit_remote(request_id, first_token_id))
 
         self.commands.put(land)
         self.wake.set()

@@ -169,6 +169,38 @@ def test_replay_is_refused(pair: Pair) -> None:
     assert np.array_equal(buffer, first.reshape(-1))
 
 
+@pytest.mark.parametrize("forged", ["", "not-the-token", "t" * 31 + "X"], ids=["none", "other", "one-off"])
+def test_a_frame_without_the_transfers_token_is_refused_and_the_transfer_goes_on(pair: Pair, forged: str) -> None:
+    """Whoever reaches the receiver's port but lacks the ticket's token cannot land bytes, nor end the
+    transfer it targets: the real frames land afterwards."""
+    buffer, forged_bytes, real = poisoned(1024), random_payload(1024, seed=1), random_payload(1024, seed=2)
+    token = "t" * 32
+
+    async def body() -> None:
+        done = pair.receiver.expect("r1", memoryview(buffer), token)
+        with pytest.raises(FrameRefused) as refused:
+            await pair.sender.send(pair.receiver.address, dataclasses.replace(header_for("r1", 1024), token=forged),
+                                   memoryview(forged_bytes))
+        assert refused.value.code is Refusal.UNAUTHENTICATED
+        assert untouched(buffer) and pair.receiver.state("r1") is TransferState.PENDING
+        await pair.sender.send(pair.receiver.address, dataclasses.replace(header_for("r1", 1024), token=token),
+                               memoryview(real))
+        assert (await done).token == token
+
+    pair.run(body())
+    assert np.array_equal(buffer, real.reshape(-1))
+
+
+def test_a_token_longer_than_the_limit_is_malformed() -> None:
+    from cluster.transfer.connector import MAX_TOKEN_CHARS
+
+    header = dataclasses.replace(header_for("r1", 1024), token="x" * MAX_TOKEN_CHARS)
+    assert KVHeader.from_bytes(header.to_bytes()) == header
+    for token in ("x" * (MAX_TOKEN_CHARS + 1), 7):
+        with pytest.raises(TransferError, match="malformed"):
+            KVHeader.from_bytes(dataclasses.replace(header, token=token).to_bytes())  # type: ignore[arg-type]
+
+
 def test_cancel_raises_cancelled_and_refuses_later_frames(pair: Pair) -> None:
     buffer = poisoned(1024)
 
@@ -429,8 +461,8 @@ def test_headers_at_block_boundaries_are_accepted(num_tokens: int, first_block: 
 
 def test_a_header_without_its_version_is_malformed() -> None:
     fields = dataclasses.asdict(frame_header("v", 0, 4, True))
-    for data in (msgpack.packb(fields), msgpack.packb({"version": 1, **fields}), msgpack.packb([1, 2])):
-        with pytest.raises(TransferError, match=r"^malformed header: not a version-2 KV header$"):
+    for data in (msgpack.packb(fields), msgpack.packb({"version": 2, **fields}), msgpack.packb([1, 2])):
+        with pytest.raises(TransferError, match=r"^malformed header: not a version-3 KV header$"):
             KVHeader.from_bytes(data)
 
 

@@ -18,8 +18,8 @@ from cluster.common.loads import TransferStats
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
-from cluster.transfer.connector import TransferError
-from cluster.transfer.loopback import FailMode, LoopbackHub, LoopbackReceiver, LoopbackSender
+from cluster.transfer.connector import KVHeader, TransferError
+from cluster.transfer.loopback import FailMode, FrameRefused, LoopbackHub, LoopbackReceiver, LoopbackSender, Refusal
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.worker.worker import Worker
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
@@ -190,6 +190,49 @@ def test_a_refused_prompt_leaves_nothing_behind_and_its_id_stays_usable(checkpoi
             assert await serve(prefill, decode, "poison", PROMPTS[0]) == (await asyncio.to_thread(
                 lambda: make_engine(checkpoint).generate([PROMPTS[0]], GREEDY)[0].token_ids))
             assert not decode.streams and not prefill.streams
+            assert_whole(prefill, decode)
+
+    asyncio.run(main())
+
+
+def test_forged_kv_frames_are_refused_and_a_bad_first_token_is_recomputed(checkpoint: Path,
+                                                                           expected: list[list[int]]) -> None:
+    """A peer that reaches the decode worker's receiver without the ticket's token lands nothing; one
+    with the token whose first token id is outside the vocabulary (a broken sender) does not get it
+    into the stream (nor break the engine thread): the prompt is recomputed, the answer is right."""
+    async def main() -> None:
+        async with running_pair(checkpoint) as (prefill, decode, hub):
+            forger = LoopbackSender(hub)
+            prompt = PROMPTS[0]
+            runner = decode.engine.runner
+            num_blocks = -(-len(prompt) // 4)
+            nbytes = num_blocks * len(runner.kv_caches) * 2 * runner.kv_caches[0][0, 0].numel() * 4
+
+            def frame(request_id: str, token: str, first_token_id: int) -> KVHeader:
+                shape = runner.kv_caches[0].shape
+                return KVHeader(request_id=request_id, num_tokens=len(prompt), num_blocks=num_blocks, block_size=4,
+                                num_layers=len(runner.kv_caches), num_kv_heads=shape[3], head_dim=shape[4],
+                                dtype="float32", first_token_id=first_token_id, nbytes=nbytes, token=token)
+
+            ticket = await decode.reserve("forged", prompt, GREEDY)
+            assert ticket is not None and ticket.token and ticket.token not in repr(ticket)
+            with pytest.raises(FrameRefused) as refused:
+                await forger.send(ticket.address, frame("forged", "guess", 7), memoryview(bytearray(nbytes)))
+            assert refused.value.code is Refusal.UNAUTHENTICATED
+            tokens: list[int] = []
+            async for item in prefill.prefill("forged", prompt, GREEDY, ticket):
+                if not isinstance(item, TransferStats):
+                    tokens += item.new_token_ids
+            async for output in decode.stream("forged"):
+                tokens += output.token_ids[len(tokens):]
+            assert tokens == expected[0]
+
+            ticket = await decode.reserve("bad-first", prompt, GREEDY)
+            assert ticket is not None
+            await forger.send(ticket.address, frame("bad-first", ticket.token, 10**9), memoryview(bytearray(nbytes)))
+            outputs = [output async for output in decode.stream("bad-first")]
+            assert outputs[-1].token_ids == expected[0] and decode.engine.scheduler.num_recomputes == 1
+            await asyncio.sleep(0.1)
             assert_whole(prefill, decode)
 
     asyncio.run(main())
