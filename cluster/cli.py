@@ -170,6 +170,9 @@ def command_serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("pdserve serve: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
     # gRPC's C core logs a line each time Ray forks a process while the server runs: errors only.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from cluster.engine.llm_engine import served_model_name
@@ -187,7 +190,7 @@ def command_serve(args: argparse.Namespace) -> int:
                            drain_s=args.drain_s, redis_url=config.redis_url, rate_limit_rps=args.rate_limit_rps,
                            rate_limit_tpm=args.rate_limit_tpm,
                            request_limits=RequestLimits.parse(args.request_limit), api_keys_file=args.api_keys_file,
-                           trusted_proxies=args.trusted_proxies)
+                           trusted_proxies=args.trusted_proxies, tls_cert=args.tls_cert, tls_key=args.tls_key)
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
@@ -290,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "rate limits (docs/security.md); with or without --api-key")
     serve.add_argument("--trusted-proxies", default="", help="addresses or networks (comma-separated) whose "
                        "X-Forwarded-For is believed, e.g. the Ingress's; default: nobody's")
+    serve.add_argument("--tls-cert", default="", help="PEM certificate (chain) file: HTTPS and gRPC over TLS")
+    serve.add_argument("--tls-key", default="", help="the certificate's private key file (PEM)")
     serve.add_argument("--request-limit", action="append", default=[], metavar="NAME=VALUE", type=request_limit,
                        help="what one request may ask, e.g. max_stop_strings=32 (repeatable; the names and defaults: "
                        "docs/security.md)")

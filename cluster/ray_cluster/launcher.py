@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import tempfile
 import time
 import uuid
@@ -37,18 +38,33 @@ GPUS_PER_WORKER = 0.5  # a CUDA worker's share when its pool does not say: 1 pre
 
 
 def init_ray(address: str = "") -> None:
-    """Join `address`, or start a private local Ray that nothing else can join by accident."""
+    """Join `address`, or start a private local Ray that nothing else can join, by accident or not.
+
+    The local Ray runs with Ray's token authentication and a fresh random token that only this
+    process and its children (Ray's own, the workers) have: its ports listen on every interface, and
+    whoever could join could run code. No dashboard. Set RAY_AUTH_MODE to choose otherwise. Joining
+    a cluster (`address`) follows that cluster's setting: RAY_AUTH_MODE and RAY_AUTH_TOKEN as its
+    nodes have them (disabled when unset).
+    """
     import ray
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if address:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 _temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-"))
+        return
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        # Ray read its settings when it was imported; read them again, as Ray's own ray.init does
+        # when it turns token authentication on (`ray._private.authentication`, checked with 2.60).
+        from ray._raylet import Config  # type: ignore[attr-defined]
+
+        Config.initialize("")
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-"))
 
 
 def shutdown_ray() -> None:

@@ -26,6 +26,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -65,6 +66,8 @@ class ServeOptions:
     api_key: str | None = None  # None: $PDSERVE_API_KEY, if set
     api_keys_file: str = ""  # more keys, one tenant each (cluster.serving.api_keys); with or without api_key
     trusted_proxies: str = ""  # whose X-Forwarded-For the gateway believes (addresses, networks); "": nobody
+    tls_cert: str = ""  # PEM certificate (chain) file: both doors serve TLS (HTTPS, gRPC over TLS)
+    tls_key: str = ""  # its private key file
     drain_s: float = 30.0
     redis_url: str = ""  # the rate limits' buckets (shared by gateway replicas); empty: this process's
     rate_limit_rps: float = 0.0  # requests per second per API key; 0: none
@@ -169,8 +172,9 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
                     off_loop=off_loop)
     add_status_route(app, metered)
     add_metrics_route(app, metrics, metered)
+    tls = (options.tls_cert, options.tls_key) if options.tls_cert else None
     http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s,
-                      trusted_proxies=options.trusted_proxies)
+                      trusted_proxies=options.trusted_proxies, tls=tls)
     http.server = SignalFreeUvicorn(http.config)
     await http.start()
     shutdown = Shutdown()
@@ -178,7 +182,8 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     grpc = None
     try:
         if options.grpc_port >= 0:
-            grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=api_keys, limits=limits,
+            grpc_tls = (Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None
+            grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=api_keys, tls=grpc_tls, limits=limits,
                               request_limits=options.request_limits, off_loop=off_loop)
             await grpc.start()
         if on_listening is not None:

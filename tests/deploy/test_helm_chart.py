@@ -244,6 +244,8 @@ def test_the_gateway_runs_serve_on_the_mounted_config_and_drains_within_its_grac
     cluster = one(objects, "RayCluster")
     head_port = cluster["spec"]["headGroupSpec"]["rayStartParams"]["port"]
     assert args.ray_address == f"{cluster['metadata']['name']}-head-svc:{head_port}"  # KubeRay's head Service
+    # Ray's dashboard can submit jobs (run code): on loopback unless the values open it.
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
     assert args.host == "0.0.0.0"
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": args.port, "grpc": args.grpc_port}
     mount = next(m for m in container["volumeMounts"] if m["name"] == "cluster-config")

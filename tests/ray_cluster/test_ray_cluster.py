@@ -331,3 +331,28 @@ def test_cuda_workers_on_an_embedded_ray_without_gpus_are_refused_at_start(check
         pytest.skip("this Ray has GPUs")
     with pytest.raises(ValueError, match=r"ask for 1 GPUs \(device 'cuda'\) and the Ray cluster has 0"):
         Cluster(cuda_config(checkpoint)).start()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_the_embedded_ray_admits_only_holders_of_its_token() -> None:
+    """The embedded Ray's ports listen on every interface, and joining it means running code on it:
+    it runs with Ray's token authentication and a token only this process and its children hold.
+    Another process at the same address, with no token or a wrong one, is refused (before, any could
+    join). One given the token joins: what `--ray-address` users do with their cluster's token."""
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    join = f"import ray; ray.init(address={address!r}, log_to_driver=False); print('joined', flush=True)"
+    own = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
+    assert os.environ["RAY_AUTH_MODE"] == "token" and len(os.environ["RAY_AUTH_TOKEN"]) == 64
+    tries = {"none": {"RAY_AUTH_MODE": "disabled"}, "wrong": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+             "holder": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.environ["RAY_AUTH_TOKEN"]}}
+    processes = {name: subprocess.Popen([sys.executable, "-c", join], env={**own, **extra}, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                 for name, extra in tries.items()}  # at once: a refused one takes its connect timeout
+    outcomes = {name: "joined" in process.communicate(timeout=120)[0] for name, process in processes.items()}
+    assert outcomes == {"none": False, "wrong": False, "holder": True}

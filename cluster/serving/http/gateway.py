@@ -600,14 +600,17 @@ class HttpServer:
     """
 
     def __init__(self, app: ASGIApp, host: str = "0.0.0.0", port: int = 8000, *,
-                 graceful_shutdown_s: float = 10.0, trusted_proxies: str = "") -> None:
-        self.app, self.host, self.requested_port = app, host, port
+                 graceful_shutdown_s: float = 10.0, trusted_proxies: str = "",
+                 tls: tuple[str, str] | None = None) -> None:
+        self.app, self.host, self.requested_port, self.tls = app, host, port, tls
         # X-Forwarded-For / -Proto are believed only from `trusted_proxies` (addresses and networks,
         # comma-separated, e.g. the Ingress pods' CIDR): from anyone else a client could name any
         # address, and so any rate-limit bucket. Empty (the default): from nobody, not even 127.0.0.1.
         self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                      timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)),
-                                     proxy_headers=bool(trusted_proxies), forwarded_allow_ips=trusted_proxies or None)
+                                     proxy_headers=bool(trusted_proxies), forwarded_allow_ips=trusted_proxies or None,
+                                     # HTTPS where `tls` names a PEM certificate (chain) file and its key file.
+                                     ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
         self.server = uvicorn.Server(self.config)
         self.socket: socket.socket | None = None
         self.task: asyncio.Task[None] | None = None
@@ -621,7 +624,8 @@ class HttpServer:
     def url(self) -> str:
         """Where a client on this machine reaches the server."""
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://[{host}]:{self.port}" if ":" in host else f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> None:
         """Bind and serve; returns once connections are accepted."""

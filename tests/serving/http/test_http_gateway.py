@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -295,6 +296,27 @@ def test_a_port_in_use_raises_instead_of_exiting(gateways: Gateways, tiny: LiveG
     taken = HttpServer(tiny.app, "127.0.0.1", tiny.server.port)
     with pytest.raises(OSError):
         gateways.loop.run(taken.start())
+
+
+def test_https_with_a_certificate_and_nothing_in_plain_text(gateways: Gateways, tiny: LiveGateway,
+                                                           tmp_path: Path) -> None:
+    from tests.serving.grpc.test_grpc import self_signed_certificate
+
+    certificate, key = self_signed_certificate()
+    (tmp_path / "cert.pem").write_bytes(certificate)
+    (tmp_path / "key.pem").write_bytes(key)
+    server = HttpServer(tiny.app, "localhost", 0, tls=(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")))
+    gateways.loop.run(server.start())
+    try:
+        assert server.url.startswith("https://localhost:")
+        with httpx.Client(verify=ssl.create_default_context(cafile=tmp_path / "cert.pem"), timeout=30) as secure:
+            assert secure.get(server.url + "/health").json() == {"status": "ok"}
+            answer = secure.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+            assert answer.status_code == 200
+        with httpx.Client(timeout=30) as plain, pytest.raises(httpx.HTTPError):
+            plain.get(server.url.replace("https://", "http://") + "/health")
+    finally:
+        gateways.loop.run(server.stop())
 
 
 # ---- the default model: real answers through the official client ----------------------------------
