@@ -41,8 +41,8 @@ REQUIRED = {"int64": r"dtype=torch\.(?:long|int64)\b", "device": r"device=", "zi
 # Changes equivalent in the one place they occur: (kind, why, the original, the mutant), as regexes.
 EQUIVALENT_LINES = (
     ("falsy-flag", "the flag is only tested for truth, where None and False are alike",
-     r"(?:self\._started|self\._closed) = False|cache_full=False|popitem\(last=False\)",
-     r"(?:self\._started|self\._closed) = None|cache_full=None|popitem\(last=None\)"),
+     r"(?:self\._started|self\._closed) = False|cache_full=False|popitem\(last=False\)|writable=False",
+     r"(?:self\._started|self\._closed) = None|cache_full=None|popitem\(last=None\)|writable=None"),
     ("dim-one", "the sampler's tensors are 2-D (rows, vocabulary): dim=+1 is dim=-1",
      r"dim=-1", r"dim=\+1"),
     ("cpu-device", "on the CPU, where the fast tests run, a device of None is the CPU (the gpu tests check CUDA)",
@@ -58,7 +58,7 @@ EQUIVALENT_LINES = (
     ("unreadable-header", "the injected corruption must make the header unreadable: any bytes that are no msgpack "
                           "map are refused as MALFORMED alike",
      r'header_bytes = b""|bytes\(byte \^ 0x5A for byte in header_bytes\)',
-     r'header_bytes = b"XXXX"|bytes\(byte (?:&|\^|\|) 0x5[AB] for byte in header_bytes\)'),
+     r'header_bytes = b"XXXX"|bytes\(byte (?:&|\^|\|) (?:0x5[AB]|9[01]) for byte in header_bytes\)'),
     ("msgpack-defaults", "msgpack's defaults are raw=False and strict_map_key=True; a non-str key fails as a "
                          "keyword argument anyway (malformed header)",
      r"msgpack\.unpackb\(data, raw=False, strict_map_key=True\)",
@@ -81,6 +81,8 @@ EQUIVALENT_NAMED = {
     f"{SAMPLER}token_occurrences__mutmut_16": "same-call",  # repeat_interleave(lengths) as documented
     f"{SAMPLER}apply_penalties__mutmut_27": "zero-logit",  # 0 divided or multiplied by the penalty is 0
     "cluster.engine.scheduler.xǁSchedulerǁfail_remote__mutmut_12": "waiting-status",
+    # The in-process connector is the tests' own (LocalService runs no transfers); they pass deadlines.
+    "cluster.transfer.loopback.xǁLoopbackSenderǁ__init____mutmut_1": "test-connector-default",
     "cluster.engine.scheduler.xǁSchedulerǁ_schedule_running__mutmut_6": "cost-only",
     "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁ__init____mutmut_8": "none-slice",
     "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁ_decode_new_text__mutmut_8": "none-slice",
