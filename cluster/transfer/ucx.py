@@ -84,6 +84,10 @@ SETTLE_CALLS = 8
 T = TypeVar("T")
 
 _ucxx: Any = None  # the ucxx module once `init_ucx` ran (imported late: the environment goes first)
+# Requests that were still in flight when their endpoint was aborted and the flush gave up, with the
+# memory they read or write: kept alive until UCX completes them, never freed under UCX's feet (a
+# late write into freed memory corrupts whatever lives there next). Pruned at every settle.
+_UNSETTLED: list[tuple[Any, Any]] = []
 
 
 def transports_in_use() -> str:
@@ -316,7 +320,7 @@ class _Link:
         self._array, self._mask = Array, TagMaskFull
         self._send_tag, self._recv_tag = Tag(endpoint._tags["msg_send"]), Tag(endpoint._tags["msg_recv"])
         self._progress = _Progress.of(asyncio.get_running_loop())
-        self._pending: Any = None  # the request being awaited, if any
+        self._pending: tuple[Any, Any] | None = None  # (request being awaited, the memory it uses)
 
     @property
     def closed(self) -> bool:
@@ -333,26 +337,30 @@ class _Link:
         # in a registered buffer once `cancel` returned. Bounded: UCX fails the request at once, so
         # this normally takes one or two calls; the bound is counted in calls as well as in time
         # because on a loaded machine the process may sleep past a deadline before its first call.
-        request, deadline, calls = self._pending, time.monotonic() + SETTLE_S, 0
+        request, memory = self._pending or (None, None)
+        deadline, calls = time.monotonic() + SETTLE_S, 0
         while request is not None and not request.completed and (calls < SETTLE_CALLS or time.monotonic() < deadline):
             self._progress.progress_now()
             calls += 1
+        _UNSETTLED[:] = [(late, kept) for late, kept in _UNSETTLED if not late.completed]
         if request is not None and not request.completed:
-            log.warning("a UCX request was still in flight %.0f ms after its endpoint closed", 1e3 * SETTLE_S)
+            _UNSETTLED.append((request, memory))
+            log.warning("a UCX request was still in flight %.0f ms after its endpoint closed: its memory is kept "
+                        "until it completes", 1e3 * SETTLE_S)
 
     async def send(self, buffer: Any, timeout_s: float) -> None:
-        raw = self._live()
-        await self._complete(raw.tag_send(self._array(buffer), self._send_tag), timeout_s)
+        raw, array = self._live(), self._array(buffer)
+        await self._complete(raw.tag_send(array, self._send_tag), array, timeout_s)
 
     async def recv(self, buffer: Any, timeout_s: float) -> None:
-        raw = self._live()
-        await self._complete(raw.tag_recv(self._array(buffer), self._recv_tag, self._mask), timeout_s)
+        raw, array = self._live(), self._array(buffer)
+        await self._complete(raw.tag_recv(array, self._recv_tag, self._mask), array, timeout_s)
 
     async def recv_probed(self, buffer: Any, probe: Any, timeout_s: float) -> None:
         """Receive the message `probe` took off the queue (`next_message(remove=True)`)."""
         self._live()
-        worker = self.endpoint._ctx.worker
-        await self._complete(worker.tag_recv_with_handle(self._array(buffer), probe), timeout_s)
+        worker, array = self.endpoint._ctx.worker, self._array(buffer)
+        await self._complete(worker.tag_recv_with_handle(array, probe), array, timeout_s)
 
     async def next_message(self, remove: bool, timeout_s: float | None) -> Any:
         """Wait until a message waits; returns UCX's probe result (its size), the message taken off
@@ -377,9 +385,9 @@ class _Link:
         raw.raise_on_error()
         return raw
 
-    async def _complete(self, request: Any, timeout_s: float) -> None:
+    async def _complete(self, request: Any, memory: Any, timeout_s: float) -> None:
         # Kept if the wait fails (timeout, cancelled task): the abort that follows settles it.
-        self._pending = request
+        self._pending = (request, memory)
         await complete(request, timeout_s)
         self._pending = None
 

@@ -187,6 +187,7 @@ class _Call:
     task: asyncio.Task[Any] | None  # the task serving the call, which an Abort cancels
     running: bool = False  # the service may hold blocks for the request: abort it if the call ends early
     aborted: bool = False  # ended by an Abort call: finish with an "abort" message, not an error
+    waiting: bool = False  # awaiting the service's next event: where an Abort may cancel the task
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
 
@@ -231,21 +232,15 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             if key in self.calls:
                 raise _InUse(f"request_id {call.request_id!r} is already in flight for this API key")
             self.calls[key] = call
-            if request.model and request.model != self.service.model_name:
-                raise ModelNotFound(f"this server serves {self.service.model_name!r}, not {request.model!r}")
-            params = _params_of(request.sampling)
-            self._check_limits(request, params)  # before any work: a 4 MB prompt is not tokenized
-            prompt = await self.off_loop.run(self._prompt_of, request)
-            _check_min_tokens(len(prompt), params, self.service.max_model_len)
-            limits = self.limits.for_tenant(tenant) if self.limits is not None else None
-            if limits is not None and limits.enabled:
-                await limits.check(_bucket_of(context, tenant), len(prompt) + params.max_tokens)
+            prompt, params = await self._prepare(request, context, tenant)
+            if call.aborted:  # an Abort came while the prompt was being prepared
+                yield call.aborted_response()
+                return
             events = self.service.generate(prompt, params, engine_id)
             call.running, call.num_prompt_tokens = True, len(prompt)
             async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
-                async for event in events:
-                    call.record(event)
-                    yield _response_of(event, call.request_id)
+                async for response in _responses(call, events):
+                    yield response
         except asyncio.CancelledError:
             if not call.aborted:
                 raise  # the client cancelled, its deadline passed, or the server is stopping
@@ -266,6 +261,20 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
                 # Shielded: the call's own cancellation must not cancel the abort that frees the blocks.
                 await asyncio.shield(self.service.abort(engine_id))
 
+    async def _prepare(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       tenant: Tenant | None) -> tuple[list[int], SamplingParams]:
+        """The request checked (model, limits, rate limits) and its prompt's token ids; raises a refusal."""
+        if request.model and request.model != self.service.model_name:
+            raise ModelNotFound(f"this server serves {self.service.model_name!r}, not {request.model!r}")
+        params = _params_of(request.sampling)
+        self._check_limits(request, params)  # before any work: a 4 MB prompt is not tokenized
+        prompt = await self.off_loop.run(self._prompt_of, request)
+        _check_min_tokens(len(prompt), params, self.service.max_model_len)
+        limits = self.limits.for_tenant(tenant) if self.limits is not None else None
+        if limits is not None and limits.enabled:
+            await limits.check(_bucket_of(context, tenant), len(prompt) + params.max_tokens)
+        return prompt, params
+
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         responses = [response async for response in self.Generate(request, context)]
         last = responses[-1]
@@ -281,8 +290,11 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         call = self.calls.get((self._scope_of(context, self._tenant_of(context)), request.request_id))
         if call is None:
             return pb.AbortResponse()
-        if call.running and call.task is not None:
-            call.aborted = True
+        call.aborted = True
+        # Cancel the call's task only where it awaits the service's next event: cancelled while gRPC
+        # sends a response, the cancel lands in gRPC's own code and the stream can hang until its
+        # deadline. Elsewhere the call sees `aborted` at its next step.
+        if call.waiting and call.task is not None:
             call.task.cancel()
         await self.service.abort(call.engine_id)
         return pb.AbortResponse()
@@ -361,6 +373,25 @@ def _bucket_of(context: grpc.aio.ServicerContext, tenant: Tenant | None) -> str:
 def _check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_LENGTH or not request_id.isprintable():
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LENGTH} printable characters")
+
+
+async def _responses(call: _Call, events: AsyncIterator[TokenEvent]) -> AsyncIterator[pb.GenerateResponse]:
+    """The call's responses, one per event. `call.waiting` marks where an Abort may cancel the task
+    (awaiting the next event); an Abort that comes while a response is being sent ends the stream
+    at the next step instead."""
+    while True:
+        call.waiting = True
+        try:
+            event = await anext(events)
+        except StopAsyncIteration:
+            return
+        finally:
+            call.waiting = False
+        call.record(event)
+        yield _response_of(event, call.request_id)
+        if call.aborted and call.running:
+            yield call.aborted_response()
+            return
 
 
 def _response_of(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
