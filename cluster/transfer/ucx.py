@@ -130,9 +130,54 @@ def init_ucx(transports: str | None = None) -> Any:
         ucxx.init(progress_mode="blocking")
     except RuntimeError:
         log.info("ucxx was already initialised by someone else; keeping its settings")
+    fix_handshake()
     _ucxx = ucxx
     log.info("UCX initialised: transports %s", transports_in_use())
     return ucxx
+
+
+# Buffers of endpoint handshakes that ended early, which UCX may still write into: never freed.
+_ABANDONED_HANDSHAKES: list[Any] = []
+
+
+def fix_handshake() -> None:
+    """Replace ucxx's endpoint handshake (`exchange_peer_info`, ucxx 0.52) with one that keeps its
+    buffers alive when it ends early.
+
+    Connecting and accepting, ucxx posts a stream receive of the peer's 16-byte info into a bytearray
+    and waits for it with a timeout. When the wait ends early (its timeout, or a caller cancelling the
+    connect: `UCXSender._connect` does after each attempt), the bytearray is freed while the receive
+    is still posted; on a loaded machine the peer's reply then arrives and UCX writes it into freed
+    memory. Python's allocator is corrupted and the process dies later of SIGSEGV in
+    `_PyObject_Malloc` (seen in prefill workers under load, at the first `_Progress` after a connect).
+    Same wire exchange (the info, then a checksum check), in the same order; fails loudly if ucxx moves it.
+    """
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async import application_context
+    from ucxx._lib_async import listener as listener_module
+    from ucxx._lib_async.utils import hash64bits
+
+    async def exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool,
+                                 connect_timeout: float = 5.0) -> dict[str, int]:
+        mine = struct.pack("QQ", msg_tag, hash64bits(msg_tag))
+        theirs = bytearray(len(mine))
+        buffers = (Array(mine), Array(theirs))
+        steps = [(endpoint.stream_send, buffers[0]), (endpoint.stream_recv, buffers[1])]
+        try:
+            for post, buffer in steps if listener else steps[::-1]:  # the listener speaks first
+                await asyncio.wait_for(post(buffer).wait(), timeout=connect_timeout)
+        except BaseException:
+            _ABANDONED_HANDSHAKES.append(buffers)  # a request may still be posted on them
+            raise
+        tag, checksum = struct.unpack("QQ", theirs)
+        if checksum != hash64bits(tag):
+            raise RuntimeError(f"checksum invalid: {hex(hash64bits(tag))} != {hex(checksum)}")
+        return {"msg_tag": tag, "checksum": checksum}
+
+    for module in (application_context, listener_module):
+        if not callable(getattr(module, "exchange_peer_info", None)):
+            raise RuntimeError(f"ucxx changed: {module.__name__} has no exchange_peer_info to fix")
+        module.exchange_peer_info = exchange_peer_info  # type: ignore[attr-defined]
 
 
 def reset_ucx() -> None:
