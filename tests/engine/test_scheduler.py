@@ -81,6 +81,16 @@ def assert_pool_consistent(scheduler: Scheduler) -> None:
         assert not scheduler.swapped and scheduler.num_swapped_blocks == 0
 
 
+
+def step_preempting(scheduler: Scheduler) -> list[str]:
+    """One step with stub samples; the ids it preempted, none of which it also scheduled."""
+    output = scheduler.schedule()
+    scheduled = {s.request.request_id for s in output.scheduled}
+    preempted = [request.request_id for request in output.preempted]
+    assert not scheduled & set(preempted), "a request both scheduled and preempted in one step"
+    scheduler.update_from_output(output, stub_sample(output))
+    return preempted
+
 def test_decodes_first_then_chunked_prefill_fills_the_budget() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=10)
     scheduler.add_request(make_request("a", 6, max_tokens=5))
@@ -326,12 +336,7 @@ def test_priority_preemption_takes_the_worst_priority_not_yet_scheduled() -> Non
     scheduler.add_request(make_request("mid", 4, max_tokens=30, priority=5, first_token=80))
     victims: list[str] = []
     for _ in range(80):
-        output = scheduler.schedule()
-        scheduled = {s.request.request_id for s in output.scheduled}
-        preempted = [request.request_id for request in output.preempted]
-        assert not scheduled & set(preempted), "a request both scheduled and preempted in one step"
-        victims += preempted
-        scheduler.update_from_output(output, stub_sample(output))
+        victims += step_preempting(scheduler)
         if victims:
             break
     assert victims[0] == "low"  # FCFS would take "mid", admitted last
@@ -487,12 +492,7 @@ def test_priority_preemption_never_takes_a_request_already_scheduled_in_the_step
     for _ in range(200):
         if not scheduler.num_unfinished:
             break
-        output = scheduler.schedule()
-        scheduled = {s.request.request_id for s in output.scheduled}
-        preempted = [request.request_id for request in output.preempted]
-        assert not scheduled & set(preempted), "a request both scheduled and preempted in one step"
-        victims += preempted
-        scheduler.update_from_output(output, stub_sample(output))
+        victims += step_preempting(scheduler)
         assert_pool_consistent(scheduler)
     assert victims and not scheduler.num_unfinished
     assert low.num_output_tokens == high.num_output_tokens == 6
