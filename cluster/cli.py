@@ -17,6 +17,7 @@ from cluster.common import env
 from cluster.common.roles import Mode
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.request_limits import RequestLimits
 
 
@@ -190,7 +191,9 @@ def command_serve(args: argparse.Namespace) -> int:
                            drain_s=args.drain_s, redis_url=config.redis_url, rate_limit_rps=args.rate_limit_rps,
                            rate_limit_tpm=args.rate_limit_tpm,
                            request_limits=RequestLimits.parse(args.request_limit), api_keys_file=args.api_keys_file,
-                           trusted_proxies=args.trusted_proxies, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                           trusted_proxies=args.trusted_proxies, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                           connections=ConnectionLimits(args.max_connections, args.request_read_timeout,
+                                                        args.stream_write_timeout))
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
@@ -298,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-limit", action="append", default=[], metavar="NAME=VALUE", type=request_limit,
                        help="what one request may ask, e.g. max_stop_strings=32 (repeatable; the names and defaults: "
                        "docs/security.md)")
+    serve.add_argument("--max-connections", type=int, default=4096,
+                       help="per door: past this many open connections new requests are refused (HTTP 503)")
+    serve.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a request (headers and body; a gRPC connection's handshake) must arrive within this")
+    serve.add_argument("--stream-write-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a client that reads nothing of its stream this long is disconnected, its request aborted")
     serve.add_argument("--mode", choices=[str(mode) for mode in Mode], default=None)
     serve.add_argument("--routers", type=int, default=None, help="router replicas (Ray actors) to spread requests over")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "

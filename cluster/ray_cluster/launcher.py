@@ -26,7 +26,7 @@ from cluster.common.loads import WorkerLoad
 from cluster.common.roles import Mode, Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
-from cluster.ray_cluster.router import Router, RouterConfig
+from cluster.ray_cluster.router import STREAM_AHEAD, Router, RouterConfig
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, WorkerActor
 from cluster.state.connect import connect_state
 from cluster.weights.default_model import resolve_model_path
@@ -219,7 +219,8 @@ class Cluster:
                        request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         request_id = request_id or f"cluster-{next(self.ids)}"
         router = self.routers[next(self.turn) % len(self.routers)]
-        async for ref in router.generate.options(num_returns="streaming").remote(request_id, prompt, params):
+        stream = router.generate.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD)
+        async for ref in stream.remote(request_id, prompt, params):
             yield await ref
 
     async def abort(self, request_id: str) -> None:

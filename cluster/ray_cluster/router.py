@@ -37,6 +37,10 @@ from cluster.state.connect import connect_state
 log = logging.getLogger(__name__)
 
 
+# Backpressure on every token stream across Ray (worker to router, router to gateway): a producer
+# runs at most this many events ahead of its consumer, then waits; meanwhile the worker's stream
+# merges the engine's outputs (`OutputStream`), so a slow client holds a bounded number of events.
+STREAM_AHEAD = 8
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
 
 
@@ -321,7 +325,8 @@ class Router:
 
     @staticmethod
     async def _relay(method: Any, *args: Any) -> AsyncIterator[Any]:
-        async for ref in method.options(num_returns="streaming").remote(*args):
+        async for ref in method.options(num_returns="streaming",
+                                        _generator_backpressure_num_objects=STREAM_AHEAD).remote(*args):
             yield await ref
 
     async def abort(self, request_id: str) -> None:

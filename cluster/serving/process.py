@@ -41,6 +41,7 @@ from cluster.ray_cluster.config import ClusterConfig
 from cluster.ray_cluster.launcher import Cluster, shutdown_ray
 from cluster.serving.api_keys import ApiKeys
 from cluster.serving.cluster_service import ClusterService
+from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.local_service import LocalService
 from cluster.serving.metered_service import MeteredService
 from cluster.serving.off_loop import OffLoop
@@ -73,6 +74,7 @@ class ServeOptions:
     rate_limit_rps: float = 0.0  # requests per second per API key; 0: none
     rate_limit_tpm: float = 0.0  # prompt + max tokens per minute per API key; 0: none
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # both doors: what one request may ask
+    connections: ConnectionLimits = ConnectionLimits()  # both doors: what one connection may hold, how long
 
 
 class DeferredService:
@@ -169,12 +171,12 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     api_keys = ApiKeys.of(options.api_key if options.api_key is not None else os.environ.get(env.API_KEY) or None,
                           options.api_keys_file or None)
     app = build_app(metered, api_key=api_keys, limits=limits, request_limits=options.request_limits,
-                    off_loop=off_loop)
+                    off_loop=off_loop, stream_write_timeout_s=options.connections.stream_write_timeout_s)
     add_status_route(app, metered)
     add_metrics_route(app, metrics, metered)
     tls = (options.tls_cert, options.tls_key) if options.tls_cert else None
     http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s,
-                      trusted_proxies=options.trusted_proxies, tls=tls)
+                      trusted_proxies=options.trusted_proxies, tls=tls, connections=options.connections)
     http.server = SignalFreeUvicorn(http.config)
     await http.start()
     shutdown = Shutdown()
@@ -184,7 +186,8 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
         if options.grpc_port >= 0:
             grpc_tls = (Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None
             grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=api_keys, tls=grpc_tls, limits=limits,
-                              request_limits=options.request_limits, off_loop=off_loop)
+                              request_limits=options.request_limits, off_loop=off_loop,
+                              connections=options.connections)
             await grpc.start()
         if on_listening is not None:
             on_listening(http.url, grpc.port if grpc is not None else None)

@@ -2,8 +2,8 @@
 
 The engine is not thread-safe, so everything that touches it runs on the engine thread: callers
 on the asyncio side submit commands (`_call`) that the thread runs between steps, and outputs flow
-back through one asyncio queue per request. The Ray actors of `cluster.ray_cluster.worker_actor` wrap this class;
-tests drive it directly with the loopback connector.
+back through one merging queue per request (`OutputStream`). The Ray actors of
+`cluster.ray_cluster.worker_actor` wrap this class; tests drive it directly with the loopback connector.
 
 Roles: "prefill" runs prompts and sends their KV (`prefill`), "decode" reserves blocks, receives
 KV and streams the rest (`reserve`, `stream`), "colocated" does both phases itself (`generate`).
@@ -32,6 +32,7 @@ from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
 from cluster.state.interface import SharedState, WorkerInfo
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender, TransferError
 from cluster.worker.kv_staging import landing_buffer, sends_device_memory, wire_bytes
+from cluster.worker.output_stream import OutputStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,7 +75,7 @@ class Worker:
         self.publisher: asyncio.Task[None] | None = None
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
-        self.streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.streams: dict[str, OutputStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self.stopped = False
@@ -225,7 +226,7 @@ class Worker:
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self.streams.get(request_id)
         if stream is not None and self.loop is not None:
-            self.loop.call_soon_threadsafe(stream.put_nowait, item)
+            self.loop.call_soon_threadsafe(stream.put, item)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self.streams):
@@ -255,7 +256,7 @@ class Worker:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Run a request here from prompt to end (colocated), yielding each step's output."""
         self._claim(request_id)
-        self.streams[request_id] = asyncio.Queue()
+        self.streams[request_id] = OutputStream()
         try:
             await self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id=request_id))
             async for output in self._outputs(request_id):
@@ -322,7 +323,7 @@ class Worker:
         # the seed's stream after `seed_offset`), and nothing after it.
         first_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), ignore_eos=True)
         self._claim(request_id)
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        stream = OutputStream()
         self.streams[request_id] = stream
         outbox = self.outboxes[request_id] = _Outbox()
         sending: asyncio.Task[TransferStats] | None = None
@@ -387,7 +388,7 @@ class Worker:
         """
         assert self.receiver is not None, "a decode worker needs a KV receiver"
         self._claim(request_id)
-        self.streams[request_id] = asyncio.Queue()
+        self.streams[request_id] = OutputStream()
         try:
             block_ids = await self._call(lambda: self.engine.reserve_remote(
                 prompt_token_ids, params, request_id=request_id, lease_s=lease_s))
@@ -454,10 +455,10 @@ class _Outbox:
     runs: asyncio.Queue[KVExport] = field(default_factory=asyncio.Queue)
 
 
-def _raise_into(stream: asyncio.Queue[RequestOutput | BaseException], task: asyncio.Task[Any]) -> None:
+def _raise_into(stream: OutputStream, task: asyncio.Task[Any]) -> None:
     """Hand a failed task's error to the stream its consumer reads (it raises there)."""
     if not task.cancelled() and task.exception() is not None:
-        stream.put_nowait(task.exception())  # type: ignore[arg-type]
+        stream.put(task.exception())  # type: ignore[arg-type]
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -43,6 +43,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 from cluster.serving.api_keys import ApiKeys, Tenant
+from cluster.serving.connection_limits import DEFAULT_STREAM_WRITE_TIMEOUT_S, ConnectionLimits
 from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import RequestLimits
@@ -57,12 +58,22 @@ HEALTH_POLL_S = 0.5
 
 # Server-sent keepalive pings: a client that vanished without closing its connection (a dead host,
 # a dropped network) has its calls cancelled, and its requests' blocks freed, within about a minute.
-_SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    # A second server on a taken port must fail to start, not silently share the port's traffic.
-    ("grpc.so_reuseport", 0),
-]
+
+
+def _server_options(max_connections: int, handshake_timeout_s: float) -> list[tuple[str, int]]:
+    return [
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # A second server on a taken port must fail to start, not silently share the port's traffic.
+        ("grpc.so_reuseport", 0),
+        # Connections past the limit are refused; one that has not finished its handshake (TLS and
+        # HTTP/2 settings) in time is closed; one idle for 5 minutes gets a GOAWAY; at most 1,024
+        # calls at once per connection.
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", round(handshake_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", 300_000),
+        ("grpc.max_concurrent_streams", 1024),
+    ]
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
@@ -102,11 +113,12 @@ class GrpcServer:
     bound one after `start()`.
     """
 
-    def __init__(self, service: Service, host: str = "0.0.0.0", port: int = 50051, *,
+    def __init__(self, service: Service, host: str = "0.0.0.0", port: int = 50051, *,  # noqa: PLR0913
                  api_key: str | ApiKeys | None = None, tls: tuple[bytes, bytes] | None = None,
                  limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
-                 off_loop: OffLoop | None = None) -> None:
+                 off_loop: OffLoop | None = None, connections: ConnectionLimits | None = None) -> None:
         self.service = service
+        self.connections = connections or ConnectionLimits()
         self.api_keys = api_key if isinstance(api_key, ApiKeys) else \
             ApiKeys.of(api_key if api_key is not None else os.environ.get(env.API_KEY) or None)
         self.limits = limits
@@ -123,9 +135,12 @@ class GrpcServer:
         # The key check comes first: a caller without the key learns nothing, not even that its bytes are bad.
         interceptors = [ApiKeyInterceptor(self.api_keys)] if self.api_keys.enabled else []
         interceptors.append(MalformedRequestInterceptor())
-        server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
+        server = grpc.aio.server(interceptors=interceptors,
+                                 options=_server_options(self.connections.max_connections,
+                                                         self.connections.request_read_timeout_s))
         servicer = InferenceServicer(self.service, api_keys=self.api_keys, limits=self.limits,
-                                     request_limits=self.request_limits, off_loop=self.off_loop)
+                                     request_limits=self.request_limits, off_loop=self.off_loop,
+                                     stream_write_timeout_s=self.connections.stream_write_timeout_s)
         pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
         self.health = health.aio.HealthServicer()  # a fresh one: a drained one ignores updates for good
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -196,6 +211,13 @@ class _Call:
         self.num_prompt_tokens = event.num_prompt_tokens
         self.num_output_tokens = event.index + len(event.token_ids)
 
+    def cut_off(self, write_timeout_s: float) -> None:
+        """The client read nothing for `write_timeout_s`: end the call (the request is aborted)."""
+        log.warning("request %s (%s): the client read nothing for %.0f s: cancelling the call after %d tokens",
+                    self.engine_id, self.request_id, write_timeout_s, self.num_output_tokens)
+        if self.task is not None:
+            self.task.cancel()
+
     def aborted_response(self) -> pb.GenerateResponse:
         total = self.num_prompt_tokens + self.num_output_tokens
         usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
@@ -211,8 +233,10 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
     request of the tenant that sent it, never another client's, nor an HTTP request."""
 
     def __init__(self, service: Service, *, api_keys: ApiKeys | None = None, limits: RateLimits | None = None,
-                 request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None) -> None:
+                 request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None,
+                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S) -> None:
         self.service = service
+        self.stream_write_timeout_s = stream_write_timeout_s
         self.api_keys = api_keys or ApiKeys()
         self.limits = limits
         self.request_limits = request_limits or RequestLimits()
@@ -239,7 +263,7 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             events = self.service.generate(prompt, params, engine_id)
             call.running, call.num_prompt_tokens = True, len(prompt)
             async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
-                async for response in _responses(call, events):
+                async for response in _responses(call, events, self.stream_write_timeout_s):
                     yield response
         except asyncio.CancelledError:
             if not call.aborted:
@@ -375,10 +399,16 @@ def _check_request_id(request_id: str) -> None:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LENGTH} printable characters")
 
 
-async def _responses(call: _Call, events: AsyncIterator[TokenEvent]) -> AsyncIterator[pb.GenerateResponse]:
+async def _responses(call: _Call, events: AsyncIterator[TokenEvent],
+                     write_timeout_s: float) -> AsyncIterator[pb.GenerateResponse]:
     """The call's responses, one per event. `call.waiting` marks where an Abort may cancel the task
     (awaiting the next event); an Abort that comes while a response is being sent ends the stream
-    at the next step instead."""
+    at the next step instead.
+
+    gRPC holds the call at its `yield` while it sends the response, and HTTP/2 flow control holds
+    the send while the client does not read: held `write_timeout_s`, the call is cancelled (its
+    request aborted on every worker) instead of the engine generating for nobody."""
+    loop = asyncio.get_running_loop()
     while True:
         call.waiting = True
         try:
@@ -388,7 +418,11 @@ async def _responses(call: _Call, events: AsyncIterator[TokenEvent]) -> AsyncIte
         finally:
             call.waiting = False
         call.record(event)
-        yield _response_of(event, call.request_id)
+        unsent = loop.call_later(write_timeout_s, call.cut_off, write_timeout_s)
+        try:
+            yield _response_of(event, call.request_id)
+        finally:
+            unsent.cancel()
         if call.aborted and call.running:
             yield call.aborted_response()
             return

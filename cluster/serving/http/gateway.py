@@ -43,6 +43,8 @@ from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavai
 from cluster.common.events import TokenEvent
 from cluster.common.sampling_params import SamplingParams
 from cluster.serving.api_keys import ApiKeys, Tenant
+from cluster.serving.connection_limits import DEFAULT_STREAM_WRITE_TIMEOUT_S, ConnectionLimits
+from cluster.serving.http.connections import bound_send_buffer, deadline_protocol
 from cluster.serving.http.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -67,6 +69,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 RETRY_AFTER_S = 1
+# How long a streamed response's write may wait for a client that does not read before the client is
+# disconnected and its request aborted (what the socket holds first is bounded: `send_buffer_bytes`).
+EVENTS_AHEAD = 16  # per API request: events taken from the service streams but not yet sent
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: logged, never received
 QUIET_PATHS = ("/health", "/ready", "/metrics")  # probed every few seconds: logged at DEBUG only
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -164,7 +169,10 @@ class ChoiceStreams:
     merged into one stream of (choice, event) in arrival order.
 
     One pump task per choice drains its service stream into a shared queue, so a slow consumer of one
-    choice never stalls another, and cancelling the pumps ends the service streams.
+    choice never stalls another, and cancelling the pumps ends the service streams. The queue holds
+    at most `EVENTS_AHEAD` events: a client that reads slowly holds the pumps back, and with them
+    the streams behind (which merge what the engine makes meanwhile), instead of this process
+    buffering a whole answer it cannot send.
     """
 
     def __init__(self, service: Service, request_id: str, prompt: list[int], params: list[SamplingParams],
@@ -173,6 +181,7 @@ class ChoiceStreams:
         self.request_ids = [request_id] if len(params) == 1 else [f"{request_id}-{i}" for i in range(len(params))]
         self.choices = [Choice(index) for index in range(len(params))]
         self.queue: asyncio.Queue[tuple[int, TokenEvent | Exception | None]] = asyncio.Queue()
+        self.room = asyncio.Semaphore(EVENTS_AHEAD)  # events only: an ending is always delivered
         self.tasks: list[asyncio.Task[None]] = []
         self.buffer: list[tuple[Choice, TokenEvent]] = []  # the first events, taken by `open`
         self.num_streaming = len(params)
@@ -225,6 +234,7 @@ class ChoiceStreams:
     async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:
         try:
             async for event in stream:
+                await self.room.acquire()
                 self.queue.put_nowait((index, event))
         except Exception as error:
             self.queue.put_nowait((index, error))
@@ -239,25 +249,47 @@ class ChoiceStreams:
             elif isinstance(item, Exception):
                 raise item
             else:
+                self.room.release()
                 self.choices[index].add(item)
                 return self.choices[index], item
         return None
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events of a run, which is closed however the response ends."""
+    """Server-sent events of a run, which is closed however the response ends.
 
-    def __init__(self, run: ChoiceStreams, response_format: ResponseFormat, include_usage: bool) -> None:
+    A client that stops reading is cut off: once the socket's bounded send buffer is full, a write
+    that has waited `write_timeout_s` ends the response unfinished (uvicorn then closes the
+    connection) and the run is aborted on every worker.
+    """
+
+    def __init__(self, run: ChoiceStreams, response_format: ResponseFormat, include_usage: bool,
+                 write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S) -> None:
         super().__init__(_sse(run, response_format, include_usage), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
-        self.run = run
+        self.run, self.write_timeout_s = run, write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_in_time(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except TimeoutError:
+                raise _SlowReader from None
+
         # Starlette cancels the body on a client disconnect; the abort must still happen.
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_in_time)
+        except _SlowReader:
+            completion = self.run.usage().completion_tokens
+            log.warning("%s: the client read nothing for %.0f s: disconnected after %d tokens, aborting",
+                        self.run.request_id, self.write_timeout_s, completion,
+                        extra={"request_id": self.run.request_id})
         finally:
             await self.run.close()
+
+
+class _SlowReader(Exception):
+    """A write to the client did not complete in time."""
 
 
 async def _sse(run: ChoiceStreams, response_format: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
@@ -310,8 +342,10 @@ class Gateway:
     off the event loop, and whether new requests are accepted (`draining`)."""
 
     def __init__(self, service: Service, limits: RateLimits | None = None,
-                 request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None) -> None:
+                 request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None,
+                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S) -> None:
         self.service = service
+        self.stream_write_timeout_s = stream_write_timeout_s
         self.limits = limits
         self.request_limits = request_limits or RequestLimits()
         self.off_loop = off_loop or OffLoop()
@@ -367,7 +401,7 @@ class Gateway:
                     return _client_left(run)
                 if body.stream:
                     streaming = True
-                    return EventStream(run, response_format, body.include_usage)
+                    return EventStream(run, response_format, body.include_usage, self.stream_write_timeout_s)
                 if not await _unless_disconnected(request, run.finish()):
                     return _client_left(run)
             # n choices with logprobs make a large answer: formatted off the loop too.
@@ -549,13 +583,14 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 def build_app(service: Service, *, api_key: str | ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
-              off_loop: OffLoop | None = None) -> FastAPI:
+              off_loop: OffLoop | None = None,
+              stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S) -> FastAPI:
     """The gateway app. `api_key`: one key, or the `ApiKeys` of several tenants (None reads
     `$PDSERVE_API_KEY`); no key at all leaves the API open. The `Gateway` (draining) is `gateway_of(app)`."""
     api_keys = api_key if isinstance(api_key, ApiKeys) else \
         ApiKeys.of(api_key if api_key is not None else os.environ.get(env.API_KEY) or None)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
-    gateway = Gateway(service, limits, request_limits, off_loop)
+    gateway = Gateway(service, limits, request_limits, off_loop, stream_write_timeout_s)
     app.state.gateway = gateway
     _add_routes(app, gateway)
     app.add_exception_handler(ApiError, _api_error)
@@ -601,8 +636,9 @@ class HttpServer:
 
     def __init__(self, app: ASGIApp, host: str = "0.0.0.0", port: int = 8000, *,
                  graceful_shutdown_s: float = 10.0, trusted_proxies: str = "",
-                 tls: tuple[str, str] | None = None) -> None:
+                 tls: tuple[str, str] | None = None, connections: ConnectionLimits | None = None) -> None:
         self.app, self.host, self.requested_port, self.tls = app, host, port, tls
+        self.connections = connections = connections or ConnectionLimits()
         # X-Forwarded-For / -Proto are believed only from `trusted_proxies` (addresses and networks,
         # comma-separated, e.g. the Ingress pods' CIDR): from anyone else a client could name any
         # address, and so any rate-limit bucket. Empty (the default): from nobody, not even 127.0.0.1.
@@ -610,7 +646,13 @@ class HttpServer:
                                      timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)),
                                      proxy_headers=bool(trusted_proxies), forwarded_allow_ips=trusted_proxies or None,
                                      # HTTPS where `tls` names a PEM certificate (chain) file and its key file.
-                                     ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
+                                     ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None,
+                                     # Past `max_connections` open connections (or requests in
+                                     # flight) every new request is answered 503 at once.
+                                     limit_concurrency=connections.max_connections,
+                                     # Each request must arrive whole within the deadline (slowloris);
+                                     # an idle keep-alive connection closes after 5 s (uvicorn's).
+                                     http=deadline_protocol(connections.request_read_timeout_s))
         self.server = uvicorn.Server(self.config)
         self.socket: socket.socket | None = None
         self.task: asyncio.Task[None] | None = None
@@ -631,6 +673,7 @@ class HttpServer:
         """Bind and serve; returns once connections are accepted."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self.socket = socket.create_server((self.host, self.requested_port), family=family)
+        bound_send_buffer(self.socket, self.connections.send_buffer_bytes)
         self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="http-server")
         while not self.server.started:
             if self.task.done():

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,40 @@ def test_an_abort_while_a_response_is_being_sent_ends_the_stream_at_its_next_ste
     responses = server_loop.run(body())
     assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT and len(responses) < LONG
     assert wait_until(lambda: pool_is_whole(service))
+
+
+def test_a_call_whose_response_stays_unsent_is_cancelled_and_its_request_aborted(
+        server_loop: ServerLoop, service: LocalService) -> None:
+    """A client that stops reading holds its call at the `yield` (HTTP/2 flow control holds gRPC's
+    send): past the write timeout the call's task is cancelled, as gRPC ends a call, and the request
+    is aborted, instead of the engine generating for nobody until the end."""
+    from cluster.grpc_stubs import pdserve_pb2 as pb
+    from cluster.serving.grpc.server import InferenceServicer
+
+    async def body() -> tuple[bool, bool]:
+        servicer = InferenceServicer(service, stream_write_timeout_s=0.3)
+        request = pb.GenerateRequest(request_id="unread", text=PROMPT,
+                                     sampling=pb.SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True))
+        stream = servicer.Generate(request, FakeContext())  # type: ignore[arg-type]
+        await anext(stream)  # suspended at its yield, as while gRPC waits to send the first response
+        try:
+            await asyncio.sleep(5)
+            cut_off = False
+        except asyncio.CancelledError:
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            cut_off = True
+        running = service.engine.has_unfinished_requests()
+        await stream.aclose()  # what gRPC does with a cancelled call's handler
+        return cut_off, running
+
+    step = service.engine.step
+    service.engine.step = lambda: time.sleep(0.01) or step()  # type: ignore[method-assign]  # >= 2 s in all
+    try:
+        cut_off, running_when_cut = server_loop.run(body())
+    finally:
+        service.engine.step = step  # type: ignore[method-assign]
+    assert cut_off and running_when_cut
+    assert wait_until(lambda: pool_is_whole(service) and not service.engine.has_unfinished_requests())
 
 
 def test_an_abort_ends_only_a_request_of_the_callers_own_key(server: GrpcServer, service: LocalService) -> None:
@@ -447,3 +482,54 @@ def test_default_model_answers_over_grpc(server_loop: ServerLoop) -> None:
     assert "Paris" in answer.text
     assert streamed == answer.text
 
+
+
+# ---- connections ----------------------------------------------------------------------------------
+
+
+def test_connections_past_the_limit_are_refused_and_silent_ones_closed(server_loop: ServerLoop,
+                                                                       service: LocalService) -> None:
+    import socket
+
+    from cluster.grpc_stubs import pdserve_pb2 as pb
+    from cluster.grpc_stubs import pdserve_pb2_grpc as pb_grpc
+    from cluster.serving.connection_limits import ConnectionLimits
+
+    server = server_loop.start_server(service, connections=ConnectionLimits(max_connections=2,
+                                                                            request_read_timeout_s=0.5))
+    request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=2))
+
+    def channel() -> grpc.Channel:  # a connection of its own (channels otherwise share one)
+        return grpc.insecure_channel(target(server), options=[("grpc.use_local_subchannel_pool", 1)])
+
+    try:
+        first, second, third = channel(), channel(), channel()
+        for open_channel in (first, second):
+            pb_grpc.InferenceServiceStub(open_channel).Complete(request, timeout=WAIT_S)
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.InferenceServiceStub(third).Complete(request, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        first.close()
+        fourth = channel()
+        assert wait_until(lambda: _completes(fourth, request))
+        for open_channel in (second, third, fourth):
+            open_channel.close()
+        # A connection that never starts HTTP/2 is closed once the handshake deadline passes.
+        silent = socket.create_connection(("127.0.0.1", server.port))
+        silent.settimeout(10)
+        started = time.monotonic()
+        while silent.recv(1 << 16):
+            pass
+        assert time.monotonic() - started < 5
+        silent.close()
+    finally:
+        server_loop.run(server.stop(0))
+
+
+def _completes(channel: grpc.Channel, request: Any) -> bool:
+    from cluster.grpc_stubs import pdserve_pb2_grpc as pb_grpc
+    try:
+        pb_grpc.InferenceServiceStub(channel).Complete(request, timeout=5)
+    except grpc.RpcError:
+        return False
+    return True

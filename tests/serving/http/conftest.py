@@ -68,9 +68,10 @@ class Gateways:
             self.services.append(service)
         return service
 
-    def serve(self, service: LocalService, **app_options: Any) -> LiveGateway:
+    def serve(self, service: LocalService, server_options: dict[str, Any] | None = None,
+              **app_options: Any) -> LiveGateway:
         app = build_app(service, **app_options)
-        server = HttpServer(app, "127.0.0.1", 0, graceful_shutdown_s=1)
+        server = HttpServer(app, "127.0.0.1", 0, graceful_shutdown_s=1, **(server_options or {}))
         self.loop.run(server.start())
         self.servers.append(server)
         return LiveGateway(service, app, server)
