@@ -48,9 +48,10 @@ class _WorkerLost(RuntimeError):
     """The worker running a request died after it had streamed tokens of its own."""
 
 
-class _RepeatFilter:
+class RepeatFilter:
     """The decode worker restates the first token the prefill worker already streamed: drop the
-    repeat, keeping any text it adds (the prefill holds back a partial UTF-8 character)."""
+    repeat, keeping any text it adds (the prefill holds back a partial UTF-8 character) and the
+    tokens after it (a decode stream held back by backpressure merges its first outputs into one)."""
 
     def __init__(self) -> None:
         self.sent = 0  # tokens relayed so far
@@ -62,10 +63,14 @@ class _RepeatFilter:
         if event.index >= self.sent:
             self.sent = event.index + len(event.token_ids)
             return event
+        repeated = self.sent - event.index
+        tokens, logprobs = event.token_ids[repeated:], event.logprobs[repeated:]
         extra = event.text.removeprefix(self.first_text) if event.text.startswith(self.first_text) else ""
-        if extra or event.finished:
-            return replace(event, index=self.sent, token_ids=[], text=extra, logprobs=[])
-        return None
+        if not (tokens or extra or event.finished):
+            return None
+        news = replace(event, index=self.sent, token_ids=tokens, text=extra, logprobs=logprobs)
+        self.sent += len(tokens)
+        return news
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +263,7 @@ class Router:
                     if streamed:
                         raise _WorkerLost(f"worker {self.ids.get(id(worker))}") from error
             raise NoCapacityError("no worker is alive")
-        seen = _RepeatFilter()
+        seen = RepeatFilter()
         for decode in self._decode_order():
             try:
                 with self._holding(decode):  # counted from the reservation on, so a burst spreads out

@@ -1,0 +1,41 @@
+"""The router relays one unbroken stream although two workers speak: the prefill worker streams the
+first token, the decode worker restates it. What the client gets has every token once, in order."""
+
+from __future__ import annotations
+
+from cluster.common.events import TokenEvent, TokenLogprobs
+from cluster.ray_cluster.router import RepeatFilter
+
+
+def _event(index: int, tokens: list[int], text: str, finished: bool = False) -> TokenEvent:
+    logprobs = [TokenLogprobs(token, -1.0, []) for token in tokens]
+    return TokenEvent("r", index, tokens, text, finished, "length" if finished else None, 5, "w", 0, logprobs)
+
+
+def _relay(*events: TokenEvent) -> list[TokenEvent]:
+    seen = RepeatFilter()
+    return [news for event in events if (news := seen.news(event)) is not None]
+
+
+def test_the_decode_workers_restated_first_token_is_dropped() -> None:
+    relayed = _relay(_event(0, [7], "a"), _event(0, [7], "a"), _event(1, [8], "b"), _event(2, [9], "c", True))
+    assert [(e.index, e.token_ids, e.text) for e in relayed] == [(0, [7], "a"), (1, [8], "b"), (2, [9], "c")]
+
+
+def test_a_restated_first_token_merged_with_the_next_ones_keeps_them() -> None:
+    """A decode stream held back by backpressure merges its outputs: [t0, t1, t2] in one event."""
+    relayed = _relay(_event(0, [7], "a"), _event(0, [7, 8, 9], "abc"), _event(3, [10], "d", True))
+    assert [(e.index, e.token_ids, e.text) for e in relayed] == [(0, [7], "a"), (1, [8, 9], "bc"), (3, [10], "d")]
+    assert [entry.token_id for e in relayed for entry in e.logprobs] == [7, 8, 9, 10]
+
+
+def test_text_the_prefill_held_back_comes_with_the_restatement() -> None:
+    """The prefill worker holds back a partial UTF-8 character; the decode worker's restatement
+    carries it: kept, as text without a token."""
+    relayed = _relay(_event(0, [7], ""), _event(0, [7], "é"), _event(1, [8], "x", True))
+    assert [(e.index, e.token_ids, e.text) for e in relayed] == [(0, [7], ""), (1, [], "é"), (1, [8], "x")]
+
+
+def test_a_restatement_that_ends_the_request_is_relayed_as_its_end() -> None:
+    relayed = _relay(_event(0, [7], "a"), _event(0, [7], "a", finished=True))
+    assert [(e.index, e.token_ids, e.finished) for e in relayed] == [(0, [7], False), (1, [], True)]
