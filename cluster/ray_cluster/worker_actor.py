@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator
 
 from cluster.common.events import TokenEvent
@@ -21,8 +23,19 @@ from cluster.worker.worker import Worker, event_of
 
 log = logging.getLogger(__name__)
 RAY_NAMESPACE = "pdserve"  # workers' actor names live here, so other drivers (gateway replicas) find them
+EXIT_ENGINE_FAILED = 70  # the exit status of a worker process whose engine thread failed (EX_SOFTWARE)
 
 
+
+
+def _end_process(error: BaseException) -> None:
+    """The engine thread failed (the traceback is logged): end this actor's process, so that Ray
+    restarts it (`max_restarts`) and the routers resume its requests elsewhere. A worker alive with
+    a dead engine thread would hang every call instead."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_ENGINE_FAILED)
 
 
 def kv_host(interface: str = "") -> str:
@@ -58,7 +71,7 @@ class WorkerActor:
         listing = WorkerInfo(worker_id, role, address or worker_id,
                              {"namespace": RAY_NAMESPACE, "model": engine.model_name, "host": host})
         self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
-                             overlap_transfer=overlap_transfer, state=state, listing=listing)
+                             overlap_transfer=overlap_transfer, state=state, listing=listing, on_fatal=_end_process)
         self.started: asyncio.Task[None] | None = None
 
     async def _ready(self) -> Worker:

@@ -59,9 +59,10 @@ class Worker:
     and by the tests. It publishes its prefix cache and registry listing to the shared state, if given.
     """
 
-    def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,
+    def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,  # noqa: PLR0913
                  receiver: KVReceiver | None = None, overlap_transfer: bool = True,
-                 state: SharedState | None = None, listing: WorkerInfo | None = None) -> None:
+                 state: SharedState | None = None, listing: WorkerInfo | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         if role not in tuple(Role):
             raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
         self.worker_id, self.role, self.engine = worker_id, Role(role), engine
@@ -86,8 +87,13 @@ class Worker:
         # Prefills whose KV goes out while they compute: runs of blocks queued by the engine thread,
         # sent by `prefill` on the event loop. request id -> (blocks queued so far, the queue).
         self.outboxes: dict[str, _Outbox] = {}
-        # Why this worker cannot serve (its warm-up failed); empty when it can. Reported in its load.
+        # Why this worker cannot serve (its warm-up or engine thread failed); empty when it can.
         self.failure = ""
+        # Called (on the engine thread) once the engine thread failed: a Ray actor ends its process
+        # there, so that Ray restarts it and the routers resume its requests elsewhere.
+        self.on_fatal = on_fatal
+        self.pending: set[asyncio.Future[Any]] = set()  # `_call`s not answered yet
+        self.broken = False  # the engine thread failed for good
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -181,6 +187,31 @@ class Worker:
                                                              connector.carries_device_memory)
 
     def _run(self) -> None:
+        """The engine thread. A step that raises fails its requests and the thread goes on; anything
+        else that raises here (a command, a KV import, an export) leaves the engine in a state no
+        one knows: the worker fails for good, loudly (`_fail_for_good`), instead of living on with a
+        dead thread while every call to it hangs."""
+        try:
+            self._serve()
+        except BaseException as error:
+            self._fail_for_good(error)
+
+    def _fail_for_good(self, error: BaseException) -> None:
+        self.broken = True  # before `_fail_pending` is scheduled: a `_call` after it refuses itself
+        self.failure = f"the engine thread failed: {error!r}"
+        log.critical("%s: %s; it serves no more", self.worker_id, self.failure, exc_info=error)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._fail_pending, error)
+        for request_id in list(self.streams):
+            self._deliver(request_id, error)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        for future in list(self.pending):
+            _set_exception(future, RuntimeError(f"{self.worker_id}: {self.failure}"))
+
+    def _serve(self) -> None:
         while not self.stopped:
             while not self.commands.empty():
                 self.commands.get()()
@@ -236,7 +267,11 @@ class Worker:
     async def _call(self, function: Callable[[], T]) -> T:
         """Run `function` on the engine thread between steps; its result or exception comes back."""
         assert self.loop is not None, "start() the worker first"
+        if self.broken:
+            raise RuntimeError(f"{self.worker_id}: {self.failure}")
         future: asyncio.Future[T] = self.loop.create_future()
+        self.pending.add(future)
+        future.add_done_callback(self.pending.discard)
 
         def run() -> None:
             try:

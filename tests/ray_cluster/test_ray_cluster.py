@@ -96,6 +96,36 @@ def test_a_dead_decode_worker_sends_requests_to_the_other(checkpoint: Path) -> N
         cluster.stop()
 
 
+def test_a_worker_whose_engine_thread_fails_is_restarted_and_its_requests_finish_elsewhere(checkpoint: Path) -> None:
+    """An exception on a decode worker's engine thread outside a step (here its KV import) used to
+    leave the actor alive with a dead thread: every call to it hung, and Ray never restarted it. Now
+    the process ends, the router sends its requests to the other decode worker, and Ray's restarted
+    worker rejoins."""
+    import ray
+
+    engine_config = engine_config_for(checkpoint)
+    expected = alone(engine_config, PROMPTS, GREEDY)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
+                           engine=engine_config)
+    cluster = Cluster(config).start()
+
+    def break_kv_import(actor: Any) -> None:
+        def corrupt(*_: Any) -> None:
+            raise RuntimeError("a KV import that went wrong")
+
+        actor.worker.engine.import_kv = corrupt
+
+    try:
+        ray.get(cluster.decode[0].__ray_call__.remote(break_kv_import), timeout=30)
+        assert generate_all(cluster, PROMPTS * 2, GREEDY) == expected * 2
+        assert ray_stats(cluster)["rerouted"] >= 1
+        wait_until_rejoined(cluster, 1)
+        assert ray.get(cluster.decode[0].load.remote(), timeout=30).failure == ""  # a fresh process
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
+
+
 def test_prefill_workers_killed_mid_transfer(checkpoint: Path) -> None:
     """Both prefill workers die while they send KV chunk by chunk: the decode worker recomputes every
     prompt cut short, each request still ends with the engine's own tokens. The worker Ray restarts

@@ -236,3 +236,37 @@ def test_forged_kv_frames_are_refused_and_a_bad_first_token_is_recomputed(checkp
             assert_whole(prefill, decode)
 
     asyncio.run(main())
+
+
+def test_an_engine_thread_that_fails_outside_a_step_fails_the_worker_loudly(checkpoint: Path) -> None:
+    """The KV import runs on the engine thread outside any step: one that raises left the worker
+    alive with a dead thread, and every later call hung. Now its stream gets the error, the worker
+    reports why, `on_fatal` hears of it (a Ray actor ends its process there, so Ray restarts it),
+    and every later call fails at once."""
+    fatal: list[BaseException] = []
+
+    async def main() -> None:
+        hub = LoopbackHub()
+        prefill = Worker("prefill-0", "prefill", make_engine(checkpoint), sender=LoopbackSender(hub))
+        decode = Worker("decode-0", "decode", make_engine(checkpoint), receiver=LoopbackReceiver(hub, "decode-0"),
+                        on_fatal=fatal.append)
+        await prefill.start()
+        await decode.start()
+
+        def corrupt_import(*_: object) -> None:
+            raise RuntimeError("a KV import that went wrong")
+
+        decode.engine.import_kv = corrupt_import  # type: ignore[method-assign]
+        try:
+            with pytest.raises(RuntimeError, match="a KV import that went wrong"):
+                await asyncio.wait_for(serve(prefill, decode, "doomed", PROMPTS[0]), 30)
+            assert len(fatal) == 1 and "a KV import that went wrong" in decode.failure
+            with pytest.raises(RuntimeError, match="engine thread failed"):
+                await asyncio.wait_for(decode.load(), 5)  # at once, not a hang
+            with pytest.raises(RuntimeError, match="engine thread failed"):
+                await asyncio.wait_for(decode.reserve("next", PROMPTS[1], GREEDY), 5)
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(main())
