@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.common.sampling_params import SamplingParams
 from cluster.engine.block_pool import BlockPool
+from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.request import Request, RequestStatus
 
 
 def test_allocate_and_free_returns_every_block() -> None:
@@ -70,8 +73,6 @@ def test_disabled_prefix_caching_caches_nothing() -> None:
 
 
 def test_an_unknown_request_has_an_empty_block_table() -> None:
-    from cluster.engine.kv_cache_manager import KVCacheManager
-
     manager = KVCacheManager(BlockPool(4), 4)
     assert manager.block_ids("nobody") == []
 
@@ -84,3 +85,47 @@ def test_a_pool_of_one_block_serves_and_an_empty_pool_is_refused() -> None:
     assert pool.num_free_blocks == 1
     with pytest.raises(ValueError, match="at least one block, got 0"):
         BlockPool(0)
+
+
+def test_eviction_is_reported_with_the_hash_that_left_the_cache() -> None:
+    """Routers learn from these events which prefixes a worker still holds: an eviction must name it."""
+    pool = BlockPool(1)
+    pool.record_events()
+    block = pool.allocate(1)[0]
+    pool.cache(block, 1234)
+    pool.free([block])
+    pool.allocate(1)  # the only block: its cached prefix is evicted
+    events = pool.take_events()
+    assert (events.stored, events.evicted) == ([1234], [1234])
+
+
+def test_a_block_reused_after_eviction_can_be_cached_again() -> None:
+    """Eviction must leave the block as good as new, or it could never hold a cached prefix again."""
+    pool = BlockPool(1)
+    block = pool.allocate(1)[0]
+    pool.cache(block, 1)
+    pool.free([block])
+    assert pool.allocate(1) == [block]  # evicts hash 1
+    pool.cache(block, 2)
+    assert pool.lookup(1) is None and pool.lookup(2) is block
+
+
+def test_a_copy_of_a_cached_block_stays_private_even_once_the_first_is_evicted() -> None:
+    """First writer wins: a block another request filled with the same prefix is offered to the
+    cache once, when it fills, and never again: the cache announces each block it takes once."""
+    pool = BlockPool(8)
+    pool.record_events()
+    manager = KVCacheManager(pool, 4)
+    tokens = list(range(1, 10))
+    first, second = (Request(name, tokens, SamplingParams(max_tokens=1)) for name in ("first", "second"))
+    manager.allocate_slots(first, 4)
+    manager.allocate_slots(second, 4)  # the same first block, computed again: second's copy is private
+    first.status = RequestStatus.FINISHED_STOPPED
+    manager.free(first)
+    pool.reset_prefix_cache()  # first's copy, now unowned, leaves the cache
+    second.num_computed_tokens = 4
+    manager.allocate_slots(second, 4)  # second fills its next block
+    head, next_block = manager.hashes_of["second"]
+    events = pool.take_events()
+    assert (events.stored, events.evicted) == ([head, next_block], [head])
+    assert pool.lookup(head) is None

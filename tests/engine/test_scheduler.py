@@ -551,3 +551,117 @@ def test_a_follow_up_prompt_hits_the_blocks_the_answer_filled() -> None:
     scheduler.add_request(follow_up)
     scheduler.schedule()
     assert follow_up.num_cached_tokens == 12
+
+
+def test_fcfs_policy_ignores_priorities() -> None:
+    """Priorities order the queue only under the priority policy; FCFS serves in arrival order."""
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("early", 4, priority=5))
+    scheduler.add_request(make_request("urgent", 4, priority=-1, first_token=40))
+    output = scheduler.schedule()
+    assert [s.request.request_id for s in output.scheduled] == ["early"]
+
+
+def test_the_first_token_time_is_stamped_when_it_is_sampled_and_kept() -> None:
+    """It is the request's time to first token: set by the first sample, untouched by later ones."""
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    request = make_request("a", 6, max_tokens=3)
+    scheduler.add_request(request)
+    scheduler.update_from_output(output := scheduler.schedule(), stub_sample(output))  # a chunk: no token
+    assert request.first_token_time is None
+    before = time.monotonic()
+    scheduler.update_from_output(output := scheduler.schedule(), stub_sample(output))
+    stamped = request.first_token_time
+    assert stamped is not None and before <= stamped <= time.monotonic()
+    run_to_completion(scheduler)
+    assert request.num_output_tokens == 3 and request.first_token_time == stamped
+
+
+def test_a_block_filled_by_the_last_token_a_request_computes_is_cached() -> None:
+    """Prompt 6 + 3 answers: the last step computes token 8, filling the second block as the request
+    ends; a follow-up that repeats the exchange hits both blocks, not just the first."""
+    scheduler = make_scheduler()
+    first = make_request("first", 6, max_tokens=3)
+    scheduler.add_request(first)
+    run_to_completion(scheduler)
+    follow_up = Request("next", first.all_token_ids + [90], SamplingParams(max_tokens=1, temperature=0))
+    scheduler.add_request(follow_up)
+    scheduler.schedule()
+    assert follow_up.num_cached_tokens == 2 * BLOCK_SIZE
+
+
+# ---- decode side: requests whose KV arrived join the batch ---------------------------------------
+
+
+def arrived(scheduler: Scheduler, request_id: str, prompt_len: int, max_tokens: int = 4,
+            first_token: int = 1) -> Request:
+    """A request whose prompt KV a prefill worker sent: reserved, then admitted with its first token."""
+    request = make_request(request_id, prompt_len, max_tokens=max_tokens, first_token=first_token)
+    assert scheduler.reserve_remote(request, lease_s=30.0) is not None
+    scheduler.admit_remote(request_id, first_token_id=7)
+    return request
+
+
+def test_requests_whose_kv_arrived_take_one_token_each_and_prompts_get_the_rest() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    arrived(scheduler, "r0", 5)
+    arrived(scheduler, "r1", 5, first_token=50)
+    scheduler.add_request(make_request("local", 20, first_token=100))
+    output = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        ("r0", 1), ("r1", 1), ("local", 8)]
+    assert output.num_batched_tokens == 10
+
+
+@pytest.mark.parametrize("limit", [{"max_num_batched_tokens": 2}, {"max_num_seqs": 2}])
+def test_a_request_whose_kv_arrived_joins_only_within_the_steps_budget_and_batch_size(
+        limit: dict[str, int]) -> None:
+    """A decode running already leaves room for exactly one more: the first arrival joins, the
+    second waits for the next step."""
+    scheduler = make_scheduler(**limit)
+    scheduler.add_request(make_request("decode", 2, max_tokens=10, first_token=100))
+    scheduler.update_from_output(output := scheduler.schedule(), stub_sample(output))
+    arrived(scheduler, "r0", 5)
+    second = arrived(scheduler, "r1", 5, first_token=50)
+    output = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("decode", 1), ("r0", 1)]
+    assert list(scheduler.remote_ready) == [second]
+
+
+def test_a_request_whose_kv_arrived_needs_only_the_slot_of_its_next_token() -> None:
+    """Its 7-token prompt and the token after it fill the 2-block pool exactly: it runs at once."""
+    scheduler = make_scheduler(num_blocks=2)
+    request = arrived(scheduler, "r", 7, max_tokens=2)
+    output = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("r", 1)]
+    assert len(scheduler.kv_cache.block_ids("r")) == 2
+    scheduler.update_from_output(output, stub_sample(output))
+    assert request.status == RequestStatus.FINISHED_LENGTH and scheduler.kv_cache.pool.num_free_blocks == 2
+
+
+def test_a_request_whose_kv_arrived_waits_for_a_free_block_and_the_step_goes_on() -> None:
+    scheduler = make_scheduler(num_blocks=3)
+    decode = make_request("decode", 3, max_tokens=3, first_token=100)
+    scheduler.add_request(decode)
+    scheduler.update_from_output(output := scheduler.schedule(), stub_sample(output))
+    request = arrived(scheduler, "r", 8, max_tokens=2)  # its 2 blocks fill the pool; its next token needs a 3rd
+    output = scheduler.schedule()
+    assert [s.request.request_id for s in output.scheduled] == ["decode"] and output.num_batched_tokens == 1
+    assert list(scheduler.remote_ready) == [request]
+    run_to_completion(scheduler)
+    assert decode.num_output_tokens == 3 and request.num_output_tokens == 2
+    assert_pool_consistent(scheduler)
+
+
+def test_a_request_admitted_to_a_static_batch_with_no_budget_left_runs_nothing_this_step() -> None:
+    """Static batching admits the whole batch at once; a member the step's budget cannot reach yet
+    holds its blocks but is not handed to the model with zero tokens."""
+    scheduler = make_scheduler(batching="static", max_num_batched_tokens=4, max_num_seqs=2)
+    first, second = make_request("first", 4), make_request("second", 4, first_token=50)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    output = scheduler.schedule()
+    assert scheduler.running == [first, second]
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("first", 4)]
+    run_to_completion(scheduler)
+    assert first.num_output_tokens == second.num_output_tokens == 4
