@@ -78,6 +78,21 @@ def test_padded_vocabulary_columns_are_never_sampled() -> None:
     assert tokens[:2] == logits[:2, :50].argmax(-1).tolist()
 
 
+def test_temperature_of_exactly_the_greedy_threshold_still_samples() -> None:
+    """Greedy is temperature strictly below 1e-5, as in vLLM (and SamplingParams.is_greedy): at 1e-5
+    itself two logits 1e-5 apart are 1 apart after tempering, so the lower one is still drawn."""
+    logits = torch.tensor([[0.0, 1e-5]]).expand(200, -1)
+    requests = [make_request(f"r{i}", SamplingParams(temperature=1e-5)) for i in range(200)]
+    assert set(Sampler(2, seed=0)(logits, requests).token_ids) == {0, 1}
+
+
+def test_a_one_token_vocabulary_is_valid_and_an_empty_one_is_refused() -> None:
+    requests = [make_request("g", SamplingParams(temperature=0)), make_request("s", SamplingParams())]
+    assert Sampler(1, seed=0)(torch.zeros(2, 1), requests).token_ids == [0, 0]
+    with pytest.raises(ValueError, match=r"vocab_size must be >= 1, got 0"):
+        Sampler(0)
+
+
 def test_all_greedy_without_processing_makes_no_copy() -> None:
     logits = random_logits(4, 30, seed=2)
     requests = [make_request(f"r{i}", SamplingParams(temperature=0)) for i in range(4)]
@@ -103,6 +118,17 @@ def test_min_p_keeps_only_tokens_above_min_p_times_the_best() -> None:
     tokens = Sampler(6, seed=0)(logits, requests).token_ids
     # 0.3 * 0.4 = 0.12: tokens 0, 1 and 2 stay, and with 3000 draws each shows up.
     assert set(tokens) == {0, 1, 2}
+
+
+def test_min_p_is_relative_to_each_rows_own_best_token() -> None:
+    """In a batch of peaked rows (best 0.9) and flat rows (best 0.4), min-p 0.5 keeps only the best
+    token of a peaked row but all three of a flat row: the threshold is not the batch's best."""
+    peaked, flat = torch.tensor([0.9, 0.05, 0.05]).log(), torch.tensor([0.4, 0.35, 0.25]).log()
+    logits = torch.stack([peaked, flat] * 300)
+    requests = [make_request(f"r{i}", SamplingParams(min_p=0.5)) for i in range(600)]
+    tokens = Sampler(3, seed=0)(logits, requests).token_ids
+    assert set(tokens[0::2]) == {0}
+    assert set(tokens[1::2]) == {0, 1, 2}
 
 
 @pytest.mark.parametrize(
@@ -197,6 +223,16 @@ def test_same_seed_gives_same_tokens_whatever_the_batch() -> None:
     assert crowded["b"] == reordered["b"]
 
 
+def test_a_sampler_seed_reproduces_unseeded_rows_whatever_seeded_rows_share_the_batch() -> None:
+    """Sampler(seed=...) gives unseeded rows one shared stream, taken row by row in batch order;
+    seeded rows draw from their own generators and take nothing from it."""
+    alone = run_steps(Sampler(200, seed=11), seeded_batch("x1 x2"), steps=6)
+    crowded = run_steps(Sampler(200, seed=11), seeded_batch("a x1 b x2"), steps=6)
+    assert alone["x1"] == crowded["x1"] and alone["x2"] == crowded["x2"]
+    # The shared seed decides the tokens, not chance or torch's global generator.
+    assert run_steps(Sampler(200, seed=12), seeded_batch("x1 x2"), steps=6) != alone
+
+
 def test_different_seeds_give_different_tokens() -> None:
     batch = [make_request("a", SamplingParams(seed=1)), make_request("b", SamplingParams(seed=2))]
     outputs = run_steps(Sampler(200), batch, steps=8)
@@ -254,6 +290,16 @@ def test_penalties_apply_only_to_rows_that_ask_and_before_greedy_argmax() -> Non
     assert processed[0].tolist() == [0.0, 1.0, 2.0, 2.5]
     assert torch.equal(processed[1], logits[1])
     assert Sampler(4)(logits, [penalized, plain]).token_ids == [3, 2]
+
+
+def test_penalties_on_bfloat16_logits_are_applied_in_float32() -> None:
+    """Processing works on a float32 copy: a penalty of 0.005 on a bfloat16 logit 1.0078125 leaves
+    1.0028 (still the best), where bfloat16 arithmetic would round it to 1.0, a tie the argmax
+    gives to token 0."""
+    logits = torch.tensor([[1.0, 1.0078125]], dtype=torch.bfloat16)
+    request = make_request("p", SamplingParams(temperature=0, presence_penalty=0.005), outputs=[1])
+    assert process_logits(logits, [request]).dtype == torch.float32
+    assert Sampler(2)(logits, [request]).token_ids == [1]
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
