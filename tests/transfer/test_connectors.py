@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 
 import msgpack
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.transfer.connector import MAX_HEADER_BYTES, KVHeader, TransferError, TransferState
+from cluster.transfer.connector import HEADER_VERSION, MAX_HEADER_BYTES, KVHeader, TransferError, TransferState
 from cluster.transfer.loopback import FrameRefused, Refusal
 from tests.transfer.conftest import Pair
 
@@ -435,27 +436,42 @@ def test_cancel_between_frames_refuses_the_rest(pair: Pair) -> None:
     pair.run(body())
 
 
-@pytest.mark.parametrize("fields", [
-    {"first_block": 3, "num_blocks": 1, "last": False},  # the last block, not last
-    {"first_block": 0, "num_blocks": 3, "last": True},  # last, short of the end
-    {"first_block": 1, "num_blocks": 4, "last": True},  # past the end
-    {"num_tokens": 0}, {"last": 1}, {"last": "yes"},
-    # Hostile but well-formed: negative, zero, oversized, wrong types.
-    {"num_blocks": 0}, {"num_blocks": -1}, {"block_size": 0}, {"num_tokens": -5}, {"first_block": -1},
-    {"nbytes": -4096}, {"nbytes": 4097}, {"num_layers": -2}, {"head_dim": 1.5}, {"first_token_id": -1},
-    {"num_kv_heads": True}, {"request_id": 7}, {"dtype": None}, {"nbytes": "4096"}, {"num_tokens": 2**62},
-    {"unexpected": 1},
-])
-def test_inconsistent_frame_headers_are_malformed(fields: dict[str, object]) -> None:
-    data = msgpack.packb({"version": 2, **dataclasses.asdict(frame_header("h", 0, 4, True)), **fields})
-    with pytest.raises(TransferError, match=r"^malformed header: \S"):
+TYPES, BLOCKS, TOKENS, LAYOUT = ("wrong field types", "a frame holds a whole number of blocks, at least one",
+                                 "no tokens", "the blocks do not match the tokens")
+
+
+# Each field alone at its bad value, every other field valid (the current version included), so that
+# one check cannot hide behind another; the reason is logged by the receiver, so it must name the problem.
+@pytest.mark.parametrize("fields, reason", [
+    ({"first_block": 3, "num_blocks": 1, "last": False}, LAYOUT),  # the last block, not last
+    ({"first_block": 0, "num_blocks": 3, "nbytes": 3 * 512, "last": True}, LAYOUT),  # last, short of the end
+    ({"first_block": 1, "num_blocks": 4, "last": True}, LAYOUT),  # past the end
+    ({"num_tokens": 2**62}, LAYOUT),
+    ({"num_tokens": 0}, TOKENS), ({"block_size": 0}, TOKENS),
+    ({"num_blocks": 0}, BLOCKS), ({"num_blocks": 0, "nbytes": 0}, BLOCKS), ({"nbytes": 2049}, BLOCKS),
+    ({"nbytes": 4097}, BLOCKS),
+    ({"last": 1}, TYPES), ({"last": "yes"}, TYPES), ({"request_id": 7}, TYPES), ({"dtype": None}, TYPES),
+    ({"token": 7}, TYPES),
+    # Hostile but well-formed: negative, wrong types.
+    ({"num_blocks": -1}, TYPES), ({"num_tokens": -5}, TYPES), ({"first_block": -1}, TYPES), ({"nbytes": -4096}, TYPES),
+    ({"num_layers": -2}, TYPES), ({"head_dim": 1.5}, TYPES), ({"first_token_id": -1}, TYPES),
+    ({"num_kv_heads": True}, TYPES), ({"nbytes": "4096"}, TYPES),
+    ({"unexpected": 1}, "unexpected"),
+], ids=lambda value: ",".join(f"{key}={field}" for key, field in value.items()) if isinstance(value, dict) else "")
+def test_inconsistent_frame_headers_are_malformed(fields: dict[str, object], reason: str) -> None:
+    data = msgpack.packb({"version": HEADER_VERSION, **dataclasses.asdict(frame_header("h", 0, 4, True)), **fields})
+    with pytest.raises(TransferError, match=rf"^malformed header: .*{re.escape(reason)}"):
         KVHeader.from_bytes(data)
 
 
-@pytest.mark.parametrize("num_tokens, first_block, num_blocks", [(1, 0, 1), (16, 0, 1), (17, 0, 2), (32, 1, 1),
-                                                                 (33, 2, 1)])
-def test_headers_at_block_boundaries_are_accepted(num_tokens: int, first_block: int, num_blocks: int) -> None:
-    header = dataclasses.replace(frame_header("b", first_block, num_blocks, True), num_tokens=num_tokens)
+@pytest.mark.parametrize("num_tokens, block_size, first_block, num_blocks", [
+    (1, 16, 0, 1), (16, 16, 0, 1), (17, 16, 0, 2), (32, 16, 1, 1), (33, 16, 2, 1),
+    (1, 1, 0, 1), (5, 1, 4, 1), (5, 1, 0, 5),  # a block of one token
+])
+def test_headers_at_block_boundaries_are_accepted(num_tokens: int, block_size: int, first_block: int,
+                                                  num_blocks: int) -> None:
+    header = dataclasses.replace(frame_header("b", first_block, num_blocks, True), num_tokens=num_tokens,
+                                 block_size=block_size)
     assert KVHeader.from_bytes(header.to_bytes()) == header
 
 
@@ -475,7 +491,8 @@ def test_headers_up_to_the_size_limit_are_read_and_larger_ones_refused() -> None
     exact = frame_header("x" * (MAX_HEADER_BYTES - base - 2), 0, 4, True)
     assert len(exact.to_bytes()) == MAX_HEADER_BYTES
     assert KVHeader.from_bytes(exact.to_bytes()).request_id == exact.request_id
-    data = msgpack.packb({"version": 2, **dataclasses.asdict(dataclasses.replace(exact, request_id="x" * 5000))})
+    data = msgpack.packb({"version": HEADER_VERSION,
+                         **dataclasses.asdict(dataclasses.replace(exact, request_id="x" * 5000))})
     with pytest.raises(TransferError, match=rf"^header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}$"):
         KVHeader.from_bytes(data)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -249,6 +250,11 @@ def test_the_receive_table_says_which_request_it_refuses_and_why() -> None:
         table.expect("small", memoryview(poisoned(512)))
         refused = refusal(table, header_for("small", 1024))
         assert refused.code is Refusal.WRONG_SIZE and all(text in str(refused) for text in ("'small'", "1024", "512"))
+        # The receiver logs the reason: it names the request and the token, never the token itself.
+        table.expect("guarded", memoryview(poisoned(1024)), "s" * 32)
+        refused = refusal(table, dataclasses.replace(header_for("guarded", 1024), token="forged"))
+        assert refused.code is Refusal.UNAUTHENTICATED and "'guarded'" in str(refused) and "token" in str(refused)
+        assert "s" * 32 not in str(refused) and "forged" not in str(refused)
 
     asyncio.run(body())
 
