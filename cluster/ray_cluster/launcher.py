@@ -28,7 +28,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.router import STREAM_AHEAD, Router, RouterConfig
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, WorkerActor
-from cluster.state.connect import connect_state
+from cluster.state.connect import connect_state, redacted_url
 from cluster.weights.default_model import resolve_model_path
 from cluster.weights.tokenizer import Tokenizer
 
@@ -156,8 +156,8 @@ class Cluster:
                 await asyncio.sleep(0.5)
         finally:
             await state.close()
-        raise TimeoutError(f"attach: no {' and '.join(roles)} workers listed in {self.config.redis_url} "
-                           f"within {START_TIMEOUT_S:.0f} s")
+        where = redacted_url(self.config.redis_url)  # the URL may carry Redis's password
+        raise TimeoutError(f"attach: no {' and '.join(roles)} workers listed in {where} within {START_TIMEOUT_S:.0f} s")
 
     def _named(self, role: str, handles: list[Any]) -> list[tuple[str, str, Any]]:
         """(worker id, Ray actor name, handle): as the workers were made (`_pool`) or listed."""

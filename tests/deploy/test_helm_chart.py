@@ -36,7 +36,7 @@ KUBE_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())  # both h
 RELEASE, NAMESPACE = "demo", "llm"
 
 EVERYTHING_ON = {
-    "ray": {"enableInTreeAutoscaling": True,
+    "ray": {"enableInTreeAutoscaling": True, "auth": {"existingSecret": "ray-token", "secretKey": "ray-token"},
             "decodeGroups": [{"groupName": "decode-a", "replicas": 2, "minReplicas": 0, "maxReplicas": 3,
                               "workersPerPod": 2, "idleTimeoutSeconds": 120, "shmSize": "1Gi",
                               "resources": {"limits": {"cpu": "4", "memory": "8Gi"}}},
@@ -44,9 +44,16 @@ EVERYTHING_ON = {
                               "resources": {"limits": {"cpu": "2", "memory": "8Gi"}}}]},
     "gateway": {"ingress": {"enabled": True, "className": "nginx",
                             "tls": [{"secretName": "tls", "hosts": ["pdserve.example.com"]}]},
-                "podDisruptionBudget": {"maxUnavailable": 1}, "attachedReplicas": 2},
+                "podDisruptionBudget": {"maxUnavailable": 1}, "attachedReplicas": 2,
+                "tls": {"secretName": "pdserve-gateway-tls"}, "trustedProxies": "10.0.0.0/8,192.168.1.7",
+                "connections": {"maxConnections": 1000, "requestReadTimeoutSeconds": 10,
+                                "streamWriteTimeoutSeconds": 20.5}},
     "apiKey": {"value": "a-key-from-values"},
-    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "apiKeys": {"existingSecret": "pdserve-tenants"},
+    "redis": {"auth": {"existingSecret": "redis-credentials", "secretKey": "redis-password"}},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"},
+                       "tlsConfig": {"ca": {"secret": {"name": "pdserve-ca", "key": "ca.crt"}},
+                                     "serverName": "demo-pdserve-gateway"}},
 }
 COLOCATED_EXTERNAL = {
     "cluster": {"mode": "colocated"},
@@ -57,11 +64,16 @@ COLOCATED_EXTERNAL = {
 }
 
 
+# Ray's token and Redis's password are on by default; off, the pods run as they did before them.
+AUTH_OFF = {"ray": {"auth": {"enabled": False}}, "redis": {"auth": {"enabled": False}}}
+
+
 def examples() -> dict[str, dict[str, Any]]:
     return {path.stem: yaml.safe_load(path.read_text()) for path in sorted((CHART / "examples").glob("*.yaml"))}
 
 
-CASES = {"defaults": {}, **examples(), "everything-on": EVERYTHING_ON, "colocated-external-redis": COLOCATED_EXTERNAL}
+CASES = {"defaults": {}, **examples(), "everything-on": EVERYTHING_ON, "colocated-external-redis": COLOCATED_EXTERNAL,
+         "auth-off": AUTH_OFF}
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +268,8 @@ def test_the_gateway_runs_serve_on_the_mounted_config_and_drains_within_its_grac
 
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
     assert pre_stop + args.drain_s < pod["terminationGracePeriodSeconds"]
-    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["readinessProbe"]["httpGet"].items() >= {"path": "/ready", "port": "http"}.items()
+    assert container["livenessProbe"]["httpGet"].items() >= {"path": "/health", "port": "http"}.items()
 
     service = one(objects, "Service", "-gateway")
     assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc"}
@@ -299,7 +311,7 @@ def test_api_key_and_redis_come_to_the_gateway_from_the_release(case: str) -> No
         reference = env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
         if api_key.get("existingSecret"):
             assert reference["name"] == api_key["existingSecret"]
-            assert not [o for o in objects if o["kind"] == "Secret"]
+            assert not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-api-key")]
         else:
             secret = one(objects, "Secret", "-api-key")
             assert reference["name"] == secret["metadata"]["name"] and reference["key"] in secret["data"]
@@ -311,9 +323,193 @@ def test_api_key_and_redis_come_to_the_gateway_from_the_release(case: str) -> No
         assert url == redis["externalUrl"] and not [o for o in objects if o["kind"] == "StatefulSet"]
     else:
         service = one(objects, "Service", "-redis")
-        assert url == f"redis://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
+        password = ":$(REDIS_PASSWORD)@" if redis.get("auth", {}).get("enabled", True) else ""
+        assert url == f"redis://{password}{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
         statefulset = one(objects, "StatefulSet", "-redis")
         assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+
+
+# ---- the cluster closed by default: Ray's token, Redis's password, the gateway's security flags ------
+
+
+def gateways(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The gateway Deployments: the owner and, if any, the attached gateways."""
+    return [o for o in objects if o["kind"] == "Deployment" and "-gateway" in o["metadata"]["name"]]
+
+
+def ray_containers(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Every container that runs Ray: the head, each worker group, each gateway (it joins with `ray
+    start`) and the autoscaler beside the head when it runs (KubeRay adds its container from
+    autoscalerOptions)."""
+    cluster = one(objects, "RayCluster")
+    found = [(name, spec["containers"][0]) for name, spec in pod_specs(objects) if not name.endswith("-redis")]
+    assert len(found) == 1 + len(cluster["spec"]["workerGroupSpecs"]) + len(gateways(objects))
+    if cluster["spec"]["enableInTreeAutoscaling"]:
+        found.append(("autoscaler", cluster["spec"]["autoscalerOptions"]))
+    return found
+
+
+def secret_value(objects: list[dict[str, Any]], reference: dict[str, str]) -> str:
+    """What a secretKeyRef gives: the chart's Secret's value, or a stand-in for a Secret of the operator's."""
+    import base64
+
+    found = [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == reference["name"]]
+    if not found:
+        return f"{reference['name']}.{reference['key']}"  # URL-safe, as the values ask of such a Secret
+    return base64.b64decode(found[0]["data"][reference["key"]]).decode()
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """$(NAME) in a container's args or env, as Kubernetes fills it in from `env` (undefined: left as is)."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)
+
+
+def container_env(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: in order, each value expanded with the
+    entries defined before it only."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        if "valueFrom" in entry:
+            env[entry["name"]] = secret_value(objects, entry["valueFrom"]["secretKeyRef"])
+        else:
+            env[entry["name"]] = expand(entry["value"], env)
+    return env
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_ray_container_authenticates_with_one_token(case: str) -> None:
+    objects = render_case(case)
+    auth = CASES[case].get("ray", {}).get("auth", {})
+    chart_secrets = [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-ray-auth")]
+    references = set()
+    for name, container in ray_containers(objects):
+        env = {e["name"]: e for e in container.get("env", [])}
+        if auth.get("enabled", True):
+            assert env["RAY_AUTH_MODE"]["value"] == "token", name
+            reference = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+            references.add((reference["name"], reference["key"]))
+        else:
+            assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env, name
+    if not auth.get("enabled", True):
+        assert not references and not chart_secrets
+        return
+    ((secret_name, key),) = references  # one token for the whole cluster
+    if auth.get("existingSecret"):
+        assert (secret_name, key) == (auth["existingSecret"], auth.get("secretKey", "token")) and not chart_secrets
+    else:
+        (secret,) = chart_secrets
+        assert secret["metadata"]["name"] == secret_name and key == "token"
+        token = secret_value(objects, {"name": secret_name, "key": key})
+        assert re.fullmatch(r"[A-Za-z0-9]{48}", token), "a random token: 48 letters and digits"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_charts_redis_requires_the_password_the_gateways_send(case: str) -> None:
+    import redis.connection
+
+    objects = render_case(case)
+    values = CASES[case].get("redis", {})
+    chart_secrets = [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-redis-auth")]
+    if values.get("externalUrl") or not values.get("enabled", True):
+        assert not chart_secrets  # an external URL carries its own credentials
+        return
+    service = one(objects, "Service", "-redis")
+    (server,) = one(objects, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"]
+    server_env = container_env(objects, server)
+    args = [expand(arg, server_env) for arg in server["args"]]
+    auth = values.get("auth", {})
+    if not auth.get("enabled", True):
+        assert "--requirepass" not in args and not server.get("env") and not chart_secrets
+    else:
+        password = args[args.index("--requirepass") + 1]
+        assert password == server_env["REDIS_PASSWORD"] == server_env["REDISCLI_AUTH"]  # redis-cli in the probe
+        assert server["readinessProbe"]["exec"]["command"][0] == "redis-cli"
+        reference = next(e for e in server["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+        if auth.get("existingSecret"):
+            assert reference == {"name": auth["existingSecret"], "key": auth.get("secretKey", "password")}
+            assert not chart_secrets
+        else:
+            (secret,) = chart_secrets
+            assert reference == {"name": secret["metadata"]["name"], "key": "password"}
+            assert re.fullmatch(r"[A-Za-z0-9]{32}", password), "a random password, URL-safe"
+    for gateway in gateways(objects):
+        container = gateway["spec"]["template"]["spec"]["containers"][0]
+        url = container_env(objects, container)["PDSERVE_REDIS_URL"]  # $(REDIS_PASSWORD) filled in, or not
+        parsed = redis.connection.parse_url(url)  # as pdserve's RedisState reads it
+        assert (parsed["host"], parsed["port"]) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
+        if auth.get("enabled", True):
+            assert parsed["password"] == password, gateway["metadata"]["name"]
+            assert "$(" not in url, "REDIS_PASSWORD must be defined before PDSERVE_REDIS_URL"
+        else:
+            assert "password" not in parsed and "REDIS_PASSWORD" not in {e["name"] for e in container["env"]}
+
+
+def test_ray_token_and_redis_password_keep_what_values_give(chart: Any) -> None:
+    objects = render(chart, {"ray": {"auth": {"value": "a-ray-token"}}, "redis": {"auth": {"value": "passw0rd"}}})
+    ray_secret = one(objects, "Secret", "-ray-auth")
+    assert secret_value(objects, {"name": ray_secret["metadata"]["name"], "key": "token"}) == "a-ray-token"
+    (server,) = one(objects, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"]
+    assert container_env(objects, server)["REDIS_PASSWORD"] == "passw0rd"
+    gateway = one(objects, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert container_env(objects, gateway)["PDSERVE_REDIS_URL"].startswith("redis://:passw0rd@")
+    # A second render without values makes new random ones (an upgrade keeps the cluster's: `lookup`).
+    first, second = (secret_value(render(chart, {}), {"name": f"{RELEASE}-pdserve-ray-auth", "key": "token"})
+                     for _ in range(2))
+    assert first != second
+
+
+def secret_mounted_at(pod: dict[str, Any], folder: Path) -> str:
+    """The Secret mounted, read-only, at this folder of the pod's container, in no other volume's folder."""
+    mounts = {Path(m["mountPath"]): m for m in pod["containers"][0]["volumeMounts"]}
+    mount = mounts[folder]
+    assert mount.get("readOnly") is True
+    assert not any(other in folder.parents for other in mounts)  # e.g. not inside the ConfigMap's volume
+    return next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]["secretName"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_gateways_certificate_keys_and_limits_come_from_values(case: str) -> None:
+    from cluster.cli import build_parser
+
+    objects = render_case(case)
+    values, api_keys = CASES[case].get("gateway", {}), CASES[case].get("apiKeys", {})
+    connections = {"maxConnections": 4096, "requestReadTimeoutSeconds": 30, "streamWriteTimeoutSeconds": 30,
+                   **values.get("connections", {})}
+    for gateway in gateways(objects):
+        pod = gateway["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        (script,) = container["args"]
+        (line,) = [line for line in script.splitlines() if line.strip().startswith("exec pdserve serve")]
+        command = shlex.split(line)[2:]
+        args = build_parser().parse_args(command)
+        probes = [container[probe]["httpGet"] for probe in ("startupProbe", "livenessProbe", "readinessProbe")]
+        if values.get("tls", {}).get("secretName"):
+            cert, key = Path(args.tls_cert), Path(args.tls_key)
+            assert (cert.name, key.name) == ("tls.crt", "tls.key") and cert.parent == key.parent
+            assert secret_mounted_at(pod, cert.parent) == values["tls"]["secretName"]
+            assert all(probe["scheme"] == "HTTPS" for probe in probes)  # the gateway speaks TLS only
+        else:
+            assert not args.tls_cert and not args.tls_key and all("scheme" not in probe for probe in probes)
+        if api_keys.get("existingSecret"):
+            path = Path(args.api_keys_file)
+            assert path.name == api_keys.get("secretKey", "keys.yaml")
+            assert secret_mounted_at(pod, path.parent) == api_keys["existingSecret"]
+        else:
+            assert not args.api_keys_file
+        assert args.trusted_proxies == values.get("trustedProxies", "")
+        # The limits are stated on the command line, not left to pdserve's defaults.
+        assert {"--max-connections", "--request-read-timeout", "--stream-write-timeout"} <= set(command)
+        assert (args.max_connections, args.request_read_timeout, args.stream_write_timeout) == (
+            connections["maxConnections"], connections["requestReadTimeoutSeconds"],
+            connections["streamWriteTimeoutSeconds"])
+    monitors = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    for monitor in monitors:  # Prometheus scrapes /metrics as the gateway serves it
+        (endpoint,) = monitor["spec"]["endpoints"]
+        if values.get("tls", {}).get("secretName"):
+            assert endpoint["scheme"] == "https"
+            assert endpoint["tlsConfig"] == CASES[case]["serviceMonitor"].get("tlsConfig")
+        else:
+            assert "scheme" not in endpoint and "tlsConfig" not in endpoint
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -384,6 +580,8 @@ def test_monitoring_objects_select_the_gateway() -> None:
     ({"ray": {"prefill": {"replicas": 0}}}, "ray.prefill.replicas must be >= 1"),
     ({"ray": {"enableInTreeAutoscaling": True, "autoscalerOptions": {"version": "v1"},
               "prefill": {"idleTimeoutSeconds": 60}}}, "idleTimeoutSeconds needs the v2 autoscaler"),
+    ({"redis": {"auth": {"value": "p@ss/word"}}}, "at '/redis/auth/value'"),  # it goes into a URL as it is
+    ({"gateway": {"trustedProxies": "10.0.0.0/8; curl evil"}}, "at '/gateway/trustedProxies'"),  # a shell line
 ])
 def test_values_that_cannot_work_fail_with_a_message(chart: Any, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):

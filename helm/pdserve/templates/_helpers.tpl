@@ -70,13 +70,83 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-api-key" (include "pdserve.fullname" .)) .Values.apiKey.existingSecret }}
 {{- end }}
 
-{{/* Redis for state shared by routers and workers: the chart's own, an external URL, or none. */}}
+{{/* Ray's token: an existing Secret, or the one the chart creates. */}}
+{{- define "pdserve.rayAuthSecretName" -}}
+{{- default (printf "%s-ray-auth" (include "pdserve.fullname" .)) .Values.ray.auth.existingSecret }}
+{{- end }}
+
+{{/*
+Ray's authentication, in the environment of every Ray container: the head, the worker groups, the
+gateway (whose `ray start` joins the cluster and whose driver calls it) and the autoscaler. Ray 2.x
+reads RAY_AUTH_MODE and RAY_AUTH_TOKEN: with a token, a process without it can neither join nor call
+the GCS, the raylets or the dashboard. The dashboard's health endpoints (/api/gcs_healthz,
+/api/local_raylet_healthz, /api/healthz) need no token, so KubeRay's probes keep working.
+(Recent KubeRay releases' `authOptions` would do this too; the environment works with every KubeRay
+the chart supports.) Disabled: only the NetworkPolicy fences Ray.
+*/}}
+{{- define "pdserve.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.rayAuthSecretName" . }}
+      key: {{ .Values.ray.auth.secretKey }}
+{{- else }}
+- name: RAY_AUTH_MODE
+  value: disabled
+{{- end }}
+{{- end }}
+
+{{/* Whether the chart runs Redis of its own (no external URL). */}}
+{{- define "pdserve.ownRedis" -}}
+{{- if and .Values.redis.enabled (not .Values.redis.externalUrl) }}true{{ end }}
+{{- end }}
+
+{{/* Whether the chart's own Redis requires a password. */}}
+{{- define "pdserve.redisAuth" -}}
+{{- if and (include "pdserve.ownRedis" .) .Values.redis.auth.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The Redis password's Secret: an existing one, or the one the chart creates. */}}
+{{- define "pdserve.redisSecretName" -}}
+{{- default (printf "%s-redis-auth" (include "pdserve.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{/*
+Redis for state shared by routers and workers: the chart's own, an external URL (credentials, if
+any, in it), or none. The chart's own with a password: `$(REDIS_PASSWORD)`, which Kubernetes fills
+in from an env entry defined before the one holding this URL.
+*/}}
 {{- define "pdserve.redisUrl" -}}
 {{- if .Values.redis.externalUrl }}
 {{- .Values.redis.externalUrl }}
 {{- else if .Values.redis.enabled }}
-{{- printf "redis://%s-redis:%d/0" (include "pdserve.fullname" .) (int .Values.redis.port) }}
+{{- printf "redis://%s%s-redis:%d/0" (ternary ":$(REDIS_PASSWORD)@" "" (eq (include "pdserve.redisAuth" .) "true")) (include "pdserve.fullname" .) (int .Values.redis.port) }}
 {{- end }}
+{{- end }}
+
+{{/* The env entry REDIS_PASSWORD, from the chart's Redis Secret. */}}
+{{- define "pdserve.redisPasswordEnv" -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.redisSecretName" . }}
+      key: {{ .Values.redis.auth.secretKey }}
+{{- end }}
+
+{{/*
+A Secret's value that upgrades keep: the one given in values, else the one already in the cluster
+(`lookup`; empty under `helm template`), else a random one of `length` letters and digits.
+*/}}
+{{- define "pdserve.keptSecretValue" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- $value := .value }}
+{{- if and (not $value) $existing }}
+{{- $value = get $existing.data .key | b64dec }}
+{{- end }}
+{{- default (randAlphaNum (int .length)) $value }}
 {{- end }}
 
 {{/* Ray custom resources that pin pdserve's pools to their worker groups. */}}
@@ -97,12 +167,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
-Environment every pdserve container shares: Ray's token auth off (the NetworkPolicy fences the
-pods instead), the model cache, a writable home under /tmp.
+Environment every pdserve container shares (all of them run Ray): Ray's authentication, the model
+cache, a writable home under /tmp.
 */}}
 {{- define "pdserve.commonEnv" -}}
-- name: RAY_AUTH_MODE
-  value: disabled
+{{ include "pdserve.rayAuthEnv" . | trim }}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
 - name: UCX_WARN_UNUSED_ENV_VARS
