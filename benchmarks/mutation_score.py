@@ -90,6 +90,24 @@ EQUIVALENT_NAMED = {
     "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁ_emit_until__mutmut_1": "empty-emit",
     "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁfinish__mutmut_1": "nothing-pending",
     "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁfinish__mutmut_3": "nothing-pending",
+    # The complete run's survivors (session 6), read by three helpers; reasons in docs/testing.md.
+    "cluster.engine.block_pool.xǁBlockPoolǁfree__mutmut_11": "unreachable",  # no hash without prefix caching
+    "cluster.engine.kv_cache_manager.xǁKVCacheManagerǁ_cache_full_blocks__mutmut_10": "cost-only",
+    **{f"cluster.engine.kv_cache_manager.xǁKVCacheManagerǁallocate_slots__mutmut_{n}": "cost-only"
+       for n in (7, 10, 11, 51, 53)},  # the slow path, or allocating 0 blocks, gives the same blocks
+    "cluster.engine.kv_cache_manager.xǁKVCacheManagerǁfree__mutmut_14": "unreachable",  # a running request has a table
+    "cluster.engine.scheduler.xǁSchedulerǁ_push_waiting__mutmut_9": "unreachable",  # FCFS: one constant for all
+    **{f"cluster.engine.scheduler.xǁSchedulerǁ_schedule_running__mutmut_{n}": "unreachable"
+       for n in (15, 17, 18, 19, 20)},  # a running request always has a token to compute
+    **{f"cluster.engine.scheduler.xǁSchedulerǁfinish__mutmut_{n}": "unreachable" for n in (16, 19)},
+    f"{SAMPLER}apply_min_p__mutmut_3": "cost-only",  # a threshold of 0 removes nothing
+    **{f"{SAMPLER}apply_top_k_top_p__mutmut_{n}": "cost-only" for n in (15, 16, 17, 18, 20, 21)},
+    f"{SAMPLER}process_logits__mutmut_17": "cost-only",  # neutral penalties leave every value as it was
+    **{f"cluster.model.sampler.xǁSamplerǁ__call____mutmut_{n}": "cost-only" for n in (11, 14)},  # same plan again
+    **{f"cluster.model.sampler.xǁSamplerǁ_draw_exponentials__mutmut_{n}": "cpu-device" for n in (10, 30)},
+    "cluster.model.sampler.xǁSamplerǁ_sample_random__mutmut_27": "cpu-device",
+    **{f"cluster.transfer.loopback.xǁReceiveTableǁadmit__mutmut_{n}": "message-text" for n in (14, 15)},
+    "cluster.transfer.connector.xǁKVReceiverǁexpect__mutmut_1": "abstract",  # a Protocol's default, never run
 }
 EQUIVALENT: dict[str, str] = {}  # mutant name -> kind, filled by `classify`
 

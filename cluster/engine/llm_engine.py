@@ -202,9 +202,13 @@ class LLMEngine:
         request = self.scheduler.admit_remote(request_id, first_token_id)
         return self._output(request, first_token_id, None)
 
-    def fail_remote(self, request_id: str) -> None:
-        """The KV will not arrive: compute the prompt here."""
-        self.scheduler.fail_remote(request_id)
+    def fail_remote(self, request_id: str, first_token_id: int | None = None) -> RequestOutput | None:
+        """The KV will not arrive: compute the prompt here; with the prefill's `first_token_id`, go
+        on after it (`Scheduler.fail_remote`) and return its output, as `admit_remote` does."""
+        request = self.scheduler.fail_remote(request_id, first_token_id)
+        if request is None or first_token_id is None:
+            return None
+        return self._output(request, first_token_id, None)
 
     def _new_request(self, token_ids: list[int], params: SamplingParams, request_id: str, priority: int) -> Request:
         if not token_ids:

@@ -147,8 +147,11 @@ class Scheduler:
             self.remote_ready.append(request)
         return request
 
-    def fail_remote(self, request_id: str) -> Request | None:
-        """The KV will not come: give back the blocks and compute the prompt here instead."""
+    def fail_remote(self, request_id: str, first_token_id: int | None = None) -> Request | None:
+        """The KV will not come: give back the blocks and compute the prompt here instead. With
+        `first_token_id` (the prefill's, which the client already has) the request goes on after it:
+        the prompt and that token are computed, and the next token sampled is the second, not a first
+        token of this worker's own spliced after the prefill's. That token may end the request."""
         entry = self.reserved.pop(request_id, None)
         if entry is None:
             return None
@@ -157,6 +160,11 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.WAITING
         self._push_waiting(request)
+        if first_token_id is not None:
+            request.append_output_token(first_token_id)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
         return request
 
     def expire_reservations(self, now: float | None = None) -> list[Request]:

@@ -293,16 +293,20 @@ class Router:
         else:
             key = id(prefill)
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
+            first_token_id: int | None = None  # the prefill's, once relayed: the client has it
             try:
                 async for item in self._relay(prefill.prefill, request_id, prompt, params, ticket):
                     if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
+                        if item.token_ids and first_token_id is None:
+                            first_token_id = item.token_ids[0]
                         yield replace(item, finished=False, finish_reason=None)
             except Exception as error:  # a failed send or a lost prefill worker: decode recomputes
                 if isinstance(error, RayActorError):
                     self._mark_dead(prefill)
                 self._warn_transfer_failed(request_id, prefill, decode, ticket.address, error)
                 self.decisions["transfer_failed"] += 1
-                await decode.recompute.remote(request_id)
+                # After the token the client has, whatever the sampling: never a splice.
+                await decode.recompute.remote(request_id, first_token_id)
             finally:
                 self.queued_tokens[key] -= len(prompt)
         async for event in self._relay(decode.stream, request_id):
@@ -335,7 +339,11 @@ class Router:
             yield await ref
 
     async def abort(self, request_id: str) -> None:
+        """End the request on every worker that may hold it, all at once (each frees its blocks
+        between two of its steps)."""
         request_id = self.attempts.get(request_id, request_id)  # a resumed request runs under another id
-        for handle in self._live(self.prefill + self.decode):
-            with contextlib.suppress(RayActorError):
-                await handle.abort.remote(request_id)
+        results = await asyncio.gather(*(handle.abort.remote(request_id)
+                                         for handle in self._live(self.prefill + self.decode)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, RayActorError):  # a dead one holds nothing
+                raise result

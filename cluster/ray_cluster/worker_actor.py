@@ -117,8 +117,8 @@ class WorkerActor:
                       lease_s: float) -> KVTicket | None:
         return await (await self._ready()).reserve(request_id, prompt, params, lease_s)
 
-    async def recompute(self, request_id: str) -> None:
-        await (await self._ready()).recompute(request_id)
+    async def recompute(self, request_id: str, first_token_id: int | None = None) -> None:
+        await (await self._ready()).recompute(request_id, first_token_id)
 
     async def stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
         worker = await self._ready()

@@ -464,11 +464,19 @@ class Worker:
         self.commands.put(land)
         self.wake.set()
 
-    async def recompute(self, request_id: str) -> None:
-        """The sender reported the transfer failed: stop waiting for it, compute the prompt here."""
+    async def recompute(self, request_id: str, first_token_id: int | None = None) -> None:
+        """The sender reported the transfer failed: stop waiting for it, compute the prompt here.
+        `first_token_id`: the prefill's first token, which the client already has: the request goes
+        on after it (never a first token of this worker's own spliced after it)."""
         assert self.receiver is not None
         self.receiver.cancel(request_id)
-        await self._call(lambda: self.engine.fail_remote(request_id))
+
+        def fail() -> None:
+            output = self.engine.fail_remote(request_id, first_token_id)
+            if output is not None:
+                self._deliver(request_id, output)
+
+        await self._call(fail)
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a reserved request as they are produced, starting with the first token (the

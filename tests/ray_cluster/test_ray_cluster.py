@@ -126,6 +126,76 @@ def test_a_worker_whose_engine_thread_fails_is_restarted_and_its_requests_finish
         cluster.stop()
 
 
+def _pace_and_count_steps(actor: Any) -> None:
+    """Run inside a worker actor: each engine step waits 200 ms (a large model's long step: longer than
+    a Ray call takes even on a busy machine, so the count is about steps, not latency) and is counted."""
+    import time as clock
+
+    engine = actor.worker.engine
+    step, actor.steps = engine.step, 0
+
+    def paced() -> Any:
+        clock.sleep(0.2)
+        actor.steps += 1
+        return step()
+
+    engine.step = paced
+
+
+def test_an_abort_frees_the_request_on_both_workers_within_two_of_their_steps(checkpoint: Path) -> None:
+    """Aborted while its prompt is computed in chunks (the prefill worker computes, the decode worker
+    holds the reservation) and again while it decodes: each time every worker that holds it has freed
+    its blocks when the abort returns, within 2 of its own steps of the abort, though the request
+    could not have ended by itself (hundreds of paced steps were left)."""
+    import ray
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 256,
+                                        "max_num_batched_tokens": 8})
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config)
+    cluster = Cluster(config).start()
+    workers = [*cluster.prefill, *cluster.decode]
+    long_prompt = (PROMPTS[0] * 40)[:300]  # 38 chunks of 8 tokens
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+    def steps() -> list[int]:
+        return ray.get([worker.__ray_call__.remote(lambda actor: actor.steps) for worker in workers], timeout=30)
+
+    def loads() -> list[Any]:
+        return ray.get([worker.load.remote() for worker in workers], timeout=30)
+
+    async def abort_when(request_id: str, ready: Any) -> tuple[list[int], list[int], list[Any], list[str]]:
+        reasons: list[str] = []
+
+        async def stream() -> None:
+            async for event in cluster.generate(long_prompt, params, request_id=request_id):
+                if event.finished:
+                    reasons.append(str(event.finish_reason))
+
+        task = asyncio.create_task(stream())
+        deadline = time.monotonic() + 60
+        while not ready(loads()):
+            assert time.monotonic() < deadline and not task.done(), "the request never reached the phase"
+            await asyncio.sleep(0.01)
+        before = steps()
+        await cluster.abort(request_id)
+        after, freed = steps(), loads()
+        await asyncio.wait_for(task, 30)
+        return before, after, freed, reasons
+
+    try:
+        ray.get([worker.__ray_call__.remote(_pace_and_count_steps) for worker in workers], timeout=30)
+        prefilling = asyncio.run(abort_when("mid-prefill", lambda now: now[0].num_running == 1
+                                            and now[1].num_free_blocks < now[1].num_blocks))
+        decoding = asyncio.run(abort_when("mid-decode", lambda now: now[1].num_running == 1))
+        for before, after, freed, reasons in (prefilling, decoding):
+            assert [load.num_free_blocks for load in freed] == [load.num_blocks for load in freed]
+            assert all(late - early <= 2 for early, late in zip(before, after, strict=True)), (before, after)
+            assert reasons == ["abort"]
+    finally:
+        cluster.stop()
+
+
 def test_prefill_workers_killed_mid_transfer(checkpoint: Path) -> None:
     """Both prefill workers die while they send KV chunk by chunk: the decode worker recomputes every
     prompt cut short, each request still ends with the engine's own tokens. The worker Ray restarts

@@ -51,8 +51,8 @@ async def serve(prefill: Worker, decode: Worker, request_id: str, prompt: list[i
         async for item in prefill.prefill(request_id, prompt, params, address):
             if not isinstance(item, TransferStats):
                 tokens += item.new_token_ids
-    except TransferError:
-        await decode.recompute(request_id)  # at once, rather than when the lease ends
+    except TransferError:  # at once, rather than when the lease ends; after the token already sent
+        await decode.recompute(request_id, tokens[0] if tokens else None)
     async for output in decode.stream(request_id):
         tokens += output.token_ids[len(tokens):]
     return tokens
@@ -268,5 +268,60 @@ def test_an_engine_thread_that_fails_outside_a_step_fails_the_worker_loudly(chec
         finally:
             await prefill.stop()
             await decode.stop()
+
+    asyncio.run(main())
+
+
+def test_after_a_failed_transfer_the_decode_worker_goes_on_after_the_streamed_first_token(checkpoint: Path) -> None:
+    """The prefill worker streamed the first token, then its KV could not be sent. The decode worker
+    computes the prompt itself, and goes on after THAT token (the client has it), not after a first
+    token of its own: with unseeded sampling its own would differ (and the text would be spliced)."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)  # no seed: nothing repeats
+
+    async def main() -> None:
+        hub = LoopbackHub(latency_s=0.05)  # the send fails after the first token went out, as on a network
+        # The whole prompt in one step: its one frame, carrying the first token, is the one that fails.
+        prefill = Worker("prefill-0", "prefill", make_engine(checkpoint), sender=LoopbackSender(hub))
+        decode = Worker("decode-0", "decode", make_engine(checkpoint), receiver=LoopbackReceiver(hub, "decode-0"))
+        await prefill.start()
+        await decode.start()
+        try:
+            for attempt in range(3):
+                request_id = f"splice-{attempt}"
+                hub.fail_next(1, FailMode.UNREACHABLE)
+                prompt = PROMPTS[attempt]  # each its own: a prefix-cache hit would send blocks earlier
+                ticket = await decode.reserve(request_id, prompt, params)
+                assert ticket is not None
+                streamed: list[int] = []
+                with pytest.raises(TransferError):
+                    async for item in prefill.prefill(request_id, prompt, params, ticket):
+                        if not isinstance(item, TransferStats):
+                            streamed += item.new_token_ids
+                assert len(streamed) == 1
+                await decode.recompute(request_id, streamed[0])
+                outputs = [output async for output in decode.stream(request_id)]
+                assert outputs[0].index == 0 and outputs[0].new_token_ids == streamed  # restated, as when KV lands
+                assert outputs[-1].token_ids[0] == streamed[0] and len(outputs[-1].token_ids) == 8
+            await asyncio.sleep(0.1)
+            assert_whole(prefill, decode)
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(main())
+
+
+def test_a_streamed_first_token_that_ends_the_request_ends_it_on_the_decode_worker(checkpoint: Path) -> None:
+    """max_tokens 1: the prefill's token was the whole answer; the recompute has nothing to compute."""
+    params = SamplingParams(max_tokens=1, temperature=1.0)
+
+    async def main() -> None:
+        async with running_pair(checkpoint) as (_, decode, _):
+            ticket = await decode.reserve("one", PROMPTS[0], params)
+            assert ticket is not None
+            await decode.recompute("one", 42)
+            outputs = [output async for output in decode.stream("one")]
+            assert [(o.new_token_ids, o.finished, o.finish_reason) for o in outputs] == [([42], True, "length")]
+            assert_whole(decode)
 
     asyncio.run(main())
