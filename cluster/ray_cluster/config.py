@@ -11,6 +11,7 @@ redis_url: ""              # redis://host:6379/0: workers publish their cached b
 routing: kv-aware          # prefill workers by queue and cached prefix; or load, or round-robin
 routers: 1                 # router replicas (Ray actors); with redis_url they share the prefix index
 worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always); it rejoins routing
+worker_wait_s: 60          # with no live worker of a role, a request waits this long for one to restart
 attach: false              # start no workers: route to those listed in redis_url's registry
 engine:
   model: default
@@ -76,6 +77,9 @@ class ClusterConfig:
     routing: str = RoutingPolicy.KV_AWARE  # how prefill workers are picked: "kv-aware", "load" or "round-robin"
     routers: int = 1  # router replicas; requests are spread over them, each sees every worker
     worker_max_restarts: int = 3  # Ray restarts a dead worker (its requests resume elsewhere meanwhile)
+    # With no live worker of a role (the only decode worker died), a request, new or resumed, waits
+    # this long for one to come back (Ray restarts it: the model loads again) before it fails (503).
+    worker_wait_s: float = 60.0
     attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,8 @@ class ClusterConfig:
             raise ValueError(f"routers must be >= 1, got {self.routers}")
         if self.worker_max_restarts < -1:
             raise ValueError(f"worker_max_restarts must be >= -1 (-1: always), got {self.worker_max_restarts}")
+        if self.worker_wait_s < 0:
+            raise ValueError(f"worker_wait_s must be >= 0, got {self.worker_wait_s}")
         if self.attach and not self.redis_url:
             raise ValueError("attach needs redis_url: the workers to attach to are listed in its registry")
         if self.decode.replicas < 1:

@@ -126,7 +126,8 @@ class Cluster:
         self.tokenizer = Tokenizer.from_dir(resolve_model_path(self.config.engine.model.model))
         router_class = ray.remote(num_cpus=0)(Router)
         router_config = RouterConfig(self.config.mode, self.config.kv_lease_s, self.config.engine.cache.block_size,
-                                     self.model_name, self.config.redis_url, self.config.routing)
+                                     self.model_name, self.config.redis_url, self.config.routing,
+                                     self.config.worker_wait_s)
         self.routers = [router_class.remote(self._named(Role.PREFILL, self.prefill),
                                             self._named(Role.COLOCATED if colocated else Role.DECODE, self.decode),
                                             router_config)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from cluster.common.block_hashes import prefix_hashes
-from cluster.common.errors import NoCapacityError
+from cluster.common.errors import NoCapacityError, ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.loads import KVTicket, WorkerLoad
 from cluster.common.roles import Mode, Role, RoutingPolicy
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 # runs at most this many events ahead of its consumer, then waits; meanwhile the worker's stream
 # merges the engine's outputs (`OutputStream`), so a slow client holds a bounded number of events.
 STREAM_AHEAD = 8
+WAIT_POLL_S = 0.1  # how often a request waiting for a restarted worker looks
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
 
 
@@ -81,6 +83,7 @@ class RouterConfig:
     model_name: str = ""  # the prefix hashes chain from it, as the workers' caches do
     redis_url: str = ""  # shared with other router replicas and fed by the workers; else this router's own
     policy: str = RoutingPolicy.KV_AWARE  # how prefill workers are picked (`RoutingPolicy`)
+    worker_wait_s: float = 60.0  # with no live decode (or colocated) worker, wait this long for one
 
 
 class Router:
@@ -249,6 +252,7 @@ class Router:
 
     async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """One run of the request; raises `_WorkerLost` if its worker dies after streaming tokens."""
+        await self._wait_for_a_live_worker()
         if self.config.mode == Mode.COLOCATED:
             for worker in self._decode_order():
                 streamed = False
@@ -283,6 +287,20 @@ class Router:
                 log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
                 self.decisions["rerouted"] += 1
         raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
+
+    async def _wait_for_a_live_worker(self) -> None:
+        """With no live decode (or colocated) worker, wait for Ray to restart one (the poller takes it
+        back once it answers), `worker_wait_s` at most: on a cluster with one decode worker its crash
+        then costs its requests time, not their answers. Raises ServiceUnavailable when none came."""
+        if self._live(self.decode):
+            return
+        log.warning("no decode worker is alive: waiting up to %.0f s for one to restart", self.config.worker_wait_s)
+        deadline = time.monotonic() + self.config.worker_wait_s
+        while not self._live(self.decode):
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailable(f"no decode worker is alive: the last one died and none came back within "
+                                         f"{self.config.worker_wait_s:.0f} s; retry later")
+            await asyncio.sleep(WAIT_POLL_S)
 
     async def _disaggregated(self, decode: Any, ticket: KVTicket, request_id: str, prompt: list[int],
                              params: SamplingParams) -> AsyncIterator[TokenEvent]:

@@ -302,10 +302,21 @@ async def _sse(run: ChoiceStreams, response_format: ResponseFormat, include_usag
         if include_usage:
             yield _event(response_format.usage_chunk(run.usage()).model_dump_json())
     except Exception as error:  # the status line is gone: report in-band, as vLLM does
-        log.exception("%s: stream failed", run.request_id)
-        detail = ErrorDetail(message=f"internal error: {type(error).__name__}", type="server_error")
-        yield _event(ErrorResponse(error=detail).model_dump_json())
+        yield _event(ErrorResponse(error=_stream_error(run.request_id, error)).model_dump_json())
     yield _event("[DONE]")
+
+
+def _stream_error(request_id: str, error: Exception) -> ErrorDetail:
+    """What a stream that failed after its status line says, in-band: the status a client would have
+    had (503: retry later; 429: the cluster is full) and why, never a bare "internal error" for a
+    failure the client can act on."""
+    try:
+        with service_errors(request_id):
+            raise error
+    except ApiError as api_error:  # an unexpected error was logged with its traceback there
+        return ErrorDetail(message=api_error.message, type=ERROR_TYPES.get(api_error.status, "server_error"),
+                           code=api_error.code or str(api_error.status))
+    raise AssertionError("service_errors maps every error")  # pragma: no cover
 
 
 def _event(data: str) -> str:

@@ -413,3 +413,19 @@ def test_client_leaving_a_whole_response_aborts_its_request(default_gateway: Liv
     with httpx.Client(base_url=default_gateway.url, timeout=1.5) as client, pytest.raises(httpx.ReadTimeout):
         client.post("/v1/chat/completions", json=LONG_CHAT)
     assert wait_until(lambda: engine_idle(service), timeout_s=10)
+
+
+def test_a_stream_that_fails_after_its_status_line_says_why_in_band() -> None:
+    """The status line is gone once a stream started: the error event carries the status a client
+    would have had and why (the only decode worker died and did not come back: retry), never a bare
+    "internal error" for something the client can act on."""
+    from cluster.common.errors import NoCapacityError, ServiceUnavailable
+    from cluster.serving.http.gateway import _stream_error
+
+    gone = _stream_error("r", ServiceUnavailable("no decode worker is alive: retry later"))
+    assert (gone.type, gone.code) == ("service_unavailable", "503")
+    assert gone.message == "no decode worker is alive: retry later"
+    full = _stream_error("r", NoCapacityError("no decode worker has room"))
+    assert (full.type, full.code) == ("rate_limit_error", "rate_limit_exceeded")
+    broken = _stream_error("r", KeyError("x"))
+    assert (broken.type, broken.message) == ("server_error", "internal error: KeyError")
