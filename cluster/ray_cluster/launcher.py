@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cluster.common.errors import ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.loads import WorkerLoad
 from cluster.common.roles import Mode, Role
@@ -33,6 +34,7 @@ from cluster.weights.default_model import resolve_model_path
 from cluster.weights.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+ROUTER_POLL_S = 1.0  # how often the serving process asks each router replica how it is
 START_TIMEOUT_S = 300.0
 GPUS_PER_WORKER = 0.5  # a CUDA worker's share when its pool does not say: 1 prefill + 1 decode on one GPU
 
@@ -89,6 +91,7 @@ class Cluster:
         self.decode: list[Any] = []
         self.routers: list[Any] = []
         self.failures: dict[str, str] = {}  # worker id -> why it cannot serve (failed warm-up)
+        self.routers_down: dict[int, str] = {}  # router index -> why (`watch_routers` keeps it)
         self.ids = itertools.count()
         self.turn = itertools.count()
         self.uid = uuid.uuid4().hex[:8]  # several clusters may share one Ray (benchmarks, tests)
@@ -124,7 +127,9 @@ class Cluster:
         self.model_name = infos[0][0]
         self.max_model_len = min(max_model_len for _, max_model_len in infos)  # every worker must fit it
         self.tokenizer = Tokenizer.from_dir(resolve_model_path(self.config.engine.model.model))
-        router_class = ray.remote(num_cpus=0)(Router)
+        # A router that dies is restarted by Ray (its streams end; the gateway refuses nothing meanwhile
+        # that another replica can take); max_task_retries=0: a cut stream is not replayed.
+        router_class = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(Router)
         router_config = RouterConfig(self.config.mode, self.config.kv_lease_s, self.config.engine.cache.block_size,
                                      self.model_name, self.config.redis_url, self.config.routing,
                                      self.config.worker_wait_s)
@@ -218,11 +223,44 @@ class Cluster:
 
     async def generate(self, prompt: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
         request_id = request_id or f"cluster-{next(self.ids)}"
-        router = self.routers[next(self.turn) % len(self.routers)]
-        stream = router.generate.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD)
-        async for ref in stream.remote(request_id, prompt, params):
-            yield await ref
+        up = [index for index in range(len(self.routers)) if index not in self.routers_down]
+        start = next(self.turn)
+        for index in up[start % len(up):] + up[:start % len(up)] if up else []:
+            stream = self.routers[index].generate.options(num_returns="streaming",
+                                                          _generator_backpressure_num_objects=STREAM_AHEAD)
+            started = False
+            try:
+                async for ref in stream.remote(request_id, prompt, params):
+                    event = await ref
+                    started = True
+                    yield event
+                return
+            except (RayActorError, ActorUnavailableError) as error:
+                if started:
+                    raise  # its tokens went out through that router: the caller sees the cut
+                self.routers_down[index] = f"router {index} does not answer ({type(error).__name__})"
+                log.warning("router %d does not answer: %s goes to another", index, request_id)
+        raise ServiceUnavailable(f"no router answers: {'; '.join(self.routers_down.values())}")
+
+    async def watch_routers(self, every_s: float = ROUTER_POLL_S) -> None:
+        """Until cancelled: ask each router replica how it is every `every_s`; one that does not answer
+        (dead, or Ray is restarting it) takes no new requests and is reported (`routers_down`), until
+        it answers again. The serving process runs this, so readiness follows the routers."""
+        while True:
+            for index, router in enumerate(self.routers):
+                try:
+                    await asyncio.wait_for(router.stats.remote(), timeout=every_s * 5)
+                except Exception as error:
+                    if index not in self.routers_down:
+                        log.error("router %d does not answer (%s): no requests go to it", index, type(error).__name__)
+                    self.routers_down[index] = f"router {index} does not answer ({type(error).__name__})"
+                else:
+                    if self.routers_down.pop(index, None) is not None:
+                        log.warning("router %d answers again", index)
+            await asyncio.sleep(every_s)
 
     async def abort(self, request_id: str) -> None:
         """End a request on every worker (its blocks freed everywhere), whichever router runs it."""

@@ -25,11 +25,14 @@ class ClusterService:
 
     @property
     def ready(self) -> bool:
-        return self.cluster.router is not None and not self.cluster.failures
+        """Started, no worker failed its warm-up, and at least one router replica answers."""
+        routers_up = len(self.cluster.routers) - len(self.cluster.routers_down)
+        return self.cluster.router is not None and not self.cluster.failures and routers_up > 0
 
     @property
     def problem(self) -> str:
-        return "; ".join(f"{worker_id}: {failure}" for worker_id, failure in self.cluster.failures.items())
+        problems = [f"{worker_id}: {failure}" for worker_id, failure in self.cluster.failures.items()]
+        return "; ".join(problems + list(self.cluster.routers_down.values()))
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
         if not self.ready:

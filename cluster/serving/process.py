@@ -120,6 +120,7 @@ class ServiceLauncher:
         self.config, self.local = config, local
         self.cluster: Cluster | None = None
         self.local_service: LocalService | None = None
+        self.router_watch: asyncio.Task[None] | None = None
 
     def describe(self) -> str:
         if self.local:
@@ -134,6 +135,7 @@ class ServiceLauncher:
             self.local_service = await asyncio.to_thread(LocalService.from_config, self.config.engine)
             return await self.local_service.start()
         self.cluster = await asyncio.to_thread(Cluster(self.config).start)
+        self.router_watch = asyncio.create_task(self.cluster.watch_routers())  # readiness follows them
         return ClusterService(self.cluster)
 
     async def counters(self) -> dict[str, Any]:
@@ -147,6 +149,9 @@ class ServiceLauncher:
         if self.local_service is not None:
             await self.local_service.stop()
             self.local_service = None
+        if self.router_watch is not None:
+            self.router_watch.cancel()
+            self.router_watch = None
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
             self.cluster = None

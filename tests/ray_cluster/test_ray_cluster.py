@@ -447,6 +447,61 @@ def test_the_only_decode_worker_killed_mid_stream_costs_time_not_answers(checkpo
         cluster.stop()
 
 
+def test_a_router_that_dies_restarts_and_readiness_follows_the_routers(checkpoint: Path) -> None:
+    """Router replicas restart like workers (before, one killed was gone for good and every request
+    sent to it failed); one gone for good takes no requests, and with none left the service is not
+    ready and says why."""
+    import ray
+
+    from cluster.common.errors import ServiceUnavailable
+    from cluster.serving.cluster_service import ClusterService
+
+    engine_config = engine_config_for(checkpoint)
+    expected = alone(engine_config, PROMPTS, GREEDY)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, routers=2)
+    cluster = Cluster(config).start()
+    service = ClusterService(cluster)
+
+    async def tokens_of_all() -> list[list[int]]:
+        async def one(index: int, prompt: list[int]) -> list[int]:
+            return [t async for event in cluster.generate(prompt, GREEDY, request_id=f"rr-{index}-{time.monotonic()}")
+                    for t in event.token_ids]
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS * 2))))
+
+    async def until(condition: Any, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, "the condition never held"
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        watch = asyncio.create_task(cluster.watch_routers(every_s=0.2))
+        try:
+            ray.kill(cluster.routers[0], no_restart=False)  # a crash: Ray starts it again
+            assert await tokens_of_all() == expected * 2  # meanwhile through router 1
+            await until(lambda: not cluster.routers_down)
+            assert ray.get(cluster.routers[0].stats.remote(), timeout=30) is not None  # restarted, answering
+            assert await tokens_of_all() == expected * 2
+            ray.kill(cluster.routers[0], no_restart=True)  # gone for good
+            await until(lambda: 0 in cluster.routers_down)
+            assert service.ready and "router 0" in service.problem
+            assert await tokens_of_all() == expected * 2  # all through router 1
+            ray.kill(cluster.routers[1], no_restart=True)
+            await until(lambda: len(cluster.routers_down) == 2)
+            assert not service.ready
+            with pytest.raises(ServiceUnavailable, match="no router answers"):
+                await tokens_of_all()
+        finally:
+            watch.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.stop()
+
+
 def cuda_config(checkpoint: Path, device: str = "cuda", **pool: Any) -> ClusterConfig:
     engine = engine_config_for(checkpoint)
     return ClusterConfig(engine=replace(engine, model=replace(engine.model, device=device)),
