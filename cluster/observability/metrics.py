@@ -70,6 +70,8 @@ async def _timed(metrics: RequestMetrics, events: AsyncIterator[TokenEvent],
                     metrics.ttft.labels(model).observe(now - arrival)
                     metrics.prompt_tokens.labels(model).inc(num_prompt_tokens)
                     first = False
+                    for _ in event.token_ids[1:]:  # came with the first (a stream that lagged merges steps)
+                        metrics.itl.labels(model).observe(0.0)
                 else:
                     # Several tokens in one event (a relay that batched them) share the gap evenly.
                     for _ in event.token_ids:

@@ -50,8 +50,13 @@ class PoolConfig:
     # The network interface whose address the pool's KV listeners advertise (e.g. an RDMA NIC);
     # empty: each node's own address as Ray knows it.
     kv_interface: str = ""
+    # Calls a worker runs at once, its streams included (Ray's max_concurrency of an async actor);
+    # aborts and load polls run apart from them (the "control" group), so they never queue behind.
+    max_concurrency: int = 1000
 
     def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         if self.num_cpus < 0:

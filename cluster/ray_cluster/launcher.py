@@ -27,7 +27,7 @@ from cluster.common.loads import WorkerLoad
 from cluster.common.roles import Mode, Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
-from cluster.ray_cluster.router import STREAM_AHEAD, Router, RouterConfig
+from cluster.ray_cluster.router import CONCURRENCY_GROUPS, STREAM_AHEAD, Router, RouterConfig, control
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, WorkerActor
 from cluster.state.connect import connect_state, redacted_url
 from cluster.weights.default_model import resolve_model_path
@@ -129,7 +129,8 @@ class Cluster:
         self.tokenizer = Tokenizer.from_dir(resolve_model_path(self.config.engine.model.model))
         # A router that dies is restarted by Ray (its streams end; the gateway refuses nothing meanwhile
         # that another replica can take); max_task_retries=0: a cut stream is not replayed.
-        router_class = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(Router)
+        router_class = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0,  # type: ignore[call-overload]
+                                  concurrency_groups=CONCURRENCY_GROUPS)(Router)
         router_config = RouterConfig(self.config.mode, self.config.kv_lease_s, self.config.engine.cache.block_size,
                                      self.model_name, self.config.redis_url, self.config.routing,
                                      self.config.worker_wait_s)
@@ -205,7 +206,7 @@ class Cluster:
     def _pool(self, role: str, pool: PoolConfig) -> list[Any]:
         import ray
 
-        actor_class = ray.remote(WorkerActor)
+        actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(WorkerActor)  # type: ignore[call-overload]
         num_gpus = self.gpus_per_worker(pool)  # asks Ray once per pool, not once per worker
         workers = []
         for index in range(pool.replicas):
@@ -215,7 +216,7 @@ class Cluster:
             options = actor_class.options(num_cpus=pool.num_cpus, num_gpus=num_gpus,
                                           resources=dict(pool.resources), name=name,
                                           namespace=RAY_NAMESPACE, max_restarts=self.config.worker_max_restarts,
-                                          max_task_retries=0)
+                                          max_task_retries=0, max_concurrency=pool.max_concurrency)
             workers.append(options.remote(f"{role}-{index}", role, self.config.engine, redis_url=self.config.redis_url,
                                           overlap_transfer=self.config.kv_overlap, address=name,
                                           kv_interface=pool.kv_interface, ucx_transports=self.config.ucx_transports))
@@ -252,7 +253,7 @@ class Cluster:
         while True:
             for index, router in enumerate(self.routers):
                 try:
-                    await asyncio.wait_for(router.stats.remote(), timeout=every_s * 5)
+                    await asyncio.wait_for(control(router.stats).remote(), timeout=every_s * 5)
                 except Exception as error:
                     if index not in self.routers_down:
                         log.error("router %d does not answer (%s): no requests go to it", index, type(error).__name__)
@@ -264,16 +265,16 @@ class Cluster:
 
     async def abort(self, request_id: str) -> None:
         """End a request on every worker (its blocks freed everywhere), whichever router runs it."""
-        await asyncio.gather(*(router.abort.remote(request_id) for router in self.routers))
+        await asyncio.gather(*(control(router.abort).remote(request_id) for router in self.routers))
 
     async def router_stats(self) -> dict[str, Any]:
         """Every router replica's decisions and Redis fallbacks, summed (for /metrics)."""
         decisions: dict[str, int] = {}
         fallbacks = 0
         for router in self.routers:
-            for decision, count in (await router.stats.remote()).items():
+            for decision, count in (await control(router.stats).remote()).items():
                 decisions[decision] = decisions.get(decision, 0) + count
-            fallbacks += await router.state_fallbacks.remote()
+            fallbacks += await control(router.state_fallbacks).remote()
         return {"decisions": decisions, "counters": {"pdserve:router_redis_fallbacks": fallbacks}}
 
     async def workers(self) -> list[WorkerLoad]:
@@ -281,7 +282,7 @@ class Cluster:
         loads = []
         for worker in self.prefill + self.decode:
             with contextlib.suppress(Exception):
-                loads.append(await worker.load.remote())
+                loads.append(await control(worker.load).remote())
         return loads
 
     def stop(self) -> None:

@@ -42,12 +42,21 @@ log = logging.getLogger(__name__)
 # runs at most this many events ahead of its consumer, then waits; meanwhile the worker's stream
 # merges the engine's outputs (`OutputStream`), so a slow client holds a bounded number of events.
 STREAM_AHEAD = 8
+# Calls that must never wait behind streams (an actor runs at most `max_concurrency` calls at once,
+# streams included): aborts, load polls, stats. Workers and routers run them in a group of their own.
+CONTROL = "control"
+CONCURRENCY_GROUPS = {CONTROL: 64}
 WAIT_POLL_S = 0.1  # how often a request waiting for a restarted worker looks
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
 
 
 class _WorkerLost(RuntimeError):
     """The worker running a request died after it had streamed tokens of its own."""
+
+
+def control(method: Any) -> Any:
+    """An actor method called in the control group: it runs however many streams the actor serves."""
+    return method.options(concurrency_group=CONTROL)
 
 
 class RepeatFilter:
@@ -163,7 +172,9 @@ class Router:
 
     async def _poll(self, handle: Any) -> None:
         try:
-            self.loads[id(handle)] = await asyncio.wait_for(handle.load.remote(), POLL_TIMEOUT_S)
+            if id(handle) in self.dead:  # restarted, it starts on its first call of the default group
+                await asyncio.wait_for(handle.start.remote(), POLL_TIMEOUT_S)
+            self.loads[id(handle)] = await asyncio.wait_for(control(handle.load).remote(), POLL_TIMEOUT_S)
         except RayActorError:
             self._mark_dead(handle)
             return
@@ -360,7 +371,7 @@ class Router:
         """End the request on every worker that may hold it, all at once (each frees its blocks
         between two of its steps)."""
         request_id = self.attempts.get(request_id, request_id)  # a resumed request runs under another id
-        results = await asyncio.gather(*(handle.abort.remote(request_id)
+        results = await asyncio.gather(*(control(handle.abort).remote(request_id)
                                          for handle in self._live(self.prefill + self.decode)), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, RayActorError):  # a dead one holds nothing

@@ -9,7 +9,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from cluster.common.events import TokenEvent
 from cluster.common.loads import KVTicket, TransferStats, WorkerLoad
@@ -22,6 +23,7 @@ from cluster.transfer.addresses import interface_address
 from cluster.worker.worker import Worker, event_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 RAY_NAMESPACE = "pdserve"  # workers' actor names live here, so other drivers (gateway replicas) find them
 EXIT_ENGINE_FAILED = 70  # the exit status of a worker process whose engine thread failed (EX_SOFTWARE)
 
@@ -73,12 +75,29 @@ class WorkerActor:
         self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
                              overlap_transfer=overlap_transfer, state=state, listing=listing, on_fatal=_end_process)
         self.started: asyncio.Task[None] | None = None
+        # The event loop the worker lives on: that of Ray's default concurrency group, where the
+        # first call of that group starts it. Control calls (`control` group: aborts, load polls)
+        # run on another loop, in another thread, and hand their work over to this one.
+        self.home: asyncio.AbstractEventLoop | None = None
 
     async def _ready(self) -> Worker:
         if self.started is None:
-            self.started = asyncio.get_running_loop().create_task(self.worker.start())
+            self.home = asyncio.get_running_loop()
+            self.started = self.home.create_task(self.worker.start())
         await asyncio.shield(self.started)
         return self.worker
+
+    async def _at_home(self, work: Callable[[Worker], Awaitable[T]]) -> T:
+        """Run `work(worker)` on the worker's own loop, from whichever loop this call came in on."""
+        if self.home is None:
+            raise RuntimeError(f"{self.worker.worker_id} is starting")  # a poll: it asks again
+        if asyncio.get_running_loop() is self.home:
+            return await work(await self._ready())
+
+        async def there() -> T:
+            return await work(await self._ready())
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(there(), self.home))
 
     async def start(self) -> str:
         return (await self._ready()).worker_id
@@ -88,11 +107,11 @@ class WorkerActor:
             await self.worker.stop()
 
     async def load(self) -> WorkerLoad:
-        return await (await self._ready()).load()
+        return await self._at_home(lambda worker: worker.load())
 
     async def pool_state(self) -> tuple[int, int]:
         """(free blocks, total blocks): whole when equal and nothing runs."""
-        load = await self.load()
+        load = await (await self._ready()).load()
         return load.num_free_blocks, load.num_blocks
 
     async def info(self) -> tuple[str, int]:
@@ -126,5 +145,5 @@ class WorkerActor:
             yield event_of(output, worker.worker_id)
 
     async def abort(self, request_id: str) -> bool:
-        return await (await self._ready()).abort(request_id)
+        return await self._at_home(lambda worker: worker.abort(request_id))
 

@@ -502,6 +502,50 @@ def test_a_router_that_dies_restarts_and_readiness_follows_the_routers(checkpoin
         cluster.stop()
 
 
+def test_aborts_and_load_polls_never_wait_behind_streams(checkpoint: Path) -> None:
+    """A worker runs at most `max_concurrency` calls at once, streams included (Ray's default 1,000);
+    past that, calls queue. Aborts and load polls run in a group of their own: with the decode
+    worker's every slot held by a stream (2 here), a plain call waits, a control call is answered and
+    an abort ends the streams."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from cluster.ray_cluster.router import control
+
+    engine_config = engine_config_for(checkpoint, num_blocks=512)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1),
+                           decode=PoolConfig(replicas=1, num_cpus=0.1, max_concurrency=2), engine=engine_config)
+    cluster = Cluster(config).start()
+    decode = cluster.decode[0]
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)  # 60 s of paced steps
+    received: dict[str, list[str | None]] = {"a": [], "b": []}
+
+    async def one(name: str) -> None:
+        async for event in cluster.generate(PROMPTS[0], params, request_id=name):
+            received[name].append(event.finish_reason)
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(one(name)) for name in received]
+        deadline = time.monotonic() + 60
+        while min(len(events) for events in received.values()) < 2:
+            assert time.monotonic() < deadline and not any(task.done() for task in tasks)
+            await asyncio.sleep(0.05)
+        with pytest.raises(GetTimeoutError):  # both slots are streams': a plain call waits its turn
+            await asyncio.to_thread(ray.get, decode.info.remote(), timeout=2)
+        load = await asyncio.wait_for(control(decode.load).remote(), 10)
+        assert load.num_running == 2
+        await asyncio.wait_for(asyncio.gather(*(cluster.abort(name) for name in received)), 10)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    try:
+        ray.get(decode.__ray_call__.remote(_pace_and_count_steps), timeout=30)
+        asyncio.run(main())
+        assert [events[-1] for events in received.values()] == ["abort", "abort"]
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
+
+
 def cuda_config(checkpoint: Path, device: str = "cuda", **pool: Any) -> ClusterConfig:
     engine = engine_config_for(checkpoint)
     return ClusterConfig(engine=replace(engine, model=replace(engine.model, device=device)),
