@@ -27,8 +27,8 @@ from cluster.common.loads import WorkerLoad
 from cluster.common.roles import Mode, Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
-from cluster.ray_cluster.router import CONCURRENCY_GROUPS, STREAM_AHEAD, Router, RouterConfig, control
-from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, WorkerActor
+from cluster.ray_cluster.router import STREAM_AHEAD, Router, RouterConfig
+from cluster.ray_cluster.worker_actor import CONCURRENCY_GROUPS, RAY_NAMESPACE, control, worker_actor_class
 from cluster.state.connect import connect_state, redacted_url
 from cluster.weights.default_model import resolve_model_path
 from cluster.weights.tokenizer import Tokenizer
@@ -204,9 +204,8 @@ class Cluster:
         log.warning("%s: the workers wait until Ray has them (an autoscaler may add GPU nodes)", message)
 
     def _pool(self, role: str, pool: PoolConfig) -> list[Any]:
-        import ray
 
-        actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(WorkerActor)  # type: ignore[call-overload]
+        actor_class = worker_actor_class()
         num_gpus = self.gpus_per_worker(pool)  # asks Ray once per pool, not once per worker
         workers = []
         for index in range(pool.replicas):

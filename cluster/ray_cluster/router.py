@@ -32,7 +32,7 @@ from cluster.common.loads import KVTicket, WorkerLoad
 from cluster.common.roles import Mode, Role, RoutingPolicy
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.routing_policy import LOAD_POLL_S, POLL_TIMEOUT_S, decode_rank, prefill_cost
-from cluster.ray_cluster.worker_actor import RAY_NAMESPACE
+from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, control
 from cluster.state.connect import connect_state
 
 log = logging.getLogger(__name__)
@@ -42,21 +42,12 @@ log = logging.getLogger(__name__)
 # runs at most this many events ahead of its consumer, then waits; meanwhile the worker's stream
 # merges the engine's outputs (`OutputStream`), so a slow client holds a bounded number of events.
 STREAM_AHEAD = 8
-# Calls that must never wait behind streams (an actor runs at most `max_concurrency` calls at once,
-# streams included): aborts, load polls, stats. Workers and routers run them in a group of their own.
-CONTROL = "control"
-CONCURRENCY_GROUPS = {CONTROL: 64}
 WAIT_POLL_S = 0.1  # how often a request waiting for a restarted worker looks
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
 
 
 class _WorkerLost(RuntimeError):
     """The worker running a request died after it had streamed tokens of its own."""
-
-
-def control(method: Any) -> Any:
-    """An actor method called in the control group: it runs however many streams the actor serves."""
-    return method.options(concurrency_group=CONTROL)
 
 
 class RepeatFilter:

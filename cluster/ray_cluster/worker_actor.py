@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cluster.common.events import TokenEvent
 from cluster.common.loads import KVTicket, TransferStats, WorkerLoad
@@ -25,9 +25,25 @@ from cluster.worker.worker import Worker, event_of
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RAY_NAMESPACE = "pdserve"  # workers' actor names live here, so other drivers (gateway replicas) find them
+# Calls that must never wait behind streams (an actor runs at most `max_concurrency` calls at once,
+# streams included): aborts, load polls, stats. Workers and routers run them in a group of their own.
+CONTROL = "control"
+CONCURRENCY_GROUPS = {CONTROL: 64}
 EXIT_ENGINE_FAILED = 70  # the exit status of a worker process whose engine thread failed (EX_SOFTWARE)
 
 
+
+
+def control(method: Any) -> Any:
+    """An actor method called in the control group: it runs however many streams the actor serves."""
+    return method.options(concurrency_group=CONTROL)
+
+
+def worker_actor_class() -> Any:
+    """`WorkerActor` as a Ray actor class, with its control group: every worker is made from this."""
+    import ray
+
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(WorkerActor)  # type: ignore[call-overload]
 
 
 def _end_process(error: BaseException) -> None:

@@ -163,3 +163,82 @@ def test_clients_cannot_reach_each_others_requests_through_ids(cluster: Cluster)
             await http.stop()
 
     asyncio.run(main())
+
+
+def _pace(actor: object, pause_s: float = 0.01) -> None:
+    """Run inside a worker actor: each engine step waits `pause_s` and is counted (`actor.steps`)."""
+    import time as clock
+
+    engine = actor.worker.engine  # type: ignore[attr-defined]
+    step = engine.step
+    actor.steps = 0  # type: ignore[attr-defined]
+
+    def paced() -> object:
+        clock.sleep(pause_s)
+        actor.steps += 1  # type: ignore[attr-defined]
+        return step()
+
+    engine.step = paced
+
+
+def test_a_client_that_stops_reading_is_cut_off_on_the_cluster_path(checkpoint: Path) -> None:
+    """Through the Ray cluster: a streaming client that reads nothing is disconnected after the write
+    timeout and its request aborted on the workers long before its answer would have ended, while
+    the gateway held a bounded number of events (Ray's stream backpressure holds the router and the
+    worker, whose output stream merges what the engine makes meanwhile)."""
+    import socket
+
+    import ray
+
+    from cluster.serving.http.gateway import EVENTS_AHEAD, HttpServer, build_app
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 16, "num_blocks": 256})
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config)
+    cluster = Cluster(config).start()
+    decode = cluster.decode[0]
+    max_tokens = 480  # at least 4.8 s of paced steps
+    body = json.dumps({"prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "n": 6, "logprobs": 20,
+                       "temperature": 1.0, "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    async def main() -> tuple[int, int, bytes]:
+        app = build_app(ClusterService(cluster), api_key="", stream_write_timeout_s=1.0)
+        http = HttpServer(app, "127.0.0.1", 0)
+        await http.start()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        held = 0
+        try:
+            await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", http.port))
+            await asyncio.get_running_loop().sock_sendall(client, request)
+            deadline = time.monotonic() + 60
+            while True:
+                runs = list(app.state.gateway.runs)
+                held = max([held, *(run.queue.qsize() for run in runs)])
+                if not runs and held:
+                    break  # the run was closed: the client was cut off
+                assert time.monotonic() < deadline, "the client that reads nothing was never cut off"
+                await asyncio.sleep(0.02)
+            while not pools_whole(cluster):
+                assert time.monotonic() < deadline, "the aborted request still holds blocks"
+                await asyncio.sleep(0.1)
+            steps = ray.get(decode.__ray_call__.remote(lambda actor: actor.steps), timeout=30)
+            received = b""
+            while chunk := await asyncio.wait_for(asyncio.get_running_loop().sock_recv(client, 1 << 16), 10):
+                received += chunk
+            return steps, held, received
+        finally:
+            client.close()
+            await http.stop()
+
+    try:
+        ray.get(decode.__ray_call__.remote(_pace), timeout=30)
+        steps, held, received = asyncio.run(main())
+        assert steps < max_tokens, "the workers generated the whole answer for a client that read none of it"
+        assert held <= EVENTS_AHEAD + 2 * 6
+        assert b"HTTP/1.1 200" in received and b"[DONE]" not in received
+    finally:
+        cluster.stop()

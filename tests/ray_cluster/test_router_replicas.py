@@ -13,7 +13,7 @@ import pytest
 
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.launcher import Cluster
-from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, WorkerActor
+from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, worker_actor_class
 from cluster.state.connect import connect_state
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
@@ -105,7 +105,7 @@ def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: P
         # A decode worker that joins later is found in the registry by every router; with the first
         # decode worker gone for good, the new one serves both clusters.
         name = f"pdserve-{first.uid}-decode-extra"
-        extra = ray.remote(WorkerActor).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0.1).remote(
+        extra = worker_actor_class().options(name=name, namespace=RAY_NAMESPACE, num_cpus=0.1).remote(
             "decode-extra", "decode", engine_config, redis_url=redis_server.url, address=name)
         ray.get(extra.start.remote(), timeout=120)
         for router in first.routers + second.routers:

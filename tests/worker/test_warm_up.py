@@ -93,6 +93,8 @@ class StartedCluster:
 
     def __init__(self, failures: dict[str, str]) -> None:
         self.failures = failures
+        self.routers: list[object] = [self.router]
+        self.routers_down: dict[int, str] = {}
 
 
 def test_a_cluster_with_a_failed_worker_is_not_ready_and_names_it() -> None:
