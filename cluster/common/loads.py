@@ -58,3 +58,4 @@ class WorkerLoad:
     kv_recomputes: int = 0  # prompts a decode worker computed itself because their KV did not arrive
     device: str = ""  # where its engine runs: "cpu", "cuda:0"
     failure: str = ""  # why it cannot serve (a failed warm-up); empty when it can
+    tokens_per_s: float = 0.0  # tokens its engine computes per second while busy (recent steps); 0: unknown

@@ -122,6 +122,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    num_swap_blocks=config.cache.num_swap_blocks or self.num_blocks)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_step_tokens = 0  # tokens the last step computed
         self.ids = itertools.count()
 
     def _num_blocks(self) -> int:
@@ -245,6 +246,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.scheduler.expire_reservations()
         scheduler_output = self.scheduler.schedule()
+        self.last_step_tokens = scheduler_output.num_batched_tokens  # the worker's throughput counts them
         if scheduler_output.empty:
             return []
         runner_output = self.runner.execute(scheduler_output)

@@ -12,6 +12,7 @@ routing: kv-aware          # prefill workers by queue and cached prefix; or load
 routers: 1                 # router replicas (Ray actors); with redis_url they share the prefix index
 worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always); it rejoins routing
 worker_wait_s: 60          # with no live worker of a role, a request waits this long for one to restart
+max_prefill_wait_s: 10     # refuse new prompts (429) past this many seconds of prompts queued per prefill worker
 attach: false              # start no workers: route to those listed in redis_url's registry
 engine:
   model: default
@@ -85,6 +86,10 @@ class ClusterConfig:
     # With no live worker of a role (the only decode worker died), a request, new or resumed, waits
     # this long for one to come back (Ray restarts it: the model loads again) before it fails (503).
     worker_wait_s: float = 60.0
+    # Admission: a new prompt is refused (429, Retry-After) when every prefill worker has more than
+    # this many seconds of prompts queued (by its measured throughput), instead of waiting until its
+    # KV lease ends and the decode worker recomputes it. Below kv_lease_s; 0: no limit.
+    max_prefill_wait_s: float = 10.0
     attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
 
     def __post_init__(self) -> None:
@@ -98,6 +103,9 @@ class ClusterConfig:
             raise ValueError(f"routers must be >= 1, got {self.routers}")
         if self.worker_max_restarts < -1:
             raise ValueError(f"worker_max_restarts must be >= -1 (-1: always), got {self.worker_max_restarts}")
+        if not 0 <= self.max_prefill_wait_s < self.kv_lease_s:
+            raise ValueError(f"max_prefill_wait_s must be >= 0 and below kv_lease_s ({self.kv_lease_s:g}): a prompt "
+                             f"admitted must be computed before its lease ends, got {self.max_prefill_wait_s}")
         if self.worker_wait_s < 0:
             raise ValueError(f"worker_wait_s must be >= 0, got {self.worker_wait_s}")
         if self.attach and not self.redis_url:

@@ -26,7 +26,7 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from cluster.common.block_hashes import prefix_hashes
-from cluster.common.errors import NoCapacityError, ServiceUnavailable
+from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.loads import KVTicket, WorkerLoad
 from cluster.common.roles import Mode, Role, RoutingPolicy
@@ -84,6 +84,9 @@ class RouterConfig:
     redis_url: str = ""  # shared with other router replicas and fed by the workers; else this router's own
     policy: str = RoutingPolicy.KV_AWARE  # how prefill workers are picked (`RoutingPolicy`)
     worker_wait_s: float = 60.0  # with no live decode (or colocated) worker, wait this long for one
+    # A new prompt is refused (429) when every prefill worker has more than this many seconds of
+    # prompts ahead of it (queued prompt tokens over its measured throughput); 0: no limit.
+    max_prefill_wait_s: float = 10.0
 
 
 class Router:
@@ -115,8 +118,9 @@ class Router:
         # router's own record of where it sent which prompts.
         self.state = connect_state(config.redis_url)
         self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0, "resumed": 0,
-                          "rejoined": 0}
+                          "rejoined": 0, "refused_overloaded": 0}
         self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
+        self.ahead: dict[str, int] = {}  # admitted requests whose prefill has not ended -> prompt tokens
         self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
         self.retired: list[Any] = []  # handles replaced by new actors under the same worker id
         self.turn = 0
@@ -237,6 +241,8 @@ class Router:
             self.attempts[request_id] = attempt_id
             resumed = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
                               seed_offset=params.seed_offset + len(sent))
+            if attempt == 0:
+                self._admit(request_id, len(prompt))  # a resumed request is never refused: its client has tokens
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
             try:
                 async for event in self._attempt(attempt_id, prompt + sent, resumed):
@@ -250,6 +256,7 @@ class Router:
                 self.decisions["resumed"] += 1
             finally:
                 self.attempts.pop(request_id, None)
+                self.ahead.pop(request_id, None)
         raise NoCapacityError(f"{request_id}: workers kept failing ({MAX_RESUMES} resumes)")
 
     async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
@@ -290,6 +297,23 @@ class Router:
                 self.decisions["rerouted"] += 1
         raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
 
+    def _admit(self, request_id: str, num_prompt_tokens: int) -> None:
+        """Refuse a new prompt (QueueFullError: 429 with Retry-After) when the prefill pool has more
+        than `max_prefill_wait_s` of prompts ahead of it (the prompt tokens admitted and not yet
+        prefilled, over the pool's measured throughput): under overload the cluster answers early
+        instead of queueing prompts until their leases end (and the decode workers recompute them,
+        exactly when they are busiest)."""
+        if self.config.mode != Mode.DISAGGREGATED or not self.config.max_prefill_wait_s:
+            return
+        loads = [self.loads.get(id(handle)) for handle in self._live(self.prefill)]
+        rate = sum(load.tokens_per_s for load in loads if load is not None)
+        wait_s = sum(self.ahead.values()) / rate if rate > 0 else 0.0  # unknown throughput: admit
+        if wait_s > self.config.max_prefill_wait_s:
+            self.decisions["refused_overloaded"] += 1
+            raise QueueFullError(f"the prefill workers have {wait_s:.1f} s of prompts queued (more than "
+                                 f"{self.config.max_prefill_wait_s:g} s): the cluster is overloaded; retry later")
+        self.ahead[request_id] = num_prompt_tokens
+
     async def _wait_for_a_live_worker(self) -> None:
         """With no live decode (or colocated) worker, wait for Ray to restart one (the poller takes it
         back once it answers), `worker_wait_s` at most: on a cluster with one decode worker its crash
@@ -329,6 +353,7 @@ class Router:
                 await decode.recompute.remote(request_id, first_token_id)
             finally:
                 self.queued_tokens[key] -= len(prompt)
+                self.ahead.pop(request_id, None)  # its prompt is computed (or will not be)
         async for event in self._relay(decode.stream, request_id):
             yield event
 

@@ -93,6 +93,7 @@ class Worker:
         # there, so that Ray restarts it and the routers resume its requests elsewhere.
         self.on_fatal = on_fatal
         self.pending: set[asyncio.Future[Any]] = set()  # `_call`s not answered yet
+        self.tokens_per_s = 0.0  # recent throughput while busy (`_count_throughput`)
         self.broken = False  # the engine thread failed for good
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -216,8 +217,10 @@ class Worker:
             while not self.commands.empty():
                 self.commands.get()()
             if self.engine.has_unfinished_requests():
+                started = time.perf_counter()
                 try:
                     outputs = self.engine.step()
+                    self._count_throughput(self.engine.last_step_tokens, time.perf_counter() - started)
                 except Exception as error:  # a broken step must not hang every caller
                     log.exception("engine step failed on %s", self.worker_id)
                     self._fail_all(error)
@@ -231,6 +234,13 @@ class Worker:
             if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
+
+    def _count_throughput(self, tokens: int, seconds: float) -> None:
+        """Tokens per second of busy step time, averaged over recent steps: what the router sizes a
+        prefill worker's queue by (seconds of work ahead of a new prompt)."""
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            self.tokens_per_s = rate if not self.tokens_per_s else 0.8 * self.tokens_per_s + 0.2 * rate
 
     def _export_computed_blocks(self) -> None:
         """Queue the blocks each running prefill finished this step, so they travel while the rest
@@ -319,7 +329,7 @@ class Worker:
                           stats.num_blocks, stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
                           stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
                           self.transfer_failures, self.frame_count, stats.num_recomputes, str(self.engine.device),
-                          self.failure)
+                          self.failure, self.tokens_per_s)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""

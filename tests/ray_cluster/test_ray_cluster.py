@@ -546,6 +546,65 @@ def test_aborts_and_load_polls_never_wait_behind_streams(checkpoint: Path) -> No
         cluster.stop()
 
 
+def test_a_burst_past_the_prefill_pools_throughput_is_refused_early_not_recomputed(checkpoint: Path) -> None:
+    """10 prompts at once on a prefill worker that computes about 80 tokens a second (paced steps of
+    8 tokens), with 1 s of queue allowed and 3 s leases: before, all were admitted and queued for
+    about 5 s (past their leases: the decode worker computes such a prompt again, when it is
+    busiest). Now the ones past a second of queue are refused at once (QueueFullError: a 429), the
+    admitted ones finish with the engine's tokens, nothing is recomputed, nothing leaks."""
+    import random
+
+    import ray
+
+    from cluster.common.errors import QueueFullError
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512,
+                                        "max_num_batched_tokens": 8})
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, kv_lease_s=3.0, max_prefill_wait_s=1.0)
+    generator = random.Random(7)
+    prompts = [[generator.randrange(3, 300) for _ in range(40)] for _ in range(11)]  # 5 paced steps each
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    expected = alone(engine_config, prompts, params)
+    cluster = Cluster(config).start()
+
+    def pace(actor: Any) -> None:
+        import time as clock
+
+        step = actor.worker.engine.step
+        actor.worker.engine.step = lambda: clock.sleep(0.1) or step()
+
+    async def one(index: int) -> list[int] | str:
+        try:
+            return [t async for event in cluster.generate(prompts[index], params, request_id=f"burst-{index}")
+                    for t in event.token_ids]
+        except QueueFullError as error:
+            return str(error)
+
+    async def burst() -> list[list[int] | str]:
+        return list(await asyncio.gather(*(one(index) for index in range(1, 11))))
+
+    try:
+        ray.get(cluster.prefill[0].__ray_call__.remote(pace), timeout=30)
+        assert asyncio.run(one(0)) == expected[0]  # measures the prefill worker's throughput
+        deadline = time.monotonic() + 30
+        while not ray.get(cluster.router.__ray_call__.remote(
+                lambda router: any(load.tokens_per_s for load in router.loads.values())), timeout=30):
+            assert time.monotonic() < deadline, "the router never learnt the prefill throughput"
+            time.sleep(0.2)
+        answers = asyncio.run(burst())
+        refused = [answer for answer in answers if isinstance(answer, str)]
+        served = [(index, answer) for index, answer in enumerate(answers, 1) if not isinstance(answer, str)]
+        assert refused and served, answers
+        assert all("overloaded" in reason for reason in refused)
+        assert all(answer == expected[index] for index, answer in served)
+        assert ray.get(cluster.decode[0].load.remote(), timeout=30).kv_recomputes == 0
+        assert ray_stats(cluster)["refused_overloaded"] == len(refused)
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
+
+
 def cuda_config(checkpoint: Path, device: str = "cuda", **pool: Any) -> ClusterConfig:
     engine = engine_config_for(checkpoint)
     return ClusterConfig(engine=replace(engine, model=replace(engine.model, device=device)),
