@@ -201,12 +201,12 @@ class Worker:
         self.broken = True  # before `_fail_pending` is scheduled: a `_call` after it refuses itself
         self.failure = f"the engine thread failed: {error!r}"
         log.critical("%s: %s; it serves no more", self.worker_id, self.failure, exc_info=error)
+        if self.on_fatal is not None:  # first: a Ray worker's process ends here, its callers see it die
+            self.on_fatal(error)
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._fail_pending, error)
         for request_id in list(self.streams):
             self._deliver(request_id, error)
-        if self.on_fatal is not None:
-            self.on_fatal(error)
 
     def _fail_pending(self, error: BaseException) -> None:
         for future in list(self.pending):
