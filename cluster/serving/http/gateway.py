@@ -272,7 +272,8 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_in_time(message: Message) -> None:
             try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
+                async with asyncio.timeout(self.write_timeout_s):  # a timer, not a task per chunk
+                    await send(message)
             except TimeoutError:
                 raise _SlowReader from None
 
