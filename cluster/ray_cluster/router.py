@@ -244,14 +244,18 @@ class Router:
             if attempt == 0:
                 self._admit(request_id, len(prompt))  # a resumed request is never refused: its client has tokens
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
+            ended = False
             try:
                 async for event in self._attempt(attempt_id, prompt + sent, resumed):
                     event = replace(event, request_id=request_id, index=event.index + before,
                                     num_prompt_tokens=len(prompt))
                     sent += event.token_ids
+                    ended = event.finished
                     yield event
                 return
             except _WorkerLost as lost:
+                if ended:  # it died after its last event: the request is whole, nothing to resume
+                    return
                 log.warning("%s: %s lost after %d tokens; resuming elsewhere", request_id, lost, len(sent))
                 self.decisions["resumed"] += 1
             finally:

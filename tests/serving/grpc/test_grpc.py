@@ -513,10 +513,11 @@ def test_connections_past_the_limit_are_refused_and_silent_ones_closed(server_lo
         with pytest.raises(grpc.RpcError) as refused:
             pb_grpc.InferenceServiceStub(third).Complete(request, timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        third.close()  # a refused channel keeps reconnecting: it would take the slot the next one waits for
         first.close()
         fourth = channel()
         assert wait_until(lambda: _completes(fourth, request))
-        for open_channel in (second, third, fourth):
+        for open_channel in (second, fourth):
             open_channel.close()
         # A connection that never starts HTTP/2 is closed once the handshake deadline passes.
         silent = socket.create_connection(("127.0.0.1", server.port))
