@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -15,3 +16,23 @@ def ray_session() -> Iterator[None]:
     init_ray()
     yield
     ray.shutdown()
+
+
+def pace_steps(pause_s: float) -> Callable[[Any], None]:
+    """For `actor.__ray_call__`: inside a worker actor, make each engine step wait `pause_s` (a larger
+    model's step, so a test is about the order of events) and count the steps (`actor.steps`)."""
+
+    def pace(actor: Any) -> None:
+        import time
+
+        engine = actor.worker.engine
+        step, actor.steps = engine.step, 0
+
+        def paced() -> Any:
+            time.sleep(pause_s)
+            actor.steps += 1
+            return step()
+
+        engine.step = paced
+
+    return pace

@@ -24,6 +24,7 @@ from cluster.serving.process import add_metrics_route
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.engine.test_engine_outputs import PROMPTS
 from tests.observability.test_metrics import samples, value
+from tests.ray_cluster.conftest import pace_steps
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 MAX_TOKENS = 12
@@ -165,22 +166,6 @@ def test_clients_cannot_reach_each_others_requests_through_ids(cluster: Cluster)
     asyncio.run(main())
 
 
-def _pace(actor: object, pause_s: float = 0.01) -> None:
-    """Run inside a worker actor: each engine step waits `pause_s` and is counted (`actor.steps`)."""
-    import time as clock
-
-    engine = actor.worker.engine  # type: ignore[attr-defined]
-    step = engine.step
-    actor.steps = 0  # type: ignore[attr-defined]
-
-    def paced() -> object:
-        clock.sleep(pause_s)
-        actor.steps += 1  # type: ignore[attr-defined]
-        return step()
-
-    engine.step = paced
-
-
 def test_a_client_that_stops_reading_is_cut_off_on_the_cluster_path(checkpoint: Path) -> None:
     """Through the Ray cluster: a streaming client that reads nothing is disconnected after the write
     timeout and its request aborted on the workers long before its answer would have ended, while
@@ -235,7 +220,7 @@ def test_a_client_that_stops_reading_is_cut_off_on_the_cluster_path(checkpoint: 
             await http.stop()
 
     try:
-        ray.get(decode.__ray_call__.remote(_pace), timeout=30)
+        ray.get(decode.__ray_call__.remote(pace_steps(0.01)), timeout=30)
         steps, held, received = asyncio.run(main())
         assert steps < max_tokens, "the workers generated the whole answer for a client that read none of it"
         assert held <= EVENTS_AHEAD + 2 * 6

@@ -18,6 +18,7 @@ from cluster.ray_cluster.launcher import Cluster
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.conftest import MAX_TOKENS
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
+from tests.ray_cluster.conftest import pace_steps
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -126,20 +127,9 @@ def test_a_worker_whose_engine_thread_fails_is_restarted_and_its_requests_finish
         cluster.stop()
 
 
-def _pace_and_count_steps(actor: Any) -> None:
-    """Run inside a worker actor: each engine step waits 200 ms (a large model's long step: longer than
-    a Ray call takes even on a busy machine, so the count is about steps, not latency) and is counted."""
-    import time as clock
-
-    engine = actor.worker.engine
-    step, actor.steps = engine.step, 0
-
-    def paced() -> Any:
-        clock.sleep(0.2)
-        actor.steps += 1
-        return step()
-
-    engine.step = paced
+# Each step 200 ms: longer than a Ray call takes even on a busy machine, so step counts are about
+# steps, not latency.
+LONG_STEP_S = 0.2
 
 
 def test_an_abort_frees_the_request_on_both_workers_within_two_of_their_steps(checkpoint: Path) -> None:
@@ -184,7 +174,7 @@ def test_an_abort_frees_the_request_on_both_workers_within_two_of_their_steps(ch
         return before, after, freed, reasons
 
     try:
-        ray.get([worker.__ray_call__.remote(_pace_and_count_steps) for worker in workers], timeout=30)
+        ray.get([worker.__ray_call__.remote(pace_steps(LONG_STEP_S)) for worker in workers], timeout=30)
         prefilling = asyncio.run(abort_when("mid-prefill", lambda now: now[0].num_running == 1
                                             and now[1].num_free_blocks < now[1].num_blocks))
         decoding = asyncio.run(abort_when("mid-decode", lambda now: now[1].num_running == 1))
@@ -538,7 +528,7 @@ def test_aborts_and_load_polls_never_wait_behind_streams(checkpoint: Path) -> No
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
 
     try:
-        ray.get(decode.__ray_call__.remote(_pace_and_count_steps), timeout=30)
+        ray.get(decode.__ray_call__.remote(pace_steps(LONG_STEP_S)), timeout=30)
         asyncio.run(main())
         assert [events[-1] for events in received.values()] == ["abort", "abort"]
         assert_pools_whole(cluster)
@@ -568,12 +558,6 @@ def test_a_burst_past_the_prefill_pools_throughput_is_refused_early_not_recomput
     expected = alone(engine_config, prompts, params)
     cluster = Cluster(config).start()
 
-    def pace(actor: Any) -> None:
-        import time as clock
-
-        step = actor.worker.engine.step
-        actor.worker.engine.step = lambda: clock.sleep(0.1) or step()
-
     async def one(index: int) -> list[int] | str:
         try:
             return [t async for event in cluster.generate(prompts[index], params, request_id=f"burst-{index}")
@@ -585,7 +569,7 @@ def test_a_burst_past_the_prefill_pools_throughput_is_refused_early_not_recomput
         return list(await asyncio.gather(*(one(index) for index in range(1, 11))))
 
     try:
-        ray.get(cluster.prefill[0].__ray_call__.remote(pace), timeout=30)
+        ray.get(cluster.prefill[0].__ray_call__.remote(pace_steps(0.1)), timeout=30)
         assert asyncio.run(one(0)) == expected[0]  # measures the prefill worker's throughput
         deadline = time.monotonic() + 30
         while not ray.get(cluster.router.__ray_call__.remote(

@@ -176,17 +176,20 @@ def test_past_the_connection_limit_new_requests_are_refused_at_once(gateways: Ga
     idle = [_connect(gateway) for _ in range(3)]
     try:
         assert wait_until(lambda: len(gateway.server.server.server_state.connections) == 3, timeout_s=5)
-        client = _connect(gateway)
-        client.sendall(_request({"prompt": "hello", "max_tokens": 2}))
-        client.settimeout(10)
-        assert client.recv(1 << 16).startswith(b"HTTP/1.1 503")
-        client.close()
+        assert _status_line_of_a_request(gateway).startswith(b"HTTP/1.1 503")
     finally:
         for connection in idle:
             connection.close()
     assert wait_until(lambda: len(gateway.server.server.server_state.connections) == 0, timeout_s=5)
+    assert _status_line_of_a_request(gateway).startswith(b"HTTP/1.1 200")
+
+
+def _status_line_of_a_request(gateway: LiveGateway) -> bytes:
+    """The start of the answer to a small completion on a connection of its own."""
     client = _connect(gateway)
-    client.sendall(_request({"prompt": "hello", "max_tokens": 2}))
-    client.settimeout(10)
-    assert client.recv(1 << 16).startswith(b"HTTP/1.1 200")
-    client.close()
+    try:
+        client.sendall(_request({"prompt": "hello", "max_tokens": 2}))
+        client.settimeout(10)
+        return client.recv(1 << 16)
+    finally:
+        client.close()
