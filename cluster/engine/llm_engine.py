@@ -211,6 +211,27 @@ class LLMEngine:
             return None
         return self._output(request, first_token_id, None)
 
+    def settle_remote(self, request_id: str, first_token_id: int | None) -> RequestOutput | None:
+        """The router says which first token the client has (None: none); a request whose KV was
+        lost is recomputed after it now (`Scheduler.settle`), with its output as `fail_remote`."""
+        request = self.scheduler.settle(request_id, first_token_id)
+        return self._news(request) if request is not None else None
+
+    def kv_lost(self, request_id: str) -> RequestOutput | None:
+        """The KV arrived broken: recompute after the first token the router said, or park the request
+        until it says one (`Scheduler.kv_lost`); an output when there is news for the stream."""
+        request = self.scheduler.kv_lost(request_id)
+        return self._news(request) if request is not None else None
+
+    def _news(self, request: Request) -> RequestOutput | None:
+        """A decode-side request's output after its KV was given up: aborted (parked, unclaimed), or
+        going on after the client's first token; None if there is nothing to tell yet."""
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            return self.abort_output(request)
+        if not request.output_token_ids:
+            return None
+        return self._output(request, request.output_token_ids[0], None)
+
     def _new_request(self, token_ids: list[int], params: SamplingParams, request_id: str, priority: int) -> Request:
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -229,9 +250,15 @@ class LLMEngine:
         """`abort`, returning the request's last output (finish reason "abort") for whoever streams
         it, or None if no such request was running."""
         request = self.scheduler.abort(request_id)
-        self._release(request_id)
         if request is None:
+            self._release(request_id)
             return None
+        return self.abort_output(request)
+
+    def abort_output(self, request: Request) -> RequestOutput:
+        """The last output of an aborted request (finish reason "abort")."""
+        request_id = request.request_id
+        self._release(request_id)
         return RequestOutput(
             request_id=request_id, new_token_ids=[], new_text="", token_ids=request.output_token_ids,
             index=request.num_output_tokens, text="", finished=True, finish_reason=FinishReason.ABORT,
@@ -244,14 +271,14 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        self.scheduler.expire_reservations()
+        outputs = [output for request in self.scheduler.expire_reservations()
+                   if (output := self._news(request)) is not None]
         scheduler_output = self.scheduler.schedule()
         self.last_step_tokens = scheduler_output.num_batched_tokens  # the worker's throughput counts them
         if scheduler_output.empty:
-            return []
+            return outputs
         runner_output = self.runner.execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
-        outputs = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             token_id = runner_output.sampled.get(request.request_id)

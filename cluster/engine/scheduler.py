@@ -20,6 +20,10 @@ from cluster.engine.kv_cache_manager import KVCacheManager, cdiv
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
 
+# A decode worker's request whose KV will not come waits this long, without blocks, for its router to
+# say which first token the client has (a prefill may have streamed one); longer, its router is gone.
+PARKED_S = 30.0
+
 
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes.
@@ -49,6 +53,11 @@ class Scheduler:
         # Disaggregation. Decode side: requests whose KV is in flight, with their lease deadlines,
         # then those whose KV has landed, admitted ahead of the waiting queue (they hold blocks).
         self.reserved: dict[str, tuple[Request, float]] = {}
+        # Reserved requests whose router said which first token the client has (None: none yet), so
+        # that a lost KV is recomputed after it at once; and requests whose KV was lost before their
+        # router said it, parked without blocks until it does (`settle`) or `PARKED_S` passes.
+        self.settled: dict[str, int | None] = {}
+        self.parked: dict[str, tuple[Request, float]] = {}
         self.remote_ready: collections.deque[Request] = collections.deque()
         # Prefill side: requests that ended holding their blocks until the KV is exported.
         self.held: dict[str, Request] = {}
@@ -89,7 +98,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            if self.reserved.pop(request.request_id, None) is None:
+            self.settled.pop(request.request_id, None)
+            if self.reserved.pop(request.request_id, None) is None and \
+                    self.parked.pop(request.request_id, None) is None:
                 self.remote_ready.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting = [entry for entry in self.waiting if entry[2] is not request]
@@ -145,6 +156,7 @@ class Scheduler:
         else:
             del self.reserved[request_id]
             self.remote_ready.append(request)
+        self.settled.pop(request_id, None)
         return request
 
     def fail_remote(self, request_id: str, first_token_id: int | None = None) -> Request | None:
@@ -152,9 +164,10 @@ class Scheduler:
         `first_token_id` (the prefill's, which the client already has) the request goes on after it:
         the prompt and that token are computed, and the next token sampled is the second, not a first
         token of this worker's own spliced after the prefill's. That token may end the request."""
-        entry = self.reserved.pop(request_id, None)
+        entry = self.reserved.pop(request_id, None) or self.parked.pop(request_id, None)
         if entry is None:
             return None
+        self.settled.pop(request_id, None)
         self.num_recomputes += 1
         request = entry[0]
         self.kv_cache.free(request)
@@ -167,10 +180,46 @@ class Scheduler:
                 self.finish(request, status)
         return request
 
+    def settle(self, request_id: str, first_token_id: int | None) -> Request | None:
+        """The router says which first token the client has (None: none). A parked request is
+        recomputed after it now (returned); a reserved one keeps it, in case its KV does not come."""
+        if request_id in self.parked:
+            return self.fail_remote(request_id, first_token_id)
+        if request_id in self.reserved:
+            self.settled[request_id] = first_token_id
+        return None
+
+    def kv_lost(self, request_id: str, now: float | None = None) -> Request | None:
+        """The KV will not come (its lease ended, or it arrived broken). The decode worker cannot
+        tell whether a prefill already streamed a first token to the client, so it never samples one
+        of its own here (with unseeded sampling that would splice two answers): if the router said
+        the token (`settle`), the prompt is recomputed after it at once (returned); else the blocks go
+        back and the request is parked until the router says it (`settle`, `fail_remote`)."""
+        entry = self.reserved.get(request_id)
+        if entry is None:
+            return None
+        if request_id in self.settled:
+            return self.fail_remote(request_id, self.settled[request_id])
+        del self.reserved[request_id]
+        self.kv_cache.free(entry[0])
+        self.parked[request_id] = (entry[0], (time.monotonic() if now is None else now) + PARKED_S)
+        return None
+
     def expire_reservations(self, now: float | None = None) -> list[Request]:
+        """Leases that ended (`kv_lost`) and parked requests nobody claimed (aborted: their router is
+        gone). Returns the requests that have news for their streams: recomputed after a streamed
+        first token, or aborted."""
         now = time.monotonic() if now is None else now
-        expired = [request_id for request_id, (_, deadline) in self.reserved.items() if deadline <= now]
-        return [request for request_id in expired if (request := self.fail_remote(request_id)) is not None]
+        news = []
+        for request_id in [request_id for request_id, (_, deadline) in self.reserved.items() if deadline <= now]:
+            request = self.kv_lost(request_id, now)
+            if request is not None and request.output_token_ids:
+                news.append(request)
+        for request_id in [request_id for request_id, (_, deadline) in self.parked.items() if deadline <= now]:
+            request = self.parked[request_id][0]
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+            news.append(request)
+        return news
 
     # ---- one step ------------------------------------------------------------------------------
 

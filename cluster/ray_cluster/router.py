@@ -50,18 +50,28 @@ class _WorkerLost(RuntimeError):
     """The worker running a request died after it had streamed tokens of its own."""
 
 
+class SpliceError(RuntimeError):
+    """A decode worker went on after a first token other than the one the client has."""
+
+
 class RepeatFilter:
     """The decode worker restates the first token the prefill worker already streamed: drop the
     repeat, keeping any text it adds (the prefill holds back a partial UTF-8 character) and the
-    tokens after it (a decode stream held back by backpressure merges its first outputs into one)."""
+    tokens after it (a decode stream held back by backpressure merges its first outputs into one).
+    A restated first token that differs would splice two answers: refused (`SpliceError`)."""
 
     def __init__(self) -> None:
         self.sent = 0  # tokens relayed so far
         self.first_text = ""
+        self.first_token_id: int | None = None
 
     def news(self, event: TokenEvent) -> TokenEvent | None:
         if event.index == 0 and self.sent == 0:
             self.first_text = event.text
+            self.first_token_id = event.token_ids[0] if event.token_ids else None
+        elif event.index == 0 and event.token_ids and event.token_ids[0] != self.first_token_id:
+            raise SpliceError(f"{event.request_id}: the decode worker went on after token {event.token_ids[0]}, "
+                              f"the client has {self.first_token_id}: refusing to splice two answers")
         if event.index >= self.sent:
             self.sent = event.index + len(event.token_ids)
             return event
@@ -118,7 +128,7 @@ class Router:
         # router's own record of where it sent which prompts.
         self.state = connect_state(config.redis_url)
         self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0, "resumed": 0,
-                          "rejoined": 0, "refused_overloaded": 0}
+                          "rejoined": 0, "refused_overloaded": 0, "splice_refused": 0}
         self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
         self.ahead: dict[str, int] = {}  # admitted requests whose prefill has not ended -> prompt tokens
         self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
@@ -289,7 +299,7 @@ class Router:
                         self.decisions["reserve_refused"] += 1
                         continue
                     async for event in self._disaggregated(decode, ticket, request_id, prompt, params):
-                        news = seen.news(event)
+                        news = self._news(seen, event)
                         if news is not None:
                             yield news
                 return
@@ -300,6 +310,13 @@ class Router:
                 log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
                 self.decisions["rerouted"] += 1
         raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
+
+    def _news(self, seen: RepeatFilter, event: TokenEvent) -> TokenEvent | None:
+        try:
+            return seen.news(event)
+        except SpliceError:
+            self.decisions["splice_refused"] += 1
+            raise
 
     def _admit(self, request_id: str, num_prompt_tokens: int) -> None:
         """Refuse a new prompt (QueueFullError: 429 with Retry-After) when the prefill pool has more
@@ -335,13 +352,13 @@ class Router:
     async def _disaggregated(self, decode: Any, ticket: KVTicket, request_id: str, prompt: list[int],
                              params: SamplingParams) -> AsyncIterator[TokenEvent]:
         prefill = await self._pick_prefill(prompt)
+        first_token_id: int | None = None  # the prefill's, once relayed: the client has it
         if prefill is None:  # every prefill worker is gone: the decode worker runs the prompt itself
             self.decisions["transfer_failed"] += 1
             await decode.recompute.remote(request_id)
         else:
             key = id(prefill)
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
-            first_token_id: int | None = None  # the prefill's, once relayed: the client has it
             try:
                 async for item in self._relay(prefill.prefill, request_id, prompt, params, ticket):
                     if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
@@ -358,7 +375,9 @@ class Router:
             finally:
                 self.queued_tokens[key] -= len(prompt)
                 self.ahead.pop(request_id, None)  # its prompt is computed (or will not be)
-        async for event in self._relay(decode.stream, request_id):
+        # The decode worker learns the client's first token, in case the KV is lost after all (its
+        # lease ended, it arrived broken): it then recomputes after that token, never a splice.
+        async for event in self._relay(decode.stream, request_id, first_token_id):
             yield event
 
     def _warn_transfer_failed(self, request_id: str, prefill: Any, decode: Any, address: str, error: Exception) -> None:

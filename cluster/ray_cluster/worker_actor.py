@@ -155,9 +155,9 @@ class WorkerActor:
     async def recompute(self, request_id: str, first_token_id: int | None = None) -> None:
         await (await self._ready()).recompute(request_id, first_token_id)
 
-    async def stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request_id: str, first_token_id: int | None = None) -> AsyncIterator[TokenEvent]:
         worker = await self._ready()
-        async for output in worker.stream(request_id):
+        async for output in worker.stream(request_id, first_token_id):
             yield event_of(output, worker.worker_id)
 
     async def abort(self, request_id: str) -> bool:

@@ -466,7 +466,9 @@ class Worker:
             if error is not None:
                 log.warning("%s: KV for %s did not arrive at %s (%s): recomputing here", self.worker_id, request_id,
                             self.receiver.address if self.receiver else "", error)
-                self.engine.fail_remote(request_id)
+                output = self.engine.kv_lost(request_id)
+                if output is not None:
+                    self._deliver(request_id, output)
                 return
             self.engine.import_kv(request_id, staging)
             self._deliver(request_id, self.engine.admit_remote(request_id, first_token_id))
@@ -488,12 +490,21 @@ class Worker:
 
         await self._call(fail)
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, first_token_id: int | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of a reserved request as they are produced, starting with the first token (the
-        prefill's, or this worker's own when it had to recompute the prompt)."""
+        prefill's, or this worker's own when it had to recompute the prompt). `first_token_id`: the
+        one the client has from the prefill (None: none), so that a KV lost now or later (lease
+        ended, arrived broken) is recomputed after it, never after a first token of this worker's."""
         if request_id not in self.streams:
             raise KeyError(f"no request {request_id!r} on {self.worker_id}")
+
+        def settle() -> None:
+            output = self.engine.settle_remote(request_id, first_token_id)
+            if output is not None:
+                self._deliver(request_id, output)
+
         try:
+            await self._call(settle)
             async for output in self._outputs(request_id):
                 yield output
         finally:

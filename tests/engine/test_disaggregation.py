@@ -95,6 +95,8 @@ def test_expired_lease_recomputes_locally_with_the_same_output(checkpoint: Path)
     expected = alone.generate([PROMPTS[0]], GREEDY)[0].token_ids
     decode = make_engine(checkpoint)
     assert decode.reserve_remote(PROMPTS[0], GREEDY, request_id="late", lease_s=0.0) is not None
+    decode.step()  # the lease ends: parked until its router says the client has no first token
+    assert decode.settle_remote("late", None) is None
     assert drain(decode) == {"late": expected}
     assert_pool_whole(decode)
 

@@ -15,7 +15,7 @@ from cluster.engine.block_pool import BlockPool
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
-from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler import PARKED_S, Scheduler
 from cluster.engine.scheduler_output import SchedulerOutput
 
 BLOCK_SIZE = 4
@@ -280,7 +280,9 @@ def test_a_step_that_preempts_admits_no_one_and_everyone_finishes(mode: str) -> 
 # ---- disaggregation on the decode side: reservations, their leases, admission --------------------
 
 
-def test_a_reservation_waits_for_its_lease_then_is_recomputed_here() -> None:
+def test_a_reservation_whose_lease_ends_waits_without_blocks_for_its_router_to_say_the_first_token() -> None:
+    """A prefill may have streamed a first token the decode worker does not know: it never samples
+    one of its own when the lease ends, it parks the request (blocks freed) until the router says."""
     scheduler = make_scheduler(num_blocks=16)
     request = make_request("remote", 9, max_tokens=3)
     assert scheduler.reserve_remote(request, lease_s=30.0) == scheduler.kv_cache.block_ids("remote")
@@ -288,13 +290,51 @@ def test_a_reservation_waits_for_its_lease_then_is_recomputed_here() -> None:
     with pytest.raises(ValueError, match="^request id 'remote' is already in the engine$"):
         scheduler.reserve_remote(make_request("remote", 4), lease_s=30.0)
     assert scheduler.expire_reservations(time.monotonic() + 29) == []  # the lease still holds
-    (expired,) = scheduler.expire_reservations(time.monotonic() + 31)
-    assert expired is request and request.status == RequestStatus.WAITING
-    assert scheduler.num_recomputes == 1 and not scheduler.kv_cache.block_ids("remote")
+    assert scheduler.expire_reservations(time.monotonic() + 31) == []  # nothing to tell its stream yet
+    assert set(scheduler.parked) == {"remote"} and request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert not scheduler.kv_cache.block_ids("remote") and scheduler.schedule().empty  # parked, not run
+    assert scheduler.settle("remote", None) is request and request.status == RequestStatus.WAITING
+    assert scheduler.num_recomputes == 1 and not scheduler.parked
     assert scheduler.fail_remote("remote") is None and scheduler.num_recomputes == 1  # counted once
     run_to_completion(scheduler)
     assert request.num_output_tokens == 3
     assert_pool_consistent(scheduler)
+
+
+def test_a_lost_kv_is_recomputed_after_the_first_token_the_router_said() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    request = make_request("said", 9, max_tokens=3)
+    scheduler.reserve_remote(request, lease_s=30.0)
+    assert scheduler.settle("said", 42) is None and scheduler.settled == {"said": 42}  # the KV may still land
+    (news,) = scheduler.expire_reservations(time.monotonic() + 31)
+    assert news is request and request.output_token_ids == [42] and request.status == RequestStatus.WAITING
+    assert not scheduler.settled and not scheduler.parked and not scheduler.reserved
+    run_to_completion(scheduler)
+    assert request.output_token_ids[0] == 42 and request.num_output_tokens == 3
+    assert_pool_consistent(scheduler)
+
+
+def test_a_parked_request_nobody_claims_is_aborted_and_a_settled_one_admitted_leaves_no_entry() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    request = make_request("orphan", 9)
+    scheduler.reserve_remote(request, lease_s=1.0)
+    now = time.monotonic()
+    assert scheduler.expire_reservations(now + 2) == []
+    assert scheduler.expire_reservations(now + 1 + PARKED_S) == []  # not yet: parked at now + 2
+    assert scheduler.expire_reservations(now + 2 + PARKED_S) == [request]  # its router is gone
+    assert request.status == RequestStatus.FINISHED_ABORTED and not scheduler.parked and not scheduler.num_unfinished
+    landed = make_request("landed", 9, first_token=7)
+    scheduler.reserve_remote(landed, lease_s=30.0)
+    scheduler.settle("landed", 7)
+    scheduler.admit_remote("landed", 7)
+    assert not scheduler.settled and not scheduler.reserved
+    aborted = make_request("aborted", 9)
+    scheduler.reserve_remote(aborted, lease_s=1.0)
+    scheduler.expire_reservations(time.monotonic() + 2)
+    assert scheduler.abort("aborted") is aborted and not scheduler.parked
+    scheduler.abort("landed")
+    assert_pool_consistent(scheduler)
+    assert scheduler.kv_cache.pool.num_free_blocks == 16
 
 
 def test_every_failed_reservation_is_counted_once() -> None:
@@ -408,8 +448,8 @@ def test_a_reservation_expires_at_its_deadline() -> None:
     scheduler = make_scheduler(num_blocks=16)
     scheduler.reserve_remote(make_request("r", 5), lease_s=10.0)
     deadline = scheduler.reserved["r"][1]
-    assert scheduler.expire_reservations(deadline - 1e-3) == []
-    assert [request.request_id for request in scheduler.expire_reservations(deadline)] == ["r"]
+    assert scheduler.expire_reservations(deadline - 1e-3) == [] and set(scheduler.reserved) == {"r"}
+    assert scheduler.expire_reservations(deadline) == [] and set(scheduler.parked) == {"r"}
 
 
 def test_without_chunked_prefill_a_prompt_of_exactly_the_budget_runs_at_once() -> None:

@@ -637,3 +637,37 @@ def test_the_embedded_ray_admits_only_holders_of_its_token() -> None:
                  for name, extra in tries.items()}  # at once: a refused one takes its connect timeout
     outcomes = {name: "joined" in process.communicate(timeout=120)[0] for name, process in processes.items()}
     assert outcomes == {"none": False, "wrong": False, "holder": True}
+
+
+def test_a_lease_that_ends_while_the_prefill_computes_goes_on_after_the_token_the_client_has(checkpoint: Path) -> None:
+    """Leases of 1 s, a prefill worker taking longer (paced steps): every reservation ends before its
+    KV comes, and each prefill still streams its first token to the client. The decode workers
+    recompute the prompts and go on after those tokens (the router tells them), not after first
+    tokens of their own: with unseeded sampling those would differ, the router would see the restated
+    token differ and refuse the splice (before, the decode worker sampled its own at the lease's end)."""
+    import ray
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 256,
+                                        "max_num_batched_tokens": 8})
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, kv_lease_s=1.0, max_prefill_wait_s=0)
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # no seed
+    cluster = Cluster(config).start()
+
+    async def one(index: int) -> list[int]:
+        prompt = [3 + 7 * index + offset for offset in range(6)]
+        return [t async for event in cluster.generate(prompt, params, request_id=f"late-{index}")
+                for t in event.token_ids]
+
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(index) for index in range(3))))
+
+    try:
+        ray.get(cluster.prefill[0].__ray_call__.remote(pace_steps(1.2)), timeout=30)
+        answers = asyncio.run(together())
+        assert [len(answer) for answer in answers] == [6, 6, 6]
+        assert ray.get(cluster.decode[0].load.remote(), timeout=30).kv_recomputes == 3  # every lease ended
+        assert ray_stats(cluster)["splice_refused"] == 0
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()

@@ -3,8 +3,10 @@ first token, the decode worker restates it. What the client gets has every token
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.common.events import TokenEvent, TokenLogprobs
-from cluster.ray_cluster.router import RepeatFilter
+from cluster.ray_cluster.router import RepeatFilter, SpliceError
 
 
 def _event(index: int, tokens: list[int], text: str, finished: bool = False) -> TokenEvent:
@@ -39,3 +41,9 @@ def test_text_the_prefill_held_back_comes_with_the_restatement() -> None:
 def test_a_restatement_that_ends_the_request_is_relayed_as_its_end() -> None:
     relayed = _relay(_event(0, [7], "a"), _event(0, [7], "a", finished=True))
     assert [(e.index, e.token_ids, e.finished) for e in relayed] == [(0, [7], False), (1, [], True)]
+
+
+def test_a_restated_first_token_that_differs_is_refused_not_spliced() -> None:
+    """The client has token 7 from the prefill; a decode worker that goes on after 9 would splice."""
+    with pytest.raises(SpliceError, match="went on after token 9, the client has 7"):
+        _relay(_event(0, [7], "a"), _event(0, [9, 8], "xb"))

@@ -165,7 +165,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         flow.prefill_outcome = flow.prefill_outcome or "aborted"
 
     async def _consume_stream(self, flow: Flow, close_after: int | None) -> None:
-        outputs = cast(AsyncGenerator[RequestOutput, None], self.decode.stream(flow.request_id))
+        # As the router: the first token the client has from the prefill, if any yet.
+        first_token_id = flow.prefill_tokens[0] if flow.prefill_tokens else None
+        outputs = cast(AsyncGenerator[RequestOutput, None], self.decode.stream(flow.request_id, first_token_id))
         read = 0
         try:
             async for output in outputs:
@@ -276,6 +278,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert not prefill["requests"] & prefill_ended, prefill
         assert not decode["requests"] & ended, decode
         assert decode["reserved"] <= decode["requests"] and decode["remote_ready"] <= decode["requests"]
+        assert decode["parked"] <= decode["requests"] - decode["reserved"] and decode["settled"] <= decode["reserved"]
 
     async def _drain(self) -> None:
         """Finish every request as the router and the server would, let both engines go idle, then
@@ -319,7 +322,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         for worker, side in ((self.prefill, prefill), (self.decode, decode)):
             name = worker.worker_id
             assert side["free"] == side["num_blocks"], f"{name}: KV blocks leaked: {side}"
-            for key in ("requests", "owners", "held", "reserved", "remote_ready", "detokenizers", "rows"):
+            for key in ("requests", "owners", "held", "reserved", "parked", "settled", "remote_ready", "detokenizers",
+                        "rows"):
                 assert not side[key], f"{name}: {key} left: {side[key]}"
             assert not worker.streams, f"{name}: streams left: {set(worker.streams)}"
             assert not worker.outboxes, f"{name}: outboxes left: {set(worker.outboxes)}"
@@ -352,6 +356,7 @@ def _snapshot(worker: Worker) -> dict[str, Any]:
     owners = collections.Counter(block_id for ids in kv_cache.block_ids_of.values() for block_id in ids)
     return {
         "requests": set(scheduler.requests), "held": set(scheduler.held), "reserved": set(scheduler.reserved),
+        "parked": set(scheduler.parked), "settled": set(scheduler.settled),
         "remote_ready": {request.request_id for request in scheduler.remote_ready},
         "owners": set(kv_cache.block_ids_of), "detokenizers": set(engine.detokenizers),
         "rows": set(engine.runner.block_tables.row_of), "free": pool.num_free_blocks, "num_blocks": pool.num_blocks,

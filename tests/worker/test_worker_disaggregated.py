@@ -53,7 +53,7 @@ async def serve(prefill: Worker, decode: Worker, request_id: str, prompt: list[i
                 tokens += item.new_token_ids
     except TransferError:  # at once, rather than when the lease ends; after the token already sent
         await decode.recompute(request_id, tokens[0] if tokens else None)
-    async for output in decode.stream(request_id):
+    async for output in decode.stream(request_id, tokens[0] if tokens else None):
         tokens += output.token_ids[len(tokens):]
     return tokens
 
@@ -300,13 +300,46 @@ def test_after_a_failed_transfer_the_decode_worker_goes_on_after_the_streamed_fi
                 assert len(streamed) == 1
                 await decode.recompute(request_id, streamed[0])
                 outputs = [output async for output in decode.stream(request_id)]
-                assert outputs[0].index == 0 and outputs[0].new_token_ids == streamed  # restated, as when KV lands
+                # Restated, as when KV lands (the stream merges the outputs its reader has not taken yet).
+                assert outputs[0].index == 0 and outputs[0].new_token_ids[:1] == streamed
                 assert outputs[-1].token_ids[0] == streamed[0] and len(outputs[-1].token_ids) == 8
+                assert decode.engine.scheduler.num_recomputes == attempt + 1
             await asyncio.sleep(0.1)
             assert_whole(prefill, decode)
         finally:
             await prefill.stop()
             await decode.stop()
+
+    asyncio.run(main())
+
+
+def test_a_lease_that_ends_before_the_kv_comes_goes_on_after_the_first_token_the_prefill_streamed(
+        checkpoint: Path) -> None:
+    """The decode worker's lease ends while the prompt waits on an overloaded prefill worker, which then
+    computes it and streams its first token to the client anyway. The decode worker must not have
+    sampled a first token of its own meanwhile: told the client's token when its stream opens, it
+    computes the prompt and goes on after that token (unseeded sampling: its own would differ)."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)  # no seed: nothing repeats
+
+    async def main() -> None:
+        async with running_pair(checkpoint) as (prefill, decode, _):
+            for attempt in range(3):
+                request_id, prompt = f"late-{attempt}", PROMPTS[attempt]
+                ticket = await decode.reserve(request_id, prompt, params, lease_s=0.05)
+                assert ticket is not None
+                await asyncio.sleep(0.3)  # the lease ends before the prefill worker gets to the prompt
+                assert request_id in decode.engine.scheduler.parked  # no first token of its own sampled
+                streamed: list[int] = []
+                with contextlib.suppress(TransferError):
+                    async for item in prefill.prefill(request_id, prompt, params, ticket):
+                        if not isinstance(item, TransferStats):
+                            streamed += item.new_token_ids
+                assert len(streamed) == 1
+                outputs = [output async for output in decode.stream(request_id, streamed[0])]
+                assert outputs[-1].token_ids[0] == streamed[0] and len(outputs[-1].token_ids) == 8
+                assert decode.engine.scheduler.num_recomputes == attempt + 1
+            await asyncio.sleep(0.1)
+            assert_whole(prefill, decode)
 
     asyncio.run(main())
 
