@@ -8,6 +8,7 @@ later) wrap this loop; everything here is plain Python and torch.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from cluster.weights.loader import iterate_safetensors, load_hf_config
 from cluster.weights.tokenizer import Tokenizer
 
 WARM_UP_REQUEST_ID = "pdserve-warm-up"
+WARM_UP_PROMPT_TOKENS = 256  # the prompt whose prefill `warm_up` times
 
 
 @dataclass(slots=True)
@@ -329,18 +331,34 @@ class LLMEngine:
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> float:
         """Run one short request through a prefill and a decode step, so that a broken device, backend
         or kernel fails here rather than on a client's request (on CUDA this compiles the Triton
-        kernels, and the second decode step captures the batch-1 decode graph). Leaves no request,
-        block, cached prefix or counter behind."""
+        kernels, and the second decode step captures the batch-1 decode graph). Then time the prefill
+        of a longer prompt (one step's budget, `WARM_UP_PROMPT_TOKENS` at most) and return its tokens
+        per second: the router's estimate of this worker's throughput before it served anything, so
+        that admission holds from the first burst on. Leaves no request, block, cached prefix or
+        counter behind."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
+        self._warm_up_run([0])
+        block_size = self.config.cache.block_size
+        length = min(WARM_UP_PROMPT_TOKENS, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 3,
+                     (self.kv_cache.pool.num_blocks - 1) * block_size - 3)
+        seconds = self._warm_up_run([0] * max(length, 1))
+        return max(length, 1) / seconds if seconds > 0 else 0.0
+
+    def _warm_up_run(self, prompt: list[int]) -> float:
+        """One request to its end; the seconds of its first step (the prefill)."""
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)  # a prefill, then two decodes
-        self.add_request([0], params, request_id=WARM_UP_REQUEST_ID)
+        self.add_request(prompt, params, request_id=WARM_UP_REQUEST_ID)
         try:
+            started = time.perf_counter()
+            self.step()
+            seconds = time.perf_counter() - started
             while self.has_unfinished_requests():
                 self.step()
+            return seconds
         except Exception:
             self.abort(WARM_UP_REQUEST_ID)  # a failed step leaves the request: its blocks go back
             raise

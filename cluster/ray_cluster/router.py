@@ -124,6 +124,7 @@ class Router:
         self.queued_tokens: dict[int, int] = {}
         self.loads: dict[int, WorkerLoad] = {}
         self.poller: asyncio.Task[None] | None = None
+        self.polled = asyncio.Event()  # set once every worker's load was asked: admission needs their rates
         # Which prefixes each worker holds: published by the workers into Redis, or (no Redis) this
         # router's own record of where it sent which prompts.
         self.state = connect_state(config.redis_url)
@@ -173,6 +174,7 @@ class Router:
             if self.config.redis_url:
                 await self._discover()
             await asyncio.gather(*(self._poll(handle) for handle in self.prefill + self.decode))
+            self.polled.set()
             await asyncio.sleep(LOAD_POLL_S)
 
     async def _poll(self, handle: Any) -> None:
@@ -241,6 +243,7 @@ class Router:
         greedy decoding), and the client sees one unbroken stream."""
         if self.poller is None:
             self.poller = asyncio.get_running_loop().create_task(self._poll_loads())
+        await self.polled.wait()  # the first request too is admitted by the workers' rates (from warm-up)
         sent: list[int] = []
         for attempt in range(MAX_RESUMES + 1):
             left = params.max_tokens - len(sent)

@@ -103,7 +103,8 @@ class Worker:
         failed warm-up does not raise: the worker reports `failure`, and the service stays unready."""
         self.loop = asyncio.get_running_loop()
         try:
-            await asyncio.to_thread(self.engine.warm_up)
+            # Its prefill rate: what the routers admit prompts by until real steps have been timed.
+            self.tokens_per_s = await asyncio.to_thread(self.engine.warm_up)
         except Exception as error:
             self.failure = f"warm-up failed on {self.engine.device}: {error!r}"
             log.error("%s: %s", self.worker_id, self.failure)

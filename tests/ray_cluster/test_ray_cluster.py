@@ -671,3 +671,40 @@ def test_a_lease_that_ends_while_the_prefill_computes_goes_on_after_the_token_th
         assert_pools_whole(cluster)
     finally:
         cluster.stop()
+
+
+def test_the_first_burst_after_start_is_admitted_by_the_warm_up_throughput(checkpoint: Path) -> None:
+    """No request has run yet: the prefill worker's rate comes from its warm-up (a timed prefill), and
+    the router asks for it before admitting its first request, so the very first burst is sized by
+    the wait it would face (before, an unknown rate admitted every prompt of it). A tiny allowed
+    queue (1 ms of prompts) makes any rate this machine reaches refuse most of 10 prompts."""
+    import ray
+
+    from cluster.common.errors import QueueFullError
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512})
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, max_prefill_wait_s=0.001)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    cluster = Cluster(config).start()
+
+    async def one(index: int) -> str:
+        prompt = [3 + index + offset for offset in range(40)]
+        try:
+            async for _ in cluster.generate(prompt, params, request_id=f"first-{index}"):
+                pass
+            return "served"
+        except QueueFullError:
+            return "refused"
+
+    async def burst() -> list[str]:
+        return list(await asyncio.gather(*(one(index) for index in range(10))))
+
+    try:
+        assert ray.get(cluster.prefill[0].load.remote(), timeout=30).tokens_per_s > 0  # measured at warm-up
+        answers = asyncio.run(burst())
+        assert "served" in answers and "refused" in answers, answers
+        assert ray_stats(cluster)["refused_overloaded"] == answers.count("refused")
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
