@@ -151,6 +151,8 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         overrides["redis_url"] = redis_url
     if args.attach:
         overrides["attach"] = True
+    if args.name:
+        overrides["name"] = args.name
     if args.routers is not None:
         overrides["routers"] = args.routers
     for pool in ("prefill", "decode"):
@@ -245,6 +247,19 @@ def command_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_stop_workers(args: argparse.Namespace) -> int:
+    """End the workers a named cluster left running (`serve --name`): their requests end, their
+    models unload."""
+    from cluster.ray_cluster.launcher import init_ray, named_workers, stop_worker
+
+    init_ray(args.ray_address)
+    names = named_workers(args.name)
+    for name in names:
+        stop_worker(name)
+    print(f"pdserve: stopped {len(names)} workers of {args.name}" + (f": {', '.join(names)}" if names else ""))
+    return 0
+
+
 def request_limit(text: str) -> str:
     """An argparse type: `NAME=VALUE` of a known request limit (a bad one exits 2 with the reason)."""
     try:
@@ -311,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routers", type=int, default=None, help="router replicas (Ray actors) to spread requests over")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "
                        "listed in --redis-url's registry (a second gateway; needs --ray-address and --redis-url)")
+    serve.add_argument("--name", default="", help="name the cluster: its workers outlive this process, and a "
+                       "gateway started again with the name takes them over without loading the model again "
+                       "(needs --ray-address; `pdserve stop-workers` ends them)")
     serve.add_argument("--num-prefill", type=int, default=None, help="prefill workers")
     serve.add_argument("--num-decode", type=int, default=None, help="decode workers")
     serve.add_argument("--model", default=None, help="'default', a Hugging Face model directory or a .gguf file")
@@ -324,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--api-key", default=None, help="default: $PDSERVE_API_KEY")
     status.add_argument("--timeout", type=float, default=10.0)
     status.set_defaults(handler=command_status)
+    stop_workers = commands.add_parser("stop-workers", help="stop the workers of a named cluster (serve --name)")
+    stop_workers.add_argument("--name", required=True)
+    stop_workers.add_argument("--ray-address", required=True, help="the Ray cluster they run on")
+    stop_workers.set_defaults(handler=command_stop_workers)
     serve.set_defaults(handler=command_serve)
     generate.set_defaults(handler=command_generate)
     chat.set_defaults(handler=command_chat)

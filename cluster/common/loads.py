@@ -59,3 +59,4 @@ class WorkerLoad:
     device: str = ""  # where its engine runs: "cpu", "cuda:0"
     failure: str = ""  # why it cannot serve (a failed warm-up); empty when it can
     tokens_per_s: float = 0.0  # tokens its engine computes per second while busy (recent steps); 0: unknown
+    started_at: float = 0.0  # when its process started (Unix time): a restart, or a model loaded again, shows here

@@ -14,6 +14,7 @@ worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always);
 worker_wait_s: 60          # with no live worker of a role, a request waits this long for one to restart
 max_prefill_wait_s: 10     # refuse new prompts (429) past this many seconds of prompts queued per prefill worker
 attach: false              # start no workers: route to those listed in redis_url's registry
+name: ""                   # with ray_address: workers outlive the gateway; one started again takes them over
 engine:
   model: default
   dtype: float32
@@ -28,6 +29,7 @@ for it. Every value is checked at start with an error that names the key.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,10 @@ class ClusterConfig:
     # KV lease ends and the decode worker recomputes it. Below kv_lease_s; 0: no limit.
     max_prefill_wait_s: float = 10.0
     attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
+    # The cluster's name. With it the workers are detached Ray actors named after it: they outlive the
+    # gateway, and a gateway started again with the same name (and engine config) takes them over
+    # without loading the model again. Needs ray_address: an embedded Ray ends with its gateway.
+    name: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in tuple(Mode):
@@ -108,12 +114,24 @@ class ClusterConfig:
                              f"admitted must be computed before its lease ends, got {self.max_prefill_wait_s}")
         if self.worker_wait_s < 0:
             raise ValueError(f"worker_wait_s must be >= 0, got {self.worker_wait_s}")
+        if self.name:
+            self._check_name()
         if self.attach and not self.redis_url:
             raise ValueError("attach needs redis_url: the workers to attach to are listed in its registry")
         if self.decode.replicas < 1:
             raise ValueError("decode.replicas must be >= 1: decode workers serve every request")
         if self.mode == Mode.DISAGGREGATED and self.prefill.replicas < 1:
             raise ValueError("prefill.replicas must be >= 1 in disaggregated mode (or use mode: colocated)")
+
+
+    def _check_name(self) -> None:
+        if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", self.name):  # a DNS label, as a Helm release
+            raise ValueError(f"name must be lowercase letters, digits and '-' (63 at most), got {self.name!r}")
+        if not self.ray_address:
+            raise ValueError("name (workers that outlive the gateway) needs ray_address: an embedded Ray ends with "
+                             "the gateway that started it")
+        if self.attach:
+            raise ValueError("name and attach exclude each other: an attached gateway starts no workers")
 
 
 ENGINE_KEYS = {

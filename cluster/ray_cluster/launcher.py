@@ -4,7 +4,8 @@
 machine; custom resources pin each pool to its nodes; Ray restarts a dead one) and the `Router`
 replicas, and waits until every worker has loaded its model. `generate()` streams a request's
 `TokenEvent`s through a router. With `attach` it starts no workers: it routes to those another
-cluster listed in the shared registry (Redis), as a second gateway would.
+cluster listed in the shared registry (Redis), as a second gateway would. With a `name` the workers
+are detached: they outlive this process, and the next cluster of that name takes them over.
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ class Cluster:
         self.routers_down: dict[int, str] = {}  # router index -> why (`watch_routers` keeps it)
         self.ids = itertools.count()
         self.turn = itertools.count()
-        self.uid = uuid.uuid4().hex[:8]  # several clusters may share one Ray (benchmarks, tests)
+        # Several clusters may share one Ray (benchmarks, tests): unnamed ones name their actors apart.
+        self.uid = config.name or uuid.uuid4().hex[:8]
+        self.taken_over: list[str] = []  # the named workers this cluster found running and kept
         self.model_name = ""
         self.max_model_len = 0
         self.tokenizer: Tokenizer | None = None
@@ -117,6 +120,8 @@ class Cluster:
             if not colocated:
                 self.prefill = self._pool(Role.PREFILL, self.config.prefill)
             self.decode = self._pool(Role.COLOCATED if colocated else Role.DECODE, self.config.decode)
+            if self.config.name:
+                self._stop_surplus()
         ray.get([worker.start.remote() for worker in self.prefill + self.decode], timeout=START_TIMEOUT_S)
         # A worker whose warm-up failed keeps the service unready, with its reason (/ready, status).
         loads = ray.get([worker.load.remote() for worker in self.prefill + self.decode], timeout=START_TIMEOUT_S)
@@ -207,19 +212,59 @@ class Cluster:
 
         actor_class = worker_actor_class()
         num_gpus = self.gpus_per_worker(pool)  # asks Ray once per pool, not once per worker
+        # All that makes a worker what it is: a named worker left running with the same is taken over.
+        spec = (role, self.config.engine, self.config.redis_url, self.config.kv_overlap, pool.kv_interface,
+                self.config.ucx_transports, pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency,
+                self.config.worker_max_restarts)
         workers = []
         for index in range(pool.replicas):
             name = self._actor_name(role, index)
+            running = self._running_worker(name, spec) if self.config.name else None
+            if running is not None:
+                workers.append(running)
+                continue
             # max_task_retries=0: a stream cut by a worker's death is the router's to resume, not Ray's
             # to replay from its start.
             options = actor_class.options(num_cpus=pool.num_cpus, num_gpus=num_gpus,
                                           resources=dict(pool.resources), name=name,
                                           namespace=RAY_NAMESPACE, max_restarts=self.config.worker_max_restarts,
-                                          max_task_retries=0, max_concurrency=pool.max_concurrency)
+                                          max_task_retries=0, max_concurrency=pool.max_concurrency,
+                                          lifetime="detached" if self.config.name else None)
             workers.append(options.remote(f"{role}-{index}", role, self.config.engine, redis_url=self.config.redis_url,
                                           overlap_transfer=self.config.kv_overlap, address=name,
-                                          kv_interface=pool.kv_interface, ucx_transports=self.config.ucx_transports))
+                                          kv_interface=pool.kv_interface, ucx_transports=self.config.ucx_transports,
+                                          spec=spec))
         return workers
+
+    def _running_worker(self, name: str, spec: tuple[Any, ...]) -> Any | None:
+        """The named worker a previous gateway of this cluster left running, if it runs as this one
+        would make it (`spec`): taken over, its model stays loaded. One made otherwise (the config
+        changed) is stopped, to be made again."""
+        import ray
+
+        try:
+            handle = ray.get_actor(name, namespace=RAY_NAMESPACE)
+        except ValueError:
+            return None
+        with contextlib.suppress(Exception):  # a worker that does not answer is made again
+            if ray.get(handle.spec.remote(), timeout=START_TIMEOUT_S) == spec:
+                log.info("taking over worker %s (its model stays loaded)", name)
+                self.taken_over.append(name)
+                return handle
+        log.warning("worker %s runs another configuration: stopping it, making it again", name)
+        stop_worker(name)
+        return None
+
+    def _stop_surplus(self) -> None:
+        """Named workers of this cluster beyond its pools now (a gateway before had more): stopped."""
+        colocated = self.config.mode == Mode.COLOCATED
+        pools = [(Role.COLOCATED if colocated else Role.DECODE, self.config.decode)]
+        pools += [] if colocated else [(Role.PREFILL, self.config.prefill)]
+        kept = {self._actor_name(role, index) for role, pool in pools for index in range(pool.replicas)}
+        for name in named_workers(self.config.name):
+            if name not in kept:
+                log.warning("stopping worker %s: not in this cluster's pools any more", name)
+                stop_worker(name)
 
     async def generate(self, prompt: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[TokenEvent]:
@@ -284,14 +329,38 @@ class Cluster:
                 loads.append(await control(worker.load).remote())
         return loads
 
-    def stop(self) -> None:
-        """Stop the routers, and the workers this cluster started (attached ones are another's)."""
+    def stop(self, workers: bool | None = None) -> None:
+        """Stop the routers, and the workers this cluster started (attached ones are another's). A
+        named cluster's workers outlive it (the next gateway of that name takes them over) unless
+        `workers` is true."""
         import ray
 
-        for worker in [] if self.config.attach else self.prefill + self.decode:
+        keep = self.config.attach or (bool(self.config.name) and not workers)
+        for worker in [] if keep else self.prefill + self.decode:
             with contextlib.suppress(Exception):  # a dead worker needs no stopping
                 ray.get(worker.stop.remote(), timeout=30)
             ray.kill(worker)
         for router in self.routers:
             ray.kill(router)
         self.prefill, self.decode, self.routers = [], [], []
+
+
+def named_workers(name: str) -> list[str]:
+    """The Ray actor names of the running workers of the cluster called `name`."""
+    import ray
+
+    prefix = f"pdserve-{name}-"
+    return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                  if actor["namespace"] == RAY_NAMESPACE and actor["name"].startswith(prefix)
+                  and actor["name"].removeprefix(prefix).split("-")[0] in tuple(Role))
+
+
+def stop_worker(name: str) -> None:
+    """Stop a named worker (its requests end, its blocks and listeners go) and end its actor."""
+    import ray
+
+    with contextlib.suppress(ValueError):
+        handle = ray.get_actor(name, namespace=RAY_NAMESPACE)
+        with contextlib.suppress(Exception):  # a dead worker needs no stopping
+            ray.get(handle.stop.remote(), timeout=30)
+        ray.kill(handle, no_restart=True)

@@ -46,6 +46,12 @@ WAIT_POLL_S = 0.1  # how often a request waiting for a restarted worker looks
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
 
 
+def actor_id_of(handle: Any) -> str:
+    """A Ray actor handle's actor id (hex); empty for what is not one."""
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else ""
+
+
 class _WorkerLost(RuntimeError):
     """The worker running a request died after it had streamed tokens of its own."""
 
@@ -115,7 +121,9 @@ class Router:
         self.config = config
         self.ids = {id(handle): worker_id for worker_id, _, handle in prefill + decode}
         # Ray actor names by worker id: a listing under a known id with another name is a new actor.
-        self.addresses = {worker_id: address for worker_id, address, _ in prefill + decode}
+        # (Ray actor name, actor id) by worker id: a listing under a known id with another name or
+        # actor id is a new actor (its gateway made its workers again). Ray's handles carry the id.
+        self.addresses = {worker_id: (address, actor_id_of(handle)) for worker_id, address, handle in prefill + decode}
         self.prefill = [handle for _, _, handle in prefill]
         self.decode = [handle for _, _, handle in decode]
         # Kept here so routing costs no round trip: requests in flight per decode (or colocated)
@@ -205,7 +213,7 @@ class Router:
         roles = (Role.COLOCATED,) if self.config.mode == Mode.COLOCATED else (Role.PREFILL, Role.DECODE)
         for info in await self.state.workers():
             if info.role not in roles or info.meta.get("model") != self.config.model_name \
-                    or self.addresses.get(info.worker_id) == info.address:
+                    or self.addresses.get(info.worker_id) == (info.address, info.meta.get("actor_id")):
                 continue
             try:
                 handle = ray.get_actor(info.address, namespace=info.meta.get("namespace", RAY_NAMESPACE))
@@ -218,7 +226,7 @@ class Router:
                 self._mark_dead(old)
                 self.retired.append(old)  # kept, so that no new handle gets its id() (our dicts' key)
             self.ids[id(handle)] = info.worker_id
-            self.addresses[info.worker_id] = info.address
+            self.addresses[info.worker_id] = (info.address, actor_id_of(handle))
             pool.append(handle)
             log.info("found %s worker %s in the registry (%s)", info.role, info.worker_id, info.address)
 

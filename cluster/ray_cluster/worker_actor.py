@@ -75,7 +75,7 @@ class WorkerActor:
 
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, kv_interface: str = "",  # noqa: PLR0913
                  overlap_transfer: bool = True, redis_url: str = "", address: str = "",
-                 ucx_transports: str = "") -> None:
+                 ucx_transports: str = "", spec: Any = None) -> None:
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
@@ -85,9 +85,14 @@ class WorkerActor:
         receiver = UCXReceiver(host=host, transports=transports) if role == Role.DECODE else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
         engine = LLMEngine(engine_config)
+        self.made_as = spec  # how the launcher made it: a gateway taking a named worker over compares
         # Router replicas find the worker in the registry by its Ray actor name.
+        # The actor id tells routers a new actor under a name they know (a named worker made again).
+        import ray
+
         listing = WorkerInfo(worker_id, role, address or worker_id,
-                             {"namespace": RAY_NAMESPACE, "model": engine.model_name, "host": host})
+                             {"namespace": RAY_NAMESPACE, "model": engine.model_name, "host": host,
+                              "actor_id": ray.get_runtime_context().get_actor_id() or ""})
         self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
                              overlap_transfer=overlap_transfer, state=state, listing=listing, on_fatal=_end_process)
         self.started: asyncio.Task[None] | None = None
@@ -129,6 +134,10 @@ class WorkerActor:
         """(free blocks, total blocks): whole when equal and nothing runs."""
         load = await (await self._ready()).load()
         return load.num_free_blocks, load.num_blocks
+
+    async def spec(self) -> Any:
+        """What it was made with (the launcher's `spec`)."""
+        return self.made_as
 
     async def info(self) -> tuple[str, int]:
         """(served model name, max_model_len): what the front doors tell users and check prompts by."""

@@ -94,6 +94,7 @@ class Worker:
         self.on_fatal = on_fatal
         self.pending: set[asyncio.Future[Any]] = set()  # `_call`s not answered yet
         self.tokens_per_s = 0.0  # recent throughput while busy (`_count_throughput`)
+        self.started_at = time.time()  # the engine (and its model) loaded just before
         self.broken = False  # the engine thread failed for good
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -330,7 +331,7 @@ class Worker:
                           stats.num_blocks, stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
                           stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
                           self.transfer_failures, self.frame_count, stats.num_recomputes, str(self.engine.device),
-                          self.failure, self.tokens_per_s)
+                          self.failure, self.tokens_per_s, self.started_at)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""

@@ -259,6 +259,8 @@ def test_the_gateway_runs_serve_on_the_mounted_config_and_drains_within_its_grac
     # Ray's dashboard can submit jobs (run code): on loopback unless the values open it.
     assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
     assert args.host == "0.0.0.0"
+    # Named: its workers outlive a restarted gateway pod, which takes them over without reloading models.
+    assert args.name == deployment["metadata"]["name"].removesuffix("-gateway")  # the release's full name
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": args.port, "grpc": args.grpc_port}
     mount = next(m for m in container["volumeMounts"] if m["name"] == "cluster-config")
     assert Path(args.config).parent == Path(mount["mountPath"])
@@ -289,6 +291,7 @@ def test_attached_gateways_serve_the_owners_pools_behind_the_same_service() -> N
     (line,) = [line for line in script.splitlines() if line.strip().startswith("exec pdserve serve")]
     args = build_parser().parse_args(shlex.split(line)[2:])
     assert args.attach and args.ray_address == build_parser().parse_args(gateway_command(objects)).ray_address
+    assert not args.name  # the owner's workers, found in the registry
     assert not build_parser().parse_args(gateway_command(objects)).attach
     env = {e["name"] for e in attached["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert {"PDSERVE_REDIS_URL", "PDSERVE_API_KEY"} <= env

@@ -17,17 +17,14 @@ import json
 import os
 import queue
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,25 +165,6 @@ def wait_for_url(process: subprocess.Popen[str], processes: Processes) -> str:
     threading.Thread(target=copy_to_log, daemon=True).start()
     return wait_until(lambda: found.get_nowait() if not found.empty() else None, "pdserve serve to listen",
                       processes)
-
-
-@pytest.fixture
-def processes() -> Iterator[Processes]:
-    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-mn-logs-"))
-    started = Processes(log_dir)
-    try:
-        yield started
-    finally:
-        started.stop_all()
-        shutil.rmtree(log_dir, ignore_errors=True)
-
-
-@pytest.fixture
-def ray_temp_dir() -> Iterator[Path]:
-    # Short: Ray's unix sockets live under it and their paths must stay under 108 bytes.
-    path = Path(tempfile.mkdtemp(prefix="pdmn-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def engine_alone(checkpoint: Path) -> str:

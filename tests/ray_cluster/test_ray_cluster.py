@@ -271,6 +271,12 @@ def test_config_file_with_overrides_and_clear_errors(tmp_path: Path) -> None:
         load_cluster_config(None, {"decode": {"replicas": 0}})
     with pytest.raises(ValueError, match="unknown cluster config keys"):
         load_cluster_config(None, {"pools": 3})
+    assert load_cluster_config(None, {"name": "prod-1", "ray_address": "10.0.0.1:6379"}).name == "prod-1"
+    with pytest.raises(ValueError, match="name .* needs ray_address: an embedded Ray ends with the gateway"):
+        load_cluster_config(None, {"name": "prod"})
+    for bad in ("Prod", "-a", "a_b", "x" * 64):
+        with pytest.raises(ValueError, match="name must be lowercase letters, digits and '-'"):
+            load_cluster_config(None, {"name": bad, "ray_address": "10.0.0.1:6379"})
 
 
 def test_kv_aware_routing_with_blocks_the_workers_publish_to_redis(checkpoint: Path, redis_server: Any) -> None:
@@ -708,3 +714,47 @@ def test_the_first_burst_after_start_is_admitted_by_the_warm_up_throughput(check
         assert_pools_whole(cluster)
     finally:
         cluster.stop()
+
+
+def test_a_named_clusters_workers_outlive_it_and_the_next_takes_them_over(checkpoint: Path) -> None:
+    """With a name the workers are detached: a cluster (a gateway) that stops leaves them running, the
+    next one of that name takes them over (same processes, models not loaded again) and serves; one
+    with fewer workers stops the surplus; one with another engine config makes its workers again;
+    `stop(workers=True)` ends them. (tests/deploy/test_gateway_restart.py kills a real gateway.)"""
+    import ray
+
+    from cluster.ray_cluster.launcher import named_workers
+
+    address = ray.get_runtime_context().gcs_address
+    engine_config = engine_config_for(checkpoint)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.05), decode=PoolConfig(replicas=2, num_cpus=0.05),
+                           engine=engine_config, ray_address=address, name="keep-me")
+    expected = alone(engine_config, PROMPTS[:2], GREEDY)
+    first = Cluster(config).start()
+    try:
+        assert generate_all(first, PROMPTS[:2], GREEDY) == expected
+        started = {load.worker_id: load.started_at for load in asyncio.run(first.workers())}
+        first.stop()  # the gateway goes; its workers stay
+        assert named_workers("keep-me") == ["pdserve-keep-me-decode-0", "pdserve-keep-me-decode-1",
+                                            "pdserve-keep-me-prefill-0"]
+        changed = replace(config, decode=PoolConfig(replicas=1, num_cpus=0.06))  # one worker less, on other CPUs
+        second = Cluster(changed).start()
+        assert sorted(second.taken_over) == ["pdserve-keep-me-prefill-0"]  # decode's pool changed: made again
+        assert named_workers("keep-me") == ["pdserve-keep-me-decode-0", "pdserve-keep-me-prefill-0"]  # surplus gone
+        assert generate_all(second, PROMPTS[:2], GREEDY) == expected
+        now = {load.worker_id: load.started_at for load in asyncio.run(second.workers())}
+        assert now["prefill-0"] == started["prefill-0"] and now["decode-0"] > started["decode-0"]
+        second.stop()
+        third = Cluster(changed).start()
+        assert sorted(third.taken_over) == ["pdserve-keep-me-decode-0", "pdserve-keep-me-prefill-0"]
+        assert {load.worker_id: load.started_at for load in asyncio.run(third.workers())} == now  # not reloaded
+        assert generate_all(third, PROMPTS[:2], GREEDY) == expected
+        assert_pools_whole(third)
+        third.stop(workers=True)
+    finally:
+        first.stop(workers=True)
+        from cluster.ray_cluster.launcher import stop_worker
+
+        for name in named_workers("keep-me"):
+            stop_worker(name)
+    assert named_workers("keep-me") == []
