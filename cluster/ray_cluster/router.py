@@ -52,6 +52,10 @@ def actor_id_of(handle: Any) -> str:
     return actor_id.hex() if actor_id is not None else ""
 
 
+class _NoRoom(RuntimeError):
+    """No worker took the request (none alive, or none with room), before any of its events."""
+
+
 class _WorkerLost(RuntimeError):
     """The worker running a request died after it had streamed tokens of its own."""
 
@@ -260,14 +264,14 @@ class Router:
                 return
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
             self.attempts[request_id] = attempt_id
-            resumed = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
+            remaining = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
                               seed_offset=params.seed_offset + len(sent))
             if attempt == 0:
                 self._admit(request_id, len(prompt))  # a resumed request is never refused: its client has tokens
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
             ended = False
             try:
-                async for event in self._attempt(attempt_id, prompt + sent, resumed):
+                async for event in self._attempt(attempt_id, prompt + sent, remaining, resumed=attempt > 0):
                     event = replace(event, request_id=request_id, index=event.index + before,
                                     num_prompt_tokens=len(prompt))
                     sent += event.token_ids
@@ -284,23 +288,42 @@ class Router:
                 self.ahead.pop(request_id, None)
         raise NoCapacityError(f"{request_id}: workers kept failing ({MAX_RESUMES} resumes)")
 
-    async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        """One run of the request; raises `_WorkerLost` if its worker dies after streaming tokens."""
+    async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       resumed: bool = False) -> AsyncIterator[TokenEvent]:
+        """One run of the request; raises `_WorkerLost` if its worker dies after streaming tokens. A
+        resumed run (its client has tokens) that finds no room waits for some, `worker_wait_s` at
+        most, rather than fail a stream that has begun; a new one is refused at once."""
         await self._wait_for_a_live_worker()
-        if self.config.mode == Mode.COLOCATED:
-            for worker in self._decode_order():
-                streamed = False
-                try:
-                    with self._holding(worker):
-                        async for event in self._relay(worker.generate, request_id, prompt, params):
-                            streamed = streamed or bool(event.token_ids)
-                            yield event
-                    return
-                except RayActorError as error:
-                    self._mark_dead(worker)
-                    if streamed:
-                        raise _WorkerLost(f"worker {self.ids.get(id(worker))}") from error
-            raise NoCapacityError("no worker is alive")
+        deadline = time.monotonic() + self.config.worker_wait_s
+        while True:
+            run = self._colocated(request_id, prompt, params) if self.config.mode == Mode.COLOCATED \
+                else self._split(request_id, prompt, params)
+            try:
+                async for event in run:
+                    yield event
+                return
+            except _NoRoom as error:
+                if not resumed or time.monotonic() >= deadline:
+                    raise NoCapacityError(str(error)) from None
+            await asyncio.sleep(WAIT_POLL_S)
+
+    async def _colocated(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        for worker in self._decode_order():
+            streamed = False
+            try:
+                with self._holding(worker):
+                    async for event in self._relay(worker.generate, request_id, prompt, params):
+                        streamed = streamed or bool(event.token_ids)
+                        yield event
+                return
+            except RayActorError as error:
+                self._mark_dead(worker)
+                if streamed:
+                    raise _WorkerLost(f"worker {self.ids.get(id(worker))}") from error
+        raise _NoRoom("no worker is alive")
+
+    async def _split(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """The disaggregated run: the first decode worker with room reserves, a prefill worker computes."""
         seen = RepeatFilter()
         for decode in self._decode_order():
             try:
@@ -320,7 +343,7 @@ class Router:
                     raise _WorkerLost(f"decode worker {self.ids.get(id(decode))}") from error
                 log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
                 self.decisions["rerouted"] += 1
-        raise NoCapacityError(f"no decode worker has room for a {len(prompt)}-token prompt now")
+        raise _NoRoom(f"no decode worker has room for a {len(prompt)}-token prompt now")
 
     def _news(self, seen: RepeatFilter, event: TokenEvent) -> TokenEvent | None:
         try:

@@ -758,3 +758,48 @@ def test_a_named_clusters_workers_outlive_it_and_the_next_takes_them_over(checkp
         for name in named_workers("keep-me"):
             stop_worker(name)
     assert named_workers("keep-me") == []
+
+
+def test_a_resumed_request_that_finds_no_room_waits_for_some(checkpoint: Path) -> None:
+    """A stream's decode worker is killed while the other decode worker is full (a reservation holds
+    every free block). Before, the resumed request was refused at once and the stream, which had
+    begun, ended with an error; now it waits for room (the hold's lease ends, or the killed worker
+    comes back) and finishes with the tokens of an undisturbed run."""
+    import ray
+
+    engine_config = engine_config_for(checkpoint, num_blocks=64)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    (expected,) = alone(engine_config, PROMPTS[:1], params)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
+                           engine=engine_config)
+    cluster = Cluster(config).start()
+    received: list[int] = []
+
+    async def stream() -> None:
+        async for event in cluster.generate(PROMPTS[0], params, request_id="resumed"):
+            assert event.index == len(received)  # in order, nothing repeated
+            received.extend(event.token_ids)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(stream())
+        while len(received) < 10:
+            assert not task.done(), "the stream ended early"
+            await asyncio.sleep(0.005)
+        loads = [await worker.load.remote() for worker in cluster.decode]
+        serving = next(i for i, load in enumerate(loads) if load.num_running)
+        other = cluster.decode[1 - serving]
+        hold = [7] * (loads[1 - serving].num_free_blocks * 4 - 1)  # every free block of the other worker
+        assert await other.reserve.remote("hold", hold, GREEDY, 3.0) is not None
+        ray.kill(cluster.decode[serving], no_restart=False)
+        await asyncio.wait_for(task, 120)
+        await other.abort.remote("hold")
+
+    try:
+        for worker in cluster.decode:
+            ray.get(worker.__ray_call__.remote(pace_steps(0.05)), timeout=30)
+        asyncio.run(scenario())
+        assert received == expected
+        assert ray_stats(cluster)["resumed"] == 1
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
