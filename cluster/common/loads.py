@@ -59,4 +59,6 @@ class WorkerLoad:
     device: str = ""  # where its engine runs: "cpu", "cuda:0"
     failure: str = ""  # why it cannot serve (a failed warm-up); empty when it can
     tokens_per_s: float = 0.0  # tokens its engine computes per second while busy (recent steps); 0: unknown
+    seconds_per_request: float = 0.0  # recent requests' time running, first step to end; 0: unknown
+    max_num_seqs: int = 0  # requests it runs at once (the rest wait for one of them to end)
     started_at: float = 0.0  # when its process started (Unix time): a restart, or a model loaded again, shows here

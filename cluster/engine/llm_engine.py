@@ -82,6 +82,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_recomputes: int = 0  # decode side: prompts whose KV never came, computed here
+    seconds_per_request: float = 0.0  # recent requests' time running here, first step to end (0: none yet)
 
 
 def served_model_name(model: str) -> str:
@@ -365,6 +366,7 @@ class LLMEngine:
         finally:
             self.kv_cache.pool.reset_prefix_cache()
             self.kv_cache.prefix_queries = self.kv_cache.prefix_hits = 0
+            self.scheduler.seconds_per_request = 0.0  # three tokens: not a client's request
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
@@ -372,4 +374,5 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks, kv_cache_usage=pool.usage,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=self.kv_cache.prefix_queries,
-            prefix_cache_hits=self.kv_cache.prefix_hits, num_recomputes=self.scheduler.num_recomputes)
+            prefix_cache_hits=self.kv_cache.prefix_hits, num_recomputes=self.scheduler.num_recomputes,
+            seconds_per_request=self.scheduler.seconds_per_request)

@@ -62,6 +62,7 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    running_since: float | None = None  # when it first ran here (its time running, not waiting, is measured)
     # Prefill side of the cluster: keep the blocks when the request ends, until they are exported.
     hold_kv: bool = False
 

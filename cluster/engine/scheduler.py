@@ -50,6 +50,9 @@ class Scheduler:
         self.counter = itertools.count()
         self.num_preemptions = 0
         self.num_recomputes = 0  # reservations whose KV never came: their prompts computed here
+        # Seconds a request runs here, from its first step to its end (recent ones, averaged): how fast
+        # running requests make room for waiting ones, which the routers' admission estimates waits by.
+        self.seconds_per_request = 0.0
         # Disaggregation. Decode side: requests whose KV is in flight, with their lease deadlines,
         # then those whose KV has landed, admitted ahead of the waiting queue (they hold blocks).
         self.reserved: dict[str, tuple[Request, float]] = {}
@@ -85,6 +88,11 @@ class Scheduler:
         """Retire a request: it leaves every queue and its blocks go back at once (or, for a
         prefill whose KV is still to be sent, when `release_held` is called)."""
         self._leave_queues(request)
+        if request.running_since is not None and status in (RequestStatus.FINISHED_STOPPED,
+                                                            RequestStatus.FINISHED_LENGTH):
+            took = time.monotonic() - request.running_since
+            self.seconds_per_request = took if not self.seconds_per_request else \
+                0.8 * self.seconds_per_request + 0.2 * took
         request.status = status
         if request.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.held[request.request_id] = request
@@ -312,6 +320,7 @@ class Scheduler:
                 break
             heapq.heappop(self.waiting)
             request.status = RequestStatus.RUNNING
+            request.running_since = request.running_since or time.monotonic()
             self.running.append(request)
             if num_new > 0:
                 output.scheduled.append(self._scheduled(request, num_new))
@@ -326,6 +335,7 @@ class Scheduler:
                 break
             self.remote_ready.popleft()
             request.status = RequestStatus.RUNNING
+            request.running_since = request.running_since or time.monotonic()
             self.running.append(request)
             output.scheduled.append(self._scheduled(request, 1))
             budget -= 1

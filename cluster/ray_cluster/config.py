@@ -13,6 +13,7 @@ routers: 1                 # router replicas (Ray actors); with redis_url they s
 worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always); it rejoins routing
 worker_wait_s: 60          # with no live worker of a role, a request waits this long for one to restart
 max_prefill_wait_s: 10     # refuse new prompts (429) past this many seconds of prompts queued per prefill worker
+max_decode_wait_s: 10      # and new requests that every decode worker would keep waiting this long for a slot
 attach: false              # start no workers: route to those listed in redis_url's registry
 name: ""                   # with ray_address: workers outlive the gateway; one started again takes them over
 engine:
@@ -92,6 +93,9 @@ class ClusterConfig:
     # this many seconds of prompts queued (by its measured throughput), instead of waiting until its
     # KV lease ends and the decode worker recomputes it. Below kv_lease_s; 0: no limit.
     max_prefill_wait_s: float = 10.0
+    # Admission on the decode side: a new request is refused (429) when every decode worker has more
+    # than this many seconds of requests queued for its running slots (by its measured request time).
+    max_decode_wait_s: float = 10.0
     attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
     # The cluster's name. With it the workers are detached Ray actors named after it: they outlive the
     # gateway, and a gateway started again with the same name (and engine config) takes them over
@@ -99,12 +103,10 @@ class ClusterConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.mode not in tuple(Mode):
-            raise ValueError(f"mode must be one of {tuple(map(str, Mode))}, got {self.mode!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.routing not in tuple(RoutingPolicy):
-            raise ValueError(f"routing must be one of {tuple(map(str, RoutingPolicy))}, got {self.routing!r}")
+        for key, choices in (("mode", tuple(map(str, Mode))), ("transport", TRANSPORTS),
+                             ("routing", tuple(map(str, RoutingPolicy)))):
+            if getattr(self, key) not in choices:
+                raise ValueError(f"{key} must be one of {choices}, got {getattr(self, key)!r}")
         if self.routers < 1:
             raise ValueError(f"routers must be >= 1, got {self.routers}")
         if self.worker_max_restarts < -1:
@@ -112,8 +114,9 @@ class ClusterConfig:
         if not 0 <= self.max_prefill_wait_s < self.kv_lease_s:
             raise ValueError(f"max_prefill_wait_s must be >= 0 and below kv_lease_s ({self.kv_lease_s:g}): a prompt "
                              f"admitted must be computed before its lease ends, got {self.max_prefill_wait_s}")
-        if self.worker_wait_s < 0:
-            raise ValueError(f"worker_wait_s must be >= 0, got {self.worker_wait_s}")
+        for key in ("max_decode_wait_s", "worker_wait_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.name:
             self._check_name()
         if self.attach and not self.redis_url:
@@ -122,7 +125,6 @@ class ClusterConfig:
             raise ValueError("decode.replicas must be >= 1: decode workers serve every request")
         if self.mode == Mode.DISAGGREGATED and self.prefill.replicas < 1:
             raise ValueError("prefill.replicas must be >= 1 in disaggregated mode (or use mode: colocated)")
-
 
     def _check_name(self) -> None:
         if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", self.name):  # a DNS label, as a Helm release

@@ -138,7 +138,8 @@ class Cluster:
                                   concurrency_groups=CONCURRENCY_GROUPS)(Router)
         router_config = RouterConfig(self.config.mode, self.config.kv_lease_s, self.config.engine.cache.block_size,
                                      self.model_name, self.config.redis_url, self.config.routing,
-                                     self.config.worker_wait_s, self.config.max_prefill_wait_s)
+                                     self.config.worker_wait_s, self.config.max_prefill_wait_s,
+                                     self.config.max_decode_wait_s)
         self.routers = [router_class.remote(self._named(Role.PREFILL, self.prefill),
                                             self._named(Role.COLOCATED if colocated else Role.DECODE, self.decode),
                                             router_config)

@@ -107,6 +107,10 @@ class RouterConfig:
     # A new prompt is refused (429) when every prefill worker has more than this many seconds of
     # prompts ahead of it (queued prompt tokens over its measured throughput); 0: no limit.
     max_prefill_wait_s: float = 10.0
+    # A new request goes to no decode worker whose requests queued for a running slot would keep it
+    # waiting longer than this (queued over slots, times a request's measured running time); when
+    # every one would, it is refused (429). 0: no limit.
+    max_decode_wait_s: float = 10.0
 
 
 class Router:
@@ -154,6 +158,30 @@ class Router:
     def _decode_order(self) -> list[Any]:
         return sorted(self._live(self.decode),
                       key=lambda h: decode_rank(self.in_flight.get(id(h), 0), self.loads.get(id(h))))
+
+    def _decode_wait_s(self, handle: Any) -> float:
+        """How long a new request would wait on this decode worker for a running slot: the requests
+        here beyond its slots, drained `max_num_seqs` at a time, each batch in a request's measured
+        running time. 0 while that time is unknown."""
+        load = self.loads.get(id(handle))
+        if load is None or not load.max_num_seqs or not load.seconds_per_request:
+            return 0.0
+        ahead = self.in_flight.get(id(handle), 0) + 1 - load.max_num_seqs
+        return max(ahead, 0) / load.max_num_seqs * load.seconds_per_request
+
+    def _decode_admitting(self) -> list[Any]:
+        """The decode workers, best first, that a new request would not wait on past
+        `max_decode_wait_s`; QueueFullError (429) when every live one would keep it waiting longer."""
+        order = self._decode_order()
+        if not self.config.max_decode_wait_s or not order:
+            return order
+        admitting = [handle for handle in order if self._decode_wait_s(handle) <= self.config.max_decode_wait_s]
+        if not admitting:
+            self.decisions["refused_overloaded"] += 1
+            wait_s = min(self._decode_wait_s(handle) for handle in order)
+            raise QueueFullError(f"the decode workers have {wait_s:.1f} s of requests queued (more than "
+                                 f"{self.config.max_decode_wait_s:g} s): the cluster is overloaded; retry later")
+        return admitting
 
     async def _pick_prefill(self, prompt: list[int]) -> Any | None:
         """The live prefill worker with the least prompt work before this one (its queue plus the
@@ -296,8 +324,8 @@ class Router:
         await self._wait_for_a_live_worker()
         deadline = time.monotonic() + self.config.worker_wait_s
         while True:
-            run = self._colocated(request_id, prompt, params) if self.config.mode == Mode.COLOCATED \
-                else self._split(request_id, prompt, params)
+            run = self._colocated(request_id, prompt, params, resumed) if self.config.mode == Mode.COLOCATED \
+                else self._split(request_id, prompt, params, resumed)
             try:
                 async for event in run:
                     yield event
@@ -307,8 +335,9 @@ class Router:
                     raise NoCapacityError(str(error)) from None
             await asyncio.sleep(WAIT_POLL_S)
 
-    async def _colocated(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        for worker in self._decode_order():
+    async def _colocated(self, request_id: str, prompt: list[int], params: SamplingParams,
+                         resumed: bool) -> AsyncIterator[TokenEvent]:
+        for worker in self._decode_order() if resumed else self._decode_admitting():
             streamed = False
             try:
                 with self._holding(worker):
@@ -322,10 +351,11 @@ class Router:
                     raise _WorkerLost(f"worker {self.ids.get(id(worker))}") from error
         raise _NoRoom("no worker is alive")
 
-    async def _split(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def _split(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     resumed: bool) -> AsyncIterator[TokenEvent]:
         """The disaggregated run: the first decode worker with room reserves, a prefill worker computes."""
         seen = RepeatFilter()
-        for decode in self._decode_order():
+        for decode in self._decode_order() if resumed else self._decode_admitting():
             try:
                 with self._holding(decode):  # counted from the reservation on, so a burst spreads out
                     ticket = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s)

@@ -94,6 +94,7 @@ class Worker:
         self.on_fatal = on_fatal
         self.pending: set[asyncio.Future[Any]] = set()  # `_call`s not answered yet
         self.tokens_per_s = 0.0  # recent throughput while busy (`_count_throughput`)
+        self.rate_measured = False  # whether tokens_per_s comes from served steps (else warm-up's, or none)
         self.started_at = time.time()  # the engine (and its model) loaded just before
         self.broken = False  # the engine thread failed for good
 
@@ -105,7 +106,7 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         try:
             # Its prefill rate: what the routers admit prompts by until real steps have been timed.
-            self.tokens_per_s = await asyncio.to_thread(self.engine.warm_up)
+            self.tokens_per_s = await asyncio.to_thread(self.engine.warm_up)  # until the first timed step
         except Exception as error:
             self.failure = f"warm-up failed on {self.engine.device}: {error!r}"
             log.error("%s: %s", self.worker_id, self.failure)
@@ -242,7 +243,8 @@ class Worker:
         prefill worker's queue by (seconds of work ahead of a new prompt)."""
         if tokens > 0 and seconds > 0:
             rate = tokens / seconds
-            self.tokens_per_s = rate if not self.tokens_per_s else 0.8 * self.tokens_per_s + 0.2 * rate
+            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate if self.rate_measured else rate
+            self.rate_measured = True
 
     def _export_computed_blocks(self) -> None:
         """Queue the blocks each running prefill finished this step, so they travel while the rest
@@ -331,7 +333,8 @@ class Worker:
                           stats.num_blocks, stats.kv_cache_usage, stats.num_preemptions, stats.prefix_cache_queries,
                           stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
                           self.transfer_failures, self.frame_count, stats.num_recomputes, str(self.engine.device),
-                          self.failure, self.tokens_per_s, self.started_at)
+                          self.failure, self.tokens_per_s, stats.seconds_per_request,
+                          self.engine.config.scheduler.max_num_seqs, self.started_at)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""

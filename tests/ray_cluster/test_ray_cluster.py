@@ -803,3 +803,62 @@ def test_a_resumed_request_that_finds_no_room_waits_for_some(checkpoint: Path) -
         assert_pools_whole(cluster)
     finally:
         cluster.stop()
+
+
+def _rss_bytes(actor: Any) -> int:
+    """For `__ray_call__`: the resident memory of the actor's process."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_a_10x_burst_on_the_decode_pool_is_refused_early_and_nothing_grows(checkpoint: Path) -> None:
+    """A decode worker with 2 running slots, its requests measured at about a second each, 1 s of
+    queue allowed: a burst of 20 at once (10x its slots). Before, all were admitted (the decode pool
+    refused only when its KV memory ran out) and queued for up to 10 s; now those past the allowed
+    wait are refused at once (429), the admitted ones finish with the engine's tokens, every pool is
+    whole after, and no worker's memory grew by more than 64 MiB."""
+    import ray
+
+    from cluster.common.errors import QueueFullError
+
+    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512,
+                                        "max_num_seqs": 2})
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, max_prefill_wait_s=0, max_decode_wait_s=1.0)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = [[3 + index + offset for offset in range(12)] for index in range(20)]
+    expected = alone(engine_config, prompts, params)
+    cluster = Cluster(config).start()
+
+    async def one(index: int) -> list[int] | str:
+        try:
+            return [t async for event in cluster.generate(prompts[index], params, request_id=f"burst-{index}")
+                    for t in event.token_ids]
+        except QueueFullError as error:
+            return str(error)
+
+    async def burst(indices: range) -> list[list[int] | str]:
+        return list(await asyncio.gather(*(one(index) for index in indices)))
+
+    workers = cluster.prefill + cluster.decode
+    try:
+        ray.get(cluster.decode[0].__ray_call__.remote(pace_steps(0.05)), timeout=30)
+        assert asyncio.run(burst(range(2))) == expected[:2]  # measures a request's running time
+        deadline = time.monotonic() + 30
+        while not ray.get(cluster.router.__ray_call__.remote(
+                lambda router: any(load.seconds_per_request for load in router.loads.values())), timeout=30):
+            assert time.monotonic() < deadline, "the router never learnt the decode worker's request time"
+            time.sleep(0.2)
+        memory = ray.get([worker.__ray_call__.remote(_rss_bytes) for worker in workers], timeout=30)
+        answers = asyncio.run(burst(range(20)))
+        refused = [answer for answer in answers if isinstance(answer, str)]
+        served = [(index, answer) for index, answer in enumerate(answers) if not isinstance(answer, str)]
+        assert len(refused) >= 10 and served, answers
+        assert all("decode workers have" in reason and "overloaded" in reason for reason in refused)
+        assert all(answer == expected[index] for index, answer in served)
+        assert_pools_whole(cluster)
+        after = ray.get([worker.__ray_call__.remote(_rss_bytes) for worker in workers], timeout=30)
+        grown = [now - before for before, now in zip(memory, after, strict=True)]
+        assert max(grown) < 64 << 20, grown
+    finally:
+        cluster.stop()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster.common.block_hashes import prefix_hashes
+from cluster.common.errors import QueueFullError
 from cluster.common.loads import WorkerLoad
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
@@ -92,3 +93,29 @@ def test_prefix_hashes_cover_full_blocks_only_and_default_to_the_unnamed_model()
     request = Request("r", prompt, SamplingParams())
     assert manager.allocate_slots(request, len(prompt))
     assert prefix_hashes(prompt, 4) == manager.hashes_of["r"]
+
+
+def test_a_new_request_goes_to_no_decode_worker_it_would_wait_on_too_long() -> None:
+    """Wait = requests here beyond the slots, drained max_num_seqs at a time, each batch in a request's
+    measured running time; a worker past max_decode_wait_s takes no new request, none: 429."""
+    fast, slow = object(), object()
+    router = Router([], [("decode-0", "actor-a", fast), ("decode-1", "actor-b", slow)],
+                    RouterConfig(max_decode_wait_s=2.0))
+
+    def load(seconds_per_request: float) -> WorkerLoad:
+        return WorkerLoad("d", "decode", 4, 0, 50, 100, 0.5, seconds_per_request=seconds_per_request, max_num_seqs=4)
+
+    assert router._decode_admitting() == [fast, slow]  # loads unknown yet: admitted
+    router.loads = {id(fast): load(1.0), id(slow): load(3.0)}
+    router.in_flight = {id(fast): 7, id(slow): 3}
+    assert router._decode_wait_s(fast) == 1.0 and router._decode_wait_s(slow) == 0.0  # 4 beyond 4 slots; a free slot
+    assert router._decode_admitting() == [slow, fast]
+    router.in_flight = {id(fast): 12, id(slow): 6}  # 9 / 4 * 1 s; 3 / 4 * 3 s
+    assert router._decode_wait_s(fast) == 2.25 and router._decode_wait_s(slow) == 2.25
+    with pytest.raises(QueueFullError, match="the decode workers have 2.2 s of requests queued"):
+        router._decode_admitting()
+    assert router.decisions["refused_overloaded"] == 1
+    router.dead.add(id(fast))
+    router.in_flight[id(slow)] = 5
+    assert router._decode_admitting() == [slow]  # 2 / 4 * 3 s = 1.5 s
+    assert Router([], [("decode-0", "a", fast)], RouterConfig(max_decode_wait_s=0))._decode_admitting() == [fast]
