@@ -862,3 +862,45 @@ def test_a_10x_burst_on_the_decode_pool_is_refused_early_and_nothing_grows(check
         assert max(grown) < 64 << 20, grown
     finally:
         cluster.stop()
+
+
+def _die_after_the_last_event(actor: Any) -> None:
+    """For `__ray_call__`: the worker's process ends right after a request's last event went out."""
+    import asyncio
+    import os
+
+    outputs = actor.worker._outputs
+
+    async def dying(request_id: str) -> Any:
+        async for item in outputs(request_id):
+            yield item
+            if item.finished:
+                await asyncio.sleep(0.2)  # the event reaches the router, the stream has not ended
+                os._exit(1)
+
+    actor.worker._outputs = dying
+
+
+def test_a_decode_worker_that_dies_after_the_last_event_ends_the_request_once(checkpoint: Path) -> None:
+    """The decode worker's process dies between a request's last event and the end of its stream.
+    Before, the router resumed the request elsewhere and the client got a second finish chunk (the
+    cluster soak saw it once in ~300 requests); now the request is whole: one finish, no resume."""
+    import ray
+
+    engine_config = engine_config_for(checkpoint)
+    (expected,) = alone(engine_config, PROMPTS[:1], GREEDY)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
+                           engine=engine_config)
+    cluster = Cluster(config).start()
+
+    async def events() -> list[Any]:
+        return [event async for event in cluster.generate(PROMPTS[0], GREEDY, request_id="last")]
+
+    try:
+        ray.get([worker.__ray_call__.remote(_die_after_the_last_event) for worker in cluster.decode], timeout=30)
+        got = asyncio.run(events())
+        assert [event.finished for event in got].count(True) == 1 and got[-1].finished
+        assert [t for event in got for t in event.token_ids] == expected
+        assert ray_stats(cluster)["resumed"] == 0
+    finally:
+        cluster.stop()
