@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
+from tests.deploy.test_multinode import Processes
 from tests.state.conftest import dedicated_redis, redis_server  # noqa: F401  (real redis-servers, for every package)
 
 QUESTIONS = [
@@ -41,3 +47,23 @@ def transformers_greedy(default_engine: LLMEngine, default_prompts: list[list[in
                                         eos_token_id=list(default_engine.tokenizer.eos_token_ids), pad_token_id=0)
         outputs.append(generated[0, len(prompt):].tolist())
     return outputs
+
+
+# Processes of their own (Ray nodes, gateways): tests/deploy and tests/ray_cluster/test_two_hosts.py.
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-mn-logs-"))
+    started = Processes(log_dir)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_temp_dir() -> Iterator[Path]:
+    # Short: Ray's unix sockets live under it and their paths must stay under 108 bytes.
+    path = Path(tempfile.mkdtemp(prefix="pdmn-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

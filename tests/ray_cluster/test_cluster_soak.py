@@ -22,6 +22,7 @@ from cluster.ray_cluster.launcher import Cluster
 from cluster.serving.cluster_service import ClusterService
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.ray_cluster.test_ray_cluster import router_entries
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 SOAK_S = float(os.environ.get("PDSERVE_CLUSTER_SOAK_S", "20"))
@@ -91,5 +92,6 @@ def test_the_soak_through_a_worker_crash_and_a_redis_restart_accounts_for_every_
             time.sleep(0.5)
         stats = ray.get(cluster.router.stats.remote(), timeout=30)
         assert stats["rejoined"] >= 1  # the killed worker came back into service
+        assert ray.get(cluster.router.__ray_call__.remote(router_entries), timeout=30) == {}  # nothing held
     finally:
         cluster.stop()

@@ -53,10 +53,24 @@ def generate_all(cluster: Cluster, prompts: list[list[int]], params: SamplingPar
 
 
 def assert_pools_whole(cluster: Cluster) -> None:
+    """Every worker's KV pool whole, and every router's per-request state empty (nothing in flight)."""
     import ray
 
     for free, total in ray.get([w.pool_state.remote() for w in cluster.prefill + cluster.decode], timeout=30):
         assert free == total
+    deadline = time.monotonic() + 10  # a router's stream ends just after its client read the last event
+    while left := [entries for entries in ray.get([router.__ray_call__.remote(router_entries)
+                                                   for router in cluster.routers], timeout=30) if entries]:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.1)
+
+
+def router_entries(router: Any) -> dict[str, Any]:
+    """For `__ray_call__`: what a router still holds for requests (empty when none is in flight)."""
+    held = {"attempts": router.attempts, "ahead": router.ahead,
+            "in_flight": {key: count for key, count in router.in_flight.items() if count},
+            "queued_tokens": {key: count for key, count in router.queued_tokens.items() if count}}
+    return {name: entries for name, entries in held.items() if entries}
 
 
 # Colocated workers' tokens against the engine alone: test_a_worker_killed_mid_stream_is_resumed_elsewhere.

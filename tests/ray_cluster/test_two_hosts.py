@@ -33,10 +33,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
-from tests.deploy import test_multinode
 from tests.deploy.test_multinode import RAY, RAY_ENV, Processes, free_port, wait_for_url, wait_until
-
-processes = test_multinode.processes  # the fixture: processes started in sessions of their own, stopped
 
 # Addresses that exist only on the veth pair this test makes, inside its own namespaces.
 HOST_A, HOST_B, PREFIX_LENGTH = "10.213.7.1", "10.213.7.2", 30
