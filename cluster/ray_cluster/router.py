@@ -290,12 +290,12 @@ class Router:
             if left <= 0:  # the lost worker had streamed every token: only the ending was missing
                 yield TokenEvent(request_id, len(sent), [], "", True, "length", len(prompt), "router")
                 return
+            if attempt == 0:  # refused before it holds anything here
+                self._admit(request_id, len(prompt))  # a resumed request is never refused: its client has tokens
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
             self.attempts[request_id] = attempt_id
             remaining = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
-                              seed_offset=params.seed_offset + len(sent))
-            if attempt == 0:
-                self._admit(request_id, len(prompt))  # a resumed request is never refused: its client has tokens
+                                seed_offset=params.seed_offset + len(sent))
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
             ended = False
             try:

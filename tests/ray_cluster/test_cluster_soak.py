@@ -90,8 +90,12 @@ def test_the_soak_through_a_worker_crash_and_a_redis_restart_accounts_for_every_
         while not pools_whole(cluster):
             assert time.monotonic() < deadline, "blocks still held after the soak"
             time.sleep(0.5)
-        stats = ray.get(cluster.router.stats.remote(), timeout=30)
-        assert stats["rejoined"] >= 1  # the killed worker came back into service
-        assert ray.get(cluster.router.__ray_call__.remote(router_entries), timeout=30) == {}  # nothing held
+        # The killed worker is back in service (the router may have seen it dead, or only restarting).
+        assert ray.get(cluster.decode[0].load.remote(), timeout=60).worker_id == "decode-0"
+        assert "decode-0" in ray.get(cluster.router.live_workers.remote(), timeout=30)
+        deadline = time.monotonic() + 10  # nothing held for requests (their last events may be on the way)
+        while left := ray.get(cluster.router.__ray_call__.remote(router_entries), timeout=30):
+            assert time.monotonic() < deadline, left
+            time.sleep(0.2)
     finally:
         cluster.stop()

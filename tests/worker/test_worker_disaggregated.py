@@ -260,6 +260,10 @@ def test_an_engine_thread_that_fails_outside_a_step_fails_the_worker_loudly(chec
         try:
             with pytest.raises(RuntimeError, match="a KV import that went wrong"):
                 await asyncio.wait_for(serve(prefill, decode, "doomed", PROMPTS[0]), 30)
+            for _ in range(100):  # the engine thread calls on_fatal just after it marks itself broken
+                if fatal:
+                    break
+                await asyncio.sleep(0.05)
             assert len(fatal) == 1 and "a KV import that went wrong" in decode.failure
             with pytest.raises(RuntimeError, match="engine thread failed"):
                 await asyncio.wait_for(decode.load(), 5)  # at once, not a hang
