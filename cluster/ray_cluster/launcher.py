@@ -28,7 +28,7 @@ from cluster.common.loads import WorkerLoad
 from cluster.common.roles import Mode, Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
-from cluster.ray_cluster.router import STREAM_AHEAD, Router, RouterConfig
+from cluster.ray_cluster.router import Router, RouterConfig, relay
 from cluster.ray_cluster.worker_actor import CONCURRENCY_GROUPS, RAY_NAMESPACE, control, worker_actor_class
 from cluster.state.connect import connect_state, redacted_url
 from cluster.weights.default_model import resolve_model_path
@@ -275,12 +275,9 @@ class Cluster:
         up = [index for index in range(len(self.routers)) if index not in self.routers_down]
         start = next(self.turn)
         for index in up[start % len(up):] + up[:start % len(up)] if up else []:
-            stream = self.routers[index].generate.options(num_returns="streaming",
-                                                          _generator_backpressure_num_objects=STREAM_AHEAD)
             started = False
             try:
-                async for ref in stream.remote(request_id, prompt, params):
-                    event = await ref
+                async for event in relay(self.routers[index].generate, request_id, prompt, params):
                     started = True
                     yield event
                 return

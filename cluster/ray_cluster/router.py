@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +50,24 @@ def actor_id_of(handle: Any) -> str:
     """A Ray actor handle's actor id (hex); empty for what is not one."""
     actor_id = getattr(handle, "_actor_id", None)
     return actor_id.hex() if actor_id is not None else ""
+
+
+async def relay(method: Any, *args: Any) -> AsyncIterator[Any]:
+    """The items of a streaming actor method, with backpressure. A consumer that stops early cancels
+    the remote generator: held at its backpressure limit it would otherwise wait for good (the
+    router's run of a request whose client left, and the worker's stream under it)."""
+    import ray
+
+    stream = method.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD).remote(*args)
+    ended = False
+    try:
+        async for ref in stream:
+            yield await ref
+        ended = True
+    finally:
+        if not ended:
+            with contextlib.suppress(Exception):  # a dead actor's task needs no cancelling
+                ray.cancel(stream)
 
 
 class _NoRoom(RuntimeError):
@@ -148,6 +166,8 @@ class Router:
                           "rejoined": 0, "refused_overloaded": 0, "splice_refused": 0}
         self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
         self.ahead: dict[str, int] = {}  # admitted requests whose prefill has not ended -> prompt tokens
+        # Requests aborted while in flight: a run between two attempts (resuming) must not start again.
+        self.aborted: set[str] = set()
         self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
         self.retired: list[Any] = []  # handles replaced by new actors under the same worker id
         self.turn = 0
@@ -284,8 +304,19 @@ class Router:
         if self.poller is None:
             self.poller = asyncio.get_running_loop().create_task(self._poll_loads())
         await self.polled.wait()  # the first request too is admitted by the workers' rates (from warm-up)
+        try:
+            async for event in self._runs(request_id, prompt, params):
+                yield event
+        finally:
+            self.aborted.discard(request_id)
+
+    async def _runs(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """`generate`'s attempts: the first, then resumed ones after the tokens already sent."""
         sent: list[int] = []
         for attempt in range(MAX_RESUMES + 1):
+            if request_id in self.aborted:  # aborted while it was being resumed: no new run
+                yield TokenEvent(request_id, len(sent), [], "", True, "abort", len(prompt), "router")
+                return
             left = params.max_tokens - len(sent)
             if left <= 0:  # the lost worker had streamed every token: only the ending was missing
                 yield TokenEvent(request_id, len(sent), [], "", True, "length", len(prompt), "router")
@@ -299,12 +330,15 @@ class Router:
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
             ended = False
             try:
-                async for event in self._attempt(attempt_id, prompt + sent, remaining, resumed=attempt > 0):
+                async for event in self._attempt(attempt_id, prompt + sent, remaining, resumed=attempt > 0,
+                                                 wanted=lambda: request_id not in self.aborted):
                     event = replace(event, request_id=request_id, index=event.index + before,
                                     num_prompt_tokens=len(prompt))
                     sent += event.token_ids
                     ended = event.finished
                     yield event
+                if not ended and request_id in self.aborted:  # it stopped waiting to be resumed
+                    yield TokenEvent(request_id, len(sent), [], "", True, "abort", len(prompt), "router")
                 return
             except _WorkerLost as lost:
                 if ended:  # it died after its last event: the request is whole, nothing to resume
@@ -316,14 +350,15 @@ class Router:
                 self.ahead.pop(request_id, None)
         raise NoCapacityError(f"{request_id}: workers kept failing ({MAX_RESUMES} resumes)")
 
-    async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       resumed: bool = False) -> AsyncIterator[TokenEvent]:
+    async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams, resumed: bool = False,
+                       wanted: Callable[[], bool] = lambda: True) -> AsyncIterator[TokenEvent]:
         """One run of the request; raises `_WorkerLost` if its worker dies after streaming tokens. A
         resumed run (its client has tokens) that finds no room waits for some, `worker_wait_s` at
-        most, rather than fail a stream that has begun; a new one is refused at once."""
-        await self._wait_for_a_live_worker()
+        most, rather than fail a stream that has begun; a new one is refused at once. A run no longer
+        `wanted` (aborted meanwhile) stops waiting and yields nothing."""
+        await self._wait_for_a_live_worker(wanted)
         deadline = time.monotonic() + self.config.worker_wait_s
-        while True:
+        while wanted():
             run = self._colocated(request_id, prompt, params, resumed) if self.config.mode == Mode.COLOCATED \
                 else self._split(request_id, prompt, params, resumed)
             try:
@@ -369,7 +404,8 @@ class Router:
                 return
             except RayActorError as error:
                 self._mark_dead(decode)
-                if seen.sent > 1:  # it streamed tokens of its own: the caller resumes after them
+                if seen.sent:  # the client has tokens (the prefill's first one, at least): resumed after them,
+                    # never prefilled again from the prompt alone (a new first token would be spliced on)
                     raise _WorkerLost(f"decode worker {self.ids.get(id(decode))}") from error
                 log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
                 self.decisions["rerouted"] += 1
@@ -399,7 +435,7 @@ class Router:
                                  f"{self.config.max_prefill_wait_s:g} s): the cluster is overloaded; retry later")
         self.ahead[request_id] = num_prompt_tokens
 
-    async def _wait_for_a_live_worker(self) -> None:
+    async def _wait_for_a_live_worker(self, wanted: Callable[[], bool]) -> None:
         """With no live decode (or colocated) worker, wait for Ray to restart one (the poller takes it
         back once it answers), `worker_wait_s` at most: on a cluster with one decode worker its crash
         then costs its requests time, not their answers. Raises ServiceUnavailable when none came."""
@@ -407,7 +443,7 @@ class Router:
             return
         log.warning("no decode worker is alive: waiting up to %.0f s for one to restart", self.config.worker_wait_s)
         deadline = time.monotonic() + self.config.worker_wait_s
-        while not self._live(self.decode):
+        while not self._live(self.decode) and wanted():
             if time.monotonic() >= deadline:
                 raise ServiceUnavailable(f"no decode worker is alive: the last one died and none came back within "
                                          f"{self.config.worker_wait_s:.0f} s; retry later")
@@ -466,13 +502,14 @@ class Router:
 
     @staticmethod
     async def _relay(method: Any, *args: Any) -> AsyncIterator[Any]:
-        async for ref in method.options(num_returns="streaming",
-                                        _generator_backpressure_num_objects=STREAM_AHEAD).remote(*args):
-            yield await ref
+        async for item in relay(method, *args):
+            yield item
 
     async def abort(self, request_id: str) -> None:
         """End the request on every worker that may hold it, all at once (each frees its blocks
         between two of its steps)."""
+        if request_id in self.attempts:
+            self.aborted.add(request_id)
         request_id = self.attempts.get(request_id, request_id)  # a resumed request runs under another id
         results = await asyncio.gather(*(control(handle.abort).remote(request_id)
                                          for handle in self._live(self.prefill + self.decode)), return_exceptions=True)

@@ -948,3 +948,78 @@ def test_a_client_that_stops_reading_leaves_nothing_in_the_router_or_the_workers
                        timeout=30) == []
     finally:
         cluster.stop()
+
+
+def _die_when_kv_lands(actor: Any) -> None:
+    """For `__ray_call__`: the worker's process ends as the next KV lands, before it admits the request."""
+    import os
+
+    def die(*_: Any) -> None:
+        os._exit(1)
+
+    actor.worker.engine.import_kv = die
+
+
+def test_a_decode_worker_lost_after_the_prefill_streamed_the_first_token_is_resumed_after_it(checkpoint: Path) -> None:
+    """The prefill worker streamed the first token, then the decode worker died before admitting the
+    request. Before, the router sent the request to the other decode worker with a new prefill, whose
+    new first token (unseeded sampling: another one) the client never saw: the answer went on after a
+    token it did not have (a splice, which the router now refuses). Now the request is resumed after
+    the token the client has."""
+    import ray
+
+    engine_config = engine_config_for(checkpoint)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
+                           engine=engine_config)
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)  # no seed
+    cluster = Cluster(config).start()
+
+    async def tokens() -> list[int]:
+        return [t async for event in cluster.generate(PROMPTS[0], params, request_id="cut") for t in event.token_ids]
+
+    try:
+        ray.get(cluster.decode[0].__ray_call__.remote(_die_when_kv_lands), timeout=30)
+        assert len(asyncio.run(tokens())) == 8
+        stats = ray_stats(cluster)
+        assert stats["resumed"] == 1 and stats["splice_refused"] == 0, stats
+    finally:
+        cluster.stop()
+
+
+def test_a_request_aborted_while_it_waits_to_be_resumed_is_not_run_again(checkpoint: Path) -> None:
+    """The only decode worker dies mid-stream; while the request waits for it to restart, its client
+    leaves (the front door stops reading and aborts, as the gateway does). Before, the abort reached
+    only the dead run, and the resumed run started once the worker was back, for nobody: held at its
+    backpressure limit for good, its router entries and worker stream with it (the cluster soak found
+    one). Now the resumed run is not started, and the abandoned stream is cancelled: every router
+    entry, worker stream and block comes back."""
+    import ray
+
+    engine_config = engine_config_for(checkpoint, num_blocks=256)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config)
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    cluster = Cluster(config).start()
+
+    async def leave_while_resuming() -> None:
+        stream = cluster.generate(PROMPTS[0], params, request_id="left")
+        for _ in range(3):
+            await anext(stream)
+        ray.kill(cluster.decode[0], no_restart=False)  # a crash: Ray starts it again
+        await asyncio.sleep(0.5)  # the router finds the run lost and waits for a decode worker
+        await stream.aclose()
+        await cluster.abort("left")
+
+    try:
+        ray.get(cluster.decode[0].__ray_call__.remote(pace_steps(0.02)), timeout=30)
+        asyncio.run(leave_while_resuming())
+        deadline = time.monotonic() + 60
+        while "decode-0" not in ray.get(cluster.router.live_workers.remote(), timeout=30):
+            assert time.monotonic() < deadline, "the decode worker never came back"
+            time.sleep(0.2)
+        time.sleep(2.0)  # a resumed run, were one started, would be held by now
+        assert_pools_whole(cluster)  # router entries included
+        assert ray.get(cluster.decode[0].__ray_call__.remote(lambda actor: list(actor.worker.streams)),
+                       timeout=30) == []
+    finally:
+        cluster.stop()
