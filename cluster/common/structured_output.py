@@ -18,7 +18,7 @@ KINDS = {
     "json_object": "nothing (any JSON object)",
     "regex": "a regular expression (Rust regex syntax) the whole output must match",
     "choice": "a JSON list of strings, one of which is the whole output",
-    "grammar": "a context-free grammar in Lark syntax (llguidance's), or in GBNF (llama.cpp's), told apart by its rules",
+    "grammar": "a context-free grammar in Lark syntax (llguidance's) or GBNF (llama.cpp's), told apart by its rules",
 }
 
 

@@ -15,6 +15,7 @@ import json
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import llguidance
 
@@ -22,13 +23,16 @@ from cluster.common.structured_output import StructuredOutput
 from cluster.grammar.matcher import GrammarMatcher
 from cluster.weights.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 DEFAULT_CACHE_SIZE = 512
 # JSON may put whitespace between its tokens; a run of it is capped, so a small model that falls into
 # a loop of newlines (a common failure) must get on with the object instead (this still allows an
 # indented object 16 levels deep).
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,64}"
 # Defaults a schema may override through its own "x-guidance" key (llguidance's JSON options).
-JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": JSON_WHITESPACE}
 
 
 class GrammarCompiler:
@@ -44,6 +48,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._eos_mask = sum(1 << token_id for token_id in set(eos_token_ids))
         self._compiled: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -89,9 +94,13 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {_NAMES[structured.kind]}: {_reason(matcher.get_error())}")
-        if matcher.is_stopped():  # a grammar of the empty string: the request could produce nothing
+        if self._allows_only_the_end(matcher):  # the request would have nothing to generate
             raise ValueError(f"the {_NAMES[structured.kind]} allows only an empty output")
         return matcher
+
+    def _allows_only_the_end(self, matcher: llguidance.LLMatcher) -> bool:
+        mask = int.from_bytes(matcher.deep_copy().compute_bitmask(), "little")  # bit i: token i
+        return mask & ~self._eos_mask == 0
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",

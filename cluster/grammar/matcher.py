@@ -1,4 +1,4 @@
-"""One request's position in its grammar, and the token masks of a batch of them.
+"""One request's position in its grammar.
 
 A `GrammarMatcher` is made by `GrammarCompiler.matcher` and lives on its `Request`: the request
 appends every output token through it (`accept`), so its state always equals the output so far,
@@ -7,8 +7,6 @@ Masks are bit sets, one int32 word per 32 tokens: bit j of word w allows token 3
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import llguidance
 
@@ -33,21 +31,6 @@ class GrammarMatcher:
         return self._matcher.is_error()
 
     def fill_bitmask(self, address: int) -> None:
-        """Write the mask of the tokens allowed next, `num_words` int32 words, at `address`."""
+        """Write the mask of the tokens allowed next, `num_words` int32 words, at `address`. Without
+        the GIL: another thread may run the model meanwhile."""
         self._matcher.unsafe_compute_mask_ptr(address, self.num_words * 4)
-
-
-class BitmaskFiller:
-    """Fills the masks of a batch of matchers at once, over llguidance's own thread pool, without the
-    GIL: the caller may run the model meanwhile."""
-
-    def __init__(self, num_threads: int | None = None) -> None:
-        self._executor = llguidance.LLExecutor(num_threads)
-
-    def fill(self, matchers: Sequence[GrammarMatcher], address: int, num_words: int) -> None:
-        """Row i of the int32 array at `address` (`num_words` words a row) gets matchers[i]'s mask."""
-        if len(matchers) == 1:  # spares the pool's hand-over for the common single row
-            matchers[0].fill_bitmask(address)
-            return
-        rows = [(matcher._matcher, row) for row, matcher in enumerate(matchers)]
-        self._executor.unsafe_compute_mask_ptr(rows, address, num_words * 4, len(matchers))

@@ -2,7 +2,7 @@
 
 Per step, for the rows that sample and have a grammar (`Request.grammar`):
   1. `GrammarMasker.start` fills one bit set per row (llguidance, without the GIL) on a thread of its
-     own, so the masks compute while the model runs its forward pass;
+     own, so the masks compute while the model runs its forward pass (on a GPU, while it waits);
   2. the sampler waits for them and `apply_grammar_masks` sets the logits of every token a row's
      grammar forbids to -inf, before any other processing. Unconstrained rows are not touched.
 The matchers are only read here; the request advances its own after the token is sampled.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cluster.grammar.matcher import BitmaskFiller, GrammarMatcher
+from cluster.grammar.matcher import GrammarMatcher
 
 if TYPE_CHECKING:
     from cluster.engine.request import Request
@@ -33,16 +33,20 @@ def grammar_rows(requests: Sequence[Request]) -> list[int]:
     return [row for row, request in enumerate(requests) if request.grammar is not None]
 
 
-def fill_grammar_masks(requests: Sequence[Request], filler: BitmaskFiller,
-                       rows: list[int] | None = None) -> GrammarMasks | None:
-    """The masks of `requests`' constrained rows, computed now; None when no row has a grammar."""
+def fill_grammar_masks(requests: Sequence[Request], rows: list[int] | None = None) -> GrammarMasks | None:
+    """The masks of `requests`' constrained rows, computed now; None when no row has a grammar.
+
+    Row by row: llguidance's own thread pool (`LLExecutor`) fought torch's threads for the cores,
+    and made steps several times slower on a 2-core CPU (docs/structured-outputs.md).
+    """
     rows = grammar_rows(requests) if rows is None else rows
     if not rows:
         return None
     matchers: list[GrammarMatcher] = [requests[row].grammar for row in rows]  # type: ignore[misc]
-    num_words = matchers[0].num_words
-    bitmask = torch.empty((len(rows), num_words), dtype=torch.int32)
-    filler.fill(matchers, bitmask.data_ptr(), num_words)
+    bitmask = torch.empty((len(rows), matchers[0].num_words), dtype=torch.int32)
+    address, row_bytes = bitmask.data_ptr(), bitmask.stride(0) * bitmask.element_size()
+    for index, matcher in enumerate(matchers):
+        matcher.fill_bitmask(address + index * row_bytes)
     return GrammarMasks(rows, bitmask)
 
 
@@ -72,20 +76,17 @@ class GrammarMasker:
 
     def __init__(self, overlap: bool = True) -> None:
         self.overlap = overlap
-        self._filler: BitmaskFiller | None = None  # llguidance's thread pool, made at the first grammar
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first grammar
 
     def start(self, requests: Sequence[Request]) -> concurrent.futures.Future[GrammarMasks | None] | None:
         """The masks of `requests` (the rows the step samples), on their way; None if no row has a grammar."""
         rows = grammar_rows(requests)
         if not rows:
             return None
-        if self._filler is None:
-            self._filler = BitmaskFiller()
         if not self.overlap:
             done: concurrent.futures.Future[GrammarMasks | None] = concurrent.futures.Future()
-            done.set_result(fill_grammar_masks(requests, self._filler, rows))
+            done.set_result(fill_grammar_masks(requests, rows))
             return done
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._thread.submit(fill_grammar_masks, list(requests), self._filler, rows)
+        return self._thread.submit(fill_grammar_masks, list(requests), rows)

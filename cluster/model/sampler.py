@@ -24,7 +24,6 @@ import torch
 
 from cluster.common.events import TokenLogprobs
 from cluster.engine.request import Request
-from cluster.grammar.matcher import BitmaskFiller
 from cluster.model.grammar_masks import GrammarMasks, apply_grammar_masks, fill_grammar_masks
 
 # Top-p first ranks only this many tokens per row: language models rarely spread top_p of their
@@ -86,7 +85,6 @@ class Sampler:
         self._shared_seed = seed
         self._shared_generators: dict[torch.device, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
-        self._filler: BitmaskFiller | None = None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  grammar_masks: GrammarMasks | None = None) -> SamplerOutput:
@@ -97,8 +95,7 @@ class Sampler:
         raw = logits[:, : self.vocab_size]
         plan = BatchPlan.build(requests)
         if plan.grammar_rows and grammar_masks is None:
-            self._filler = self._filler or BitmaskFiller()
-            grammar_masks = fill_grammar_masks(requests, self._filler, plan.grammar_rows)
+            grammar_masks = fill_grammar_masks(requests, plan.grammar_rows)
         processed = process_logits(raw, requests, plan, grammar_masks)
         token_ids = self._sample(processed, requests, plan)
         logprobs = compute_logprobs(raw, token_ids, requests, plan.logprob_rows)
