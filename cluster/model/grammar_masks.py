@@ -11,10 +11,12 @@ The matchers are only read here; the request advances its own after the token is
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from cluster.grammar.matcher import GrammarMatcher
@@ -52,22 +54,35 @@ def fill_grammar_masks(requests: Sequence[Request], rows: list[int] | None = Non
 
 def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
     """-inf, in place, wherever a constrained row's grammar forbids the token; other rows untouched."""
-    device, vocab_size = logits.device, logits.shape[1]
-    allowed = unpack_bitmask(masks.bitmask.to(device, non_blocking=True), vocab_size)
+    forbidden = forbidden_tokens(masks.bitmask, logits.shape[1], logits.device)
     if len(masks.rows) == logits.shape[0]:
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(forbidden, float("-inf"))
         return
-    index = torch.tensor(masks.rows, device=device)
+    index = torch.tensor(masks.rows, device=logits.device)
     constrained = logits.index_select(0, index)
-    constrained.masked_fill_(~allowed, float("-inf"))
+    constrained.masked_fill_(forbidden, float("-inf"))
     logits.index_copy_(0, index, constrained)
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 bit sets -> [rows, vocab_size] bools (True: allowed)."""
+def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, words] int32 bit sets on the CPU -> [rows, vocab_size] bools on `device`, True where the
+    token is forbidden. On the CPU numpy unpacks the bits in one pass (torch's shifts took 40 times
+    longer: 6 ms for 32 rows of a 49k vocabulary); a GPU unpacks the few words it is sent itself."""
+    if device.type == "cpu" and sys.byteorder == "little":
+        return forbidden_tokens_numpy(bitmask, vocab_size)
+    return forbidden_tokens_torch(bitmask.to(device, non_blocking=True), vocab_size)
+
+
+def forbidden_tokens_numpy(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, lowest bit first.
+    bits = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)
+
+
+def forbidden_tokens_torch(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     # An arithmetic shift of a negative word (bit 31 set) still leaves bit j in the lowest place.
-    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1 == 0).flatten(1)[:, :vocab_size]
 
 
 class GrammarMasker:

@@ -3,6 +3,8 @@ applied to those rows only."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -10,7 +12,13 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.common.structured_output import StructuredOutput
 from cluster.engine.request import Request
 from cluster.grammar.compiler import GrammarCompiler
-from cluster.model.grammar_masks import GrammarMasks, apply_grammar_masks, fill_grammar_masks, unpack_bitmask
+from cluster.model.grammar_masks import (
+    GrammarMasks,
+    apply_grammar_masks,
+    fill_grammar_masks,
+    forbidden_tokens_numpy,
+    forbidden_tokens_torch,
+)
 from cluster.weights.synthetic import build_tiny_tokenizer
 from cluster.weights.tokenizer import Tokenizer
 
@@ -21,11 +29,22 @@ def grammars(tmp_path_factory: pytest.TempPathFactory) -> GrammarCompiler:
     return GrammarCompiler.from_tokenizer(tokenizer)
 
 
-def test_unpacking_reads_bit_j_of_word_w_as_token_32w_plus_j() -> None:
-    bitmask = torch.tensor([[1 - 2**31, 1 << 5], [0, -1]], dtype=torch.int32)  # bits 0 and 31; -1: every bit
-    allowed = unpack_bitmask(bitmask, 40)
-    assert allowed[0].nonzero().flatten().tolist() == [0, 31, 37]
-    assert allowed[1].nonzero().flatten().tolist() == list(range(32, 40))  # cut at the vocabulary
+def allowed(forbidden: torch.Tensor) -> list[list[int]]:
+    return [(~row).nonzero().flatten().tolist() for row in forbidden]
+
+
+@pytest.mark.parametrize("unpack", [forbidden_tokens_numpy, forbidden_tokens_torch])
+def test_unpacking_reads_bit_j_of_word_w_as_token_32w_plus_j(unpack: Callable[[torch.Tensor, int], torch.Tensor]
+                                                             ) -> None:
+    bitmask = torch.tensor([[1 - 2**31, 1 << 5 | 1 << 12], [0, -1]], dtype=torch.int32)  # bits 0, 31; -1: all
+    forbidden = unpack(bitmask, 40)
+    assert forbidden.shape == (2, 40) and forbidden.dtype == torch.bool
+    assert allowed(forbidden) == [[0, 31, 37], list(range(32, 40))]  # cut at the vocabulary
+
+
+def test_both_unpackings_agree_on_random_words() -> None:
+    bitmask = torch.randint(-2**31, 2**31 - 1, (8, 50), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(forbidden_tokens_numpy(bitmask, 1590), forbidden_tokens_torch(bitmask, 1590))
 
 
 def test_each_constrained_row_gets_its_own_grammars_mask(grammars: GrammarCompiler) -> None:
@@ -35,11 +54,11 @@ def test_each_constrained_row_gets_its_own_grammars_mask(grammars: GrammarCompil
         requests[row].grammar = grammars.matcher(StructuredOutput("regex", pattern))
     masks = fill_grammar_masks(requests)
     assert masks is not None and masks.rows == [1, 2, 4]
-    allowed = unpack_bitmask(masks.bitmask, grammars.vocab_size)
+    rows = allowed(forbidden_tokens_numpy(masks.bitmask, grammars.vocab_size))
     for index, (row, pattern) in enumerate(patterns.items()):
         expected = [t for t in range(grammars.vocab_size)
                     if grammars.matcher(StructuredOutput("regex", pattern)).accept(t)]
-        assert allowed[index].nonzero().flatten().tolist() == expected, row
+        assert rows[index] == expected, row
     assert fill_grammar_masks(requests[:1]) is None
 
 
