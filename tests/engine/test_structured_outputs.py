@@ -16,6 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from cluster.cli import main
 from cluster.common.events import FinishReason
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.structured_output import StructuredOutput
@@ -223,3 +224,15 @@ def drain(engine: LLMEngine) -> dict[str, RequestOutput]:
             if output.finished:
                 finished[output.request_id] = output
     return finished
+
+
+def test_the_cli_asks_for_one_form(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["generate", "hello", "--raw", "--model", str(checkpoint), "--temperature", "1", "--max-tokens", "50"]
+    assert main([*common, "--choice", "yes", "--choice", "no"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert main([*common, "--max-tokens", "400", "--json-schema", f"@{schema}"]) == 0
+    assert valid_json(capsys.readouterr().out.strip())
+    assert main([*common, "--regex", "a+", "--choice", "b"]) == 2
+    assert "one structured output at most" in capsys.readouterr().err
