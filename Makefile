@@ -25,9 +25,10 @@ lint: install
 test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
-# The in-process tests of the engine core, sampler, detokenizer and KV framing: seconds, no Ray, no
+# The in-process tests of the engine core, sampler, grammars, detokenizer and KV framing: seconds, no Ray, no
 # servers, no default model. What a developer runs between edits, and what mutation testing runs.
 FAST_TESTS := tests/engine tests/model/test_sampler.py tests/model/test_block_tables.py \
+	tests/model/test_grammar_masks.py tests/grammar tests/common/test_structured_output.py \
 	tests/weights/test_tokenizer.py tests/transfer/test_connectors.py tests/transfer/test_loopback.py \
 	tests/ray_cluster/test_routing.py tests/worker/test_warm_up.py
 test-fast: install

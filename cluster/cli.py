@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -16,6 +17,7 @@ from rich.table import Table
 from cluster.common import env
 from cluster.common.roles import Mode
 from cluster.common.sampling_params import SamplingParams
+from cluster.common.structured_output import StructuredOutput
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.request_limits import RequestLimits
@@ -58,9 +60,41 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=None)
 
 
+def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured output (one at most; docs/structured-outputs.md)")
+    group.add_argument("--json-schema", default=None, help="a JSON schema the answer must match (or @file)")
+    group.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    group.add_argument("--regex", default=None, help="a regular expression the whole answer must match")
+    group.add_argument("--choice", action="append", default=None, help="the answer is one of these (repeatable)")
+    group.add_argument("--grammar", default=None, help="a Lark or GBNF grammar the answer must follow (or @file)")
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+                          top_k=args.top_k, seed=args.seed, structured=structured_output(args))
+
+
+def structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    """The form `--json-schema` & co. ask for; ValueError for two at once."""
+    forms = [StructuredOutput("json", _text_or_file(args.json_schema)) if getattr(args, "json_schema", None) else None,
+             StructuredOutput("json_object") if getattr(args, "json_object", False) else None,
+             StructuredOutput("regex", args.regex) if getattr(args, "regex", None) else None,
+             StructuredOutput.of_choices(args.choice) if getattr(args, "choice", None) else None,
+             StructuredOutput("grammar", _text_or_file(args.grammar)) if getattr(args, "grammar", None) else None]
+    asked = [form for form in forms if form is not None]
+    if len(asked) > 1:
+        raise ValueError("ask for one structured output at most (--json-schema, --json-object, --regex, --choice, "
+                         "--grammar)")
+    return asked[0] if asked else None
+
+
+def _text_or_file(value: str) -> str:
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"cannot read {value[1:]}: {error.strerror}") from None
 
 
 def make_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -289,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (generate, chat, bench):
         add_engine_arguments(sub)
         add_sampling_arguments(sub)
+    for sub in (generate, chat):
+        add_structured_arguments(sub)
     serve = commands.add_parser("serve", help="serve the model over HTTP (OpenAI API) and gRPC from a cluster "
                                 "of prefill and decode workers (embedded Ray by default)")
     serve.add_argument("--host", default="0.0.0.0", help="address both servers listen on")

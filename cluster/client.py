@@ -5,7 +5,8 @@
             print(chunk.text, end="", flush=True)
 
 A prompt is text, a list of token ids, or a chat (a list of {"role": ..., "content": ...} dicts);
-sampling options are `SamplingParams`' fields as keywords. Failures raise `ClientError`, which
+sampling options are `SamplingParams`' fields as keywords (`structured` takes a `StructuredOutput`, or
+the message's fields as a dict: `structured={"regex": "[0-9]+"}`). Failures raise `ClientError`, which
 carries the gRPC status code.
 
 Retries: a call failing with UNAVAILABLE (server starting, draining, restarting, unreachable) is
@@ -37,6 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.common import env
+from cluster.common.structured_output import StructuredOutput
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 
@@ -405,7 +407,21 @@ def _sampling_of(options: dict[str, Any]) -> pb.SamplingParams:
     given = {name: value for name, value in options.items() if value is not None}  # None: the default
     if isinstance(given.get("stop"), str):
         given["stop"] = [given["stop"]]
+    if isinstance(given.get("structured"), StructuredOutput):
+        given["structured"] = _structured_message(given["structured"])
     return pb.SamplingParams(**given)
+
+
+def _structured_message(structured: StructuredOutput) -> pb.StructuredOutput:
+    """`structured=StructuredOutput(...)`; a dict such as {"regex": "..."} or a pb.StructuredOutput
+    goes as it is."""
+    if structured.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if structured.kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(choices=structured.choices()))
+    message = pb.StructuredOutput()
+    setattr(message, {"json": "json_schema"}.get(structured.kind, structured.kind), structured.spec)
+    return message
 
 
 def _finish_reason_of(value: int) -> str | None:

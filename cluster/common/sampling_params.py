@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.common.structured_output import StructuredOutput
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -11,6 +13,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs = N` returns the log-probability of each sampled token and the N most likely ones.
+    `structured` constrains every sampled token to a grammar (a JSON schema, a regex, ...); the
+    request stops where the grammar ends.
     """
 
     max_tokens: int = 16
@@ -27,9 +31,11 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
-    # Tokens of this request a seeded generator already drew for elsewhere (a run resumed after them
-    # on another worker): its generator skips their draws, so the random stream goes on unbroken.
+    # Tokens of this request generated already, elsewhere: the last `seed_offset` prompt tokens (a run
+    # resumed after them on another worker). A seeded generator skips their draws and a grammar
+    # replays them, so the random stream and the grammar's state go on unbroken.
     seed_offset: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON bodies), store tuples so the object stays hashable.
@@ -58,6 +64,8 @@ class SamplingParams:
             # torch's generators take 64-bit seeds; a larger one would fail the step of every request in it
             (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
             (self.seed_offset >= 0, f"seed_offset must be >= 0, got {self.seed_offset}"),
+            (self.structured is None or isinstance(self.structured, StructuredOutput),
+             f"structured must be a StructuredOutput, got {type(self.structured).__name__}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -7,6 +7,7 @@ later) wrap this loop; everything here is plain Python and torch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
+from cluster.grammar.compiler import GrammarCompiler
+from cluster.grammar.matcher import GrammarMatcher
 from cluster.model.device import resolve_device
 from cluster.model.llama import ArchitectureConfig
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
@@ -243,7 +246,28 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
                           priority=priority)
         self.scheduler.check_request_fits(request)
+        if params.structured is not None:
+            request.grammar = self._grammar_after(token_ids, params)
         return request
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """This model's grammar cache, built at the first constrained request (a few hundred ms)."""
+        return GrammarCompiler.from_tokenizer(self.tokenizer, self.arch.vocab_size)
+
+    def _grammar_after(self, token_ids: list[int], params: SamplingParams) -> GrammarMatcher:
+        """A matcher for the request's grammar, past the output it generated already elsewhere (the
+        last `seed_offset` prompt tokens of a resumed run); ValueError if they do not follow it."""
+        assert params.structured is not None
+        matcher = self.grammars.matcher(params.structured)
+        if params.seed_offset >= len(token_ids):
+            raise ValueError(f"seed_offset {params.seed_offset} must be below the prompt's {len(token_ids)} tokens")
+        for token_id in token_ids[len(token_ids) - params.seed_offset:]:
+            if not matcher.accept(token_id):
+                raise ValueError("the output generated before this resumed run does not follow its grammar")
+        if matcher.finished:
+            raise ValueError("the output generated before this resumed run already completes its grammar")
+        return matcher
 
     def abort(self, request_id: str) -> bool:
         """End a request now, wherever it is; its blocks return to the pool at once."""

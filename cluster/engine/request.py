@@ -14,9 +14,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.common.events import FinishReason, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.grammar.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,6 +69,8 @@ class Request:
     running_since: float | None = None  # when it first ran here (its time running, not waiting, is measured)
     # Prefill side of the cluster: keep the blocks when the request ends, until they are exported.
     hold_kv: bool = False
+    # Where the output stands in its grammar (`sampling_params.structured`); None: unconstrained.
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -91,10 +97,14 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def append_output_token(self, token_id: int) -> None:
+        """Every output token comes through here (sampled, or a prefill worker's first token), so the
+        grammar's state always matches the output."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished state the last output token put this request in, or None to keep going.
@@ -105,6 +115,8 @@ class Request:
         num_output = len(self.output_token_ids)
         if len(self.all_token_ids) >= max_model_len:  # before min_tokens: the context is full whatever it asks
             return RequestStatus.FINISHED_LENGTH
+        if self.grammar is not None and (status := self._grammar_status()) is not None:
+            return status  # before min_tokens too: a complete grammar allows no more tokens
         if num_output < params.min_tokens:
             return None
         last = self.output_token_ids[-1]
@@ -115,4 +127,12 @@ class Request:
             return RequestStatus.FINISHED_STOPPED
         if num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _grammar_status(self) -> RequestStatus | None:
+        assert self.grammar is not None
+        if self.grammar.failed:  # a token from elsewhere the grammar refuses (the sampler never picks one)
+            return RequestStatus.FINISHED_ERROR
+        if self.grammar.finished:
+            return RequestStatus.FINISHED_STOPPED
         return None

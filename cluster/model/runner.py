@@ -21,6 +21,7 @@ from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, S
 from cluster.model.attention.backend import AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
 from cluster.model.cuda_graphs import DecodeGraphs
+from cluster.model.grammar_masks import GrammarMasker
 from cluster.model.llama import ArchitectureConfig, LlamaForCausalLM
 from cluster.model.sampler import Sampler
 
@@ -111,6 +112,7 @@ class ModelRunner:
         self.kv_caches = [allocate_zeroed(shape, self.dtype, self.device) for _ in range(arch.num_layers)]
         self.swap_store: dict[str, list[torch.Tensor]] = {}
         self.sampler = Sampler(arch.vocab_size)
+        self.grammar_masker = GrammarMasker()
         self.block_tables = BlockTables(-(-max_model_len // block_size))
         # Decode-only steps replay as CUDA graphs on CUDA devices with Triton attention (None: all eager).
         self.decode_graphs = None
@@ -127,12 +129,13 @@ class ModelRunner:
         if not output.scheduled:
             return ModelRunnerOutput()
         batch = self.build_batch(output.scheduled)
+        requests = [batch.rows[row].request for row in batch.sample_rows]
+        grammar_masks = self.grammar_masker.start(requests)  # computed while the model runs
         hidden = self._forward(batch)
         if not batch.sample_rows:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        requests = [batch.rows[row].request for row in batch.sample_rows]
-        sampled = self.sampler(logits, requests)
+        sampled = self.sampler(logits, requests, grammar_masks.result() if grammar_masks is not None else None)
         result = ModelRunnerOutput()
         for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
             result.sampled[request.request_id] = token_id

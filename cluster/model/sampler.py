@@ -1,6 +1,7 @@
 """Turns the model's last-position logits into one next token per request, the way vLLM does.
 
 Per step, for each row (one request):
+  0. structured output: tokens the row's grammar forbids are masked to -inf (`grammar_masks`);
   1. min_tokens: while too few tokens are out, EOS and stop token ids are masked to -inf;
   2. penalties: repetition over prompt and output tokens, presence and frequency over output tokens;
   3. greedy rows (temperature ~ 0) take the argmax here; random rows go on:
@@ -23,6 +24,7 @@ import torch
 
 from cluster.common.events import TokenLogprobs
 from cluster.engine.request import Request
+from cluster.model.grammar_masks import GrammarMasks, apply_grammar_masks, fill_grammar_masks
 
 # Top-p first ranks only this many tokens per row: language models rarely spread top_p of their
 # mass wider, and a partial sort of 1024 costs a tenth of a full sort of a 50k vocabulary on CPU.
@@ -47,6 +49,7 @@ class BatchPlan:
     min_tokens_rows: list[int] = field(default_factory=list)
     penalty_rows: list[int] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
+    grammar_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, requests: Sequence[Request]) -> BatchPlan:
@@ -61,11 +64,13 @@ class BatchPlan:
                 plan.penalty_rows.append(row)
             if params.logprobs is not None:
                 plan.logprob_rows.append(row)
+            if request.grammar is not None:
+                plan.grammar_rows.append(row)
         return plan
 
     @property
     def modifies_logits(self) -> bool:
-        return bool(self.min_tokens_rows or self.penalty_rows)
+        return bool(self.min_tokens_rows or self.penalty_rows or self.grammar_rows)
 
 
 class Sampler:
@@ -81,13 +86,17 @@ class Sampler:
         self._shared_generators: dict[torch.device, torch.Generator] = {}
         self._request_generators: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 grammar_masks: GrammarMasks | None = None) -> SamplerOutput:
         """`logits` is [len(requests), >= vocab_size]; row i belongs to requests[i]. Columns past
-        vocab_size (an embedding padded for alignment) are never sampled."""
+        vocab_size (an embedding padded for alignment) are never sampled. `grammar_masks`: the
+        masks of the rows with a grammar, computed ahead (`GrammarMasker`); else computed here."""
         self._check_shape(logits, requests)
         raw = logits[:, : self.vocab_size]
         plan = BatchPlan.build(requests)
-        processed = process_logits(raw, requests, plan)
+        if plan.grammar_rows and grammar_masks is None:
+            grammar_masks = fill_grammar_masks(requests, plan.grammar_rows)
+        processed = process_logits(raw, requests, plan, grammar_masks)
         token_ids = self._sample(processed, requests, plan)
         logprobs = compute_logprobs(raw, token_ids, requests, plan.logprob_rows)
         return SamplerOutput(token_ids.tolist(), logprobs)
@@ -175,16 +184,24 @@ class Sampler:
 
 
 def process_logits(
-    logits: torch.Tensor, requests: Sequence[Request], plan: BatchPlan | None = None
+    logits: torch.Tensor, requests: Sequence[Request], plan: BatchPlan | None = None,
+    grammar_masks: GrammarMasks | None = None,
 ) -> torch.Tensor:
-    """min_tokens masking then penalties: everything that also applies to greedy rows.
+    """Grammar masks, min_tokens masking, then penalties: everything that also applies to greedy rows.
 
-    Returns `logits` itself when no row needs either (no copy); otherwise a float32 copy.
+    Returns `logits` itself when no row needs any (no copy); otherwise a float32 copy.
     """
     plan = plan or BatchPlan.build(requests)
     if not plan.modifies_logits:
         return logits
     logits = logits.to(torch.float32, copy=True)
+    if grammar_masks is not None:
+        if grammar_masks.rows != plan.grammar_rows:
+            raise ValueError(f"grammar masks for rows {grammar_masks.rows}, but rows {plan.grammar_rows} "
+                             "have a grammar")
+        apply_grammar_masks(logits, grammar_masks)
+    elif plan.grammar_rows:
+        raise ValueError(f"rows {plan.grammar_rows} have a grammar but no masks were given")
     if plan.min_tokens_rows:
         apply_min_tokens(logits, [requests[row] for row in plan.min_tokens_rows], plan.min_tokens_rows)
     if len(plan.penalty_rows) == len(requests):

@@ -24,6 +24,7 @@ from typing import Protocol
 from cluster.common.events import TokenEvent
 from cluster.common.loads import WorkerLoad
 from cluster.common.sampling_params import SamplingParams
+from cluster.grammar.compiler import shared_compiler
 from cluster.weights.tokenizer import Tokenizer
 
 # The longest request id a client may send (HTTP `X-Request-Id`, gRPC `request_id`): echoed and
@@ -67,7 +68,8 @@ class Service(Protocol):
 def check_prompt(service: Service, prompt: list[int], params: SamplingParams) -> None:
     """Refuse, before anything runs, a request the model cannot take (ValueError -> 400): an empty
     prompt, token ids outside the vocabulary (which would otherwise reach the router's prefix hashes
-    and the workers), one that cannot fit the context."""
+    and the workers), one that cannot fit the context, a structured output whose schema, regex or
+    grammar does not compile (compiled once per spec here; the workers compile it again, cached)."""
     if not prompt:
         raise ValueError("the prompt is empty")
     vocab_size = service.tokenizer.vocab_size
@@ -75,6 +77,15 @@ def check_prompt(service: Service, prompt: list[int], params: SamplingParams) ->
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}): the vocabulary's ids")
     if len(prompt) + 1 > service.max_model_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context holds {service.max_model_len}")
+    check_structured(service.tokenizer, params)
+
+
+def check_structured(tokenizer: Tokenizer, params: SamplingParams) -> None:
+    """ValueError unless the request's structured output compiles. The doors call it off their event
+    loop first (the first spec of a process also builds the vocabulary's view, a few hundred ms), so
+    that `check_prompt`'s own call is a cache hit."""
+    if params.structured is not None:
+        shared_compiler(tokenizer).check(params.structured)
 
 
 async def collect(events: AsyncIterator[TokenEvent]) -> list[TokenEvent]:

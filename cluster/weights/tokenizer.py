@@ -8,6 +8,7 @@ Behaviour follows transformers 5's `TokenizersBackend` and `apply_chat_template`
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -101,6 +102,14 @@ class Tokenizer:
         """Text of `ids`. (transformers' clean_up_tokenization_spaces is not applied: transformers 5 skips
         it for BPE tokenizers too, as it corrupts their output.)"""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it, less padding and truncation: what a grammar engine
+        reads the vocabulary and the merges from (`cluster.grammar`)."""
+        backend = copy.copy(self._backend)  # the settings below must not change our own encodings
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)

@@ -15,8 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.common.sampling_params import SamplingParams
+from cluster.common.structured_output import StructuredOutput
 from cluster.engine.request import Request
+from cluster.grammar.compiler import GrammarCompiler
+from cluster.model.grammar_masks import GrammarMasker
 from cluster.model.sampler import TOP_P_PREFIX, Sampler, apply_penalties, process_logits, top_k_top_p_cutoffs
+from cluster.weights.synthetic import build_tiny_tokenizer
+from cluster.weights.tokenizer import Tokenizer
 
 EOS = 0
 
@@ -469,3 +474,77 @@ def test_a_seeded_request_continues_its_draws_on_another_sampler() -> None:
     resumed = make_request("resumed", SamplingParams(temperature=1.0, seed=1234, seed_offset=2),
                            outputs=one.output_token_ids[2:4])  # 2 drawn elsewhere, 2 here before
     assert [Sampler(40)(logits, [resumed]).token_ids[0]] == one.output_token_ids[4:5]
+
+
+# Structured outputs: grammar masks on some rows of a batch.
+
+
+@pytest.fixture(scope="module")
+def grammars(tmp_path_factory: pytest.TempPathFactory) -> GrammarCompiler:
+    tokenizer = Tokenizer.from_dir(build_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer")))
+    return GrammarCompiler.from_tokenizer(tokenizer)
+
+
+DIGITS = StructuredOutput("regex", "[0-9]{1,40}")
+MIXED_BATCH = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=5),
+               SamplingParams(temperature=1.0, top_k=20, top_p=0.9), SamplingParams(temperature=0, min_tokens=3),
+               SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5),
+               SamplingParams(temperature=0.8, min_p=0.05), SamplingParams(temperature=0, frequency_penalty=1.0)]
+
+
+def mixed_batch(grammars: GrammarCompiler, constrained: set[int]) -> list[Request]:
+    requests = [make_request(f"r{row}", params, outputs=[7, 9]) for row, params in enumerate(MIXED_BATCH)]
+    for row in constrained:
+        requests[row].grammar = grammars.matcher(DIGITS)
+    return requests
+
+
+def digit_tokens(grammars: GrammarCompiler) -> set[int]:
+    return {token for token in range(grammars.vocab_size) if grammars.matcher(DIGITS).accept(token)}
+
+
+def test_constrained_rows_sample_only_what_their_grammar_allows(grammars: GrammarCompiler) -> None:
+    allowed = digit_tokens(grammars)
+    assert 0 < len(allowed) < grammars.vocab_size / 4
+    sampler = Sampler(grammars.vocab_size, seed=0)
+    for step in range(20):
+        requests = mixed_batch(grammars, constrained={0, 1, 2, 3, 4, 5, 6, 7})
+        tokens = sampler(random_logits(len(requests), grammars.vocab_size, seed=step), requests).token_ids
+        assert set(tokens) <= allowed, step
+
+
+def test_unconstrained_rows_sample_as_in_a_batch_without_grammars(grammars: GrammarCompiler) -> None:
+    """Half the rows constrained: the other half draws exactly the tokens it draws when no row is
+    (greedy, seeded and unseeded rows alike), while the constrained half does change."""
+    plain, mixed = Sampler(grammars.vocab_size, seed=3), Sampler(grammars.vocab_size, seed=3)
+    constrained = {1, 2, 4, 7}
+    changed = 0
+    for step in range(10):
+        logits = random_logits(len(MIXED_BATCH), grammars.vocab_size, seed=100 + step)
+        free = plain(logits, mixed_batch(grammars, set())).token_ids
+        masked = mixed(logits, mixed_batch(grammars, constrained)).token_ids
+        assert [masked[row] for row in range(len(free)) if row not in constrained] == \
+            [free[row] for row in range(len(free)) if row not in constrained]
+        changed += sum(masked[row] != free[row] for row in constrained)
+    assert changed > 0  # the masks did bite
+
+
+def test_masks_computed_ahead_equal_those_the_sampler_computes(grammars: GrammarCompiler) -> None:
+    logits = random_logits(len(MIXED_BATCH), grammars.vocab_size, seed=9)
+    ahead = GrammarMasker(overlap=True).start(mixed_batch(grammars, {0, 3, 5}))
+    assert ahead is not None
+    masks = ahead.result()
+    assert masks is not None and masks.rows == [0, 3, 5]
+    given = Sampler(grammars.vocab_size, seed=4)(logits, mixed_batch(grammars, {0, 3, 5}), masks).token_ids
+    computed = Sampler(grammars.vocab_size, seed=4)(logits, mixed_batch(grammars, {0, 3, 5})).token_ids
+    assert given == computed
+    assert GrammarMasker().start(mixed_batch(grammars, set())) is None  # nothing to do without a grammar
+
+
+def test_masks_for_other_rows_than_the_constrained_ones_are_refused(grammars: GrammarCompiler) -> None:
+    requests = mixed_batch(grammars, {1})
+    masks = GrammarMasker(overlap=False).start(mixed_batch(grammars, {2}))
+    assert masks is not None
+    with pytest.raises(ValueError, match="grammar masks for rows"):
+        Sampler(grammars.vocab_size)(random_logits(len(requests), grammars.vocab_size, seed=0), requests,
+                                     masks.result())

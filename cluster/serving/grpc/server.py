@@ -40,6 +40,7 @@ from cluster.common import env
 from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
 from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
+from cluster.common.structured_output import StructuredOutput
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 from cluster.serving.api_keys import ApiKeys, Tenant
@@ -47,7 +48,7 @@ from cluster.serving.connection_limits import DEFAULT_STREAM_WRITE_TIMEOUT_S, Co
 from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import RequestLimits
-from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service
+from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service, check_structured
 
 __all__ = ["SERVICE_NAME", "GrpcServer"]
 
@@ -294,6 +295,7 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         self._check_limits(request, params)  # before any work: a 4 MB prompt is not tokenized
         prompt = await self.off_loop.run(self._prompt_of, request)
         _check_min_tokens(len(prompt), params, self.service.max_model_len)
+        await self.off_loop.run(check_structured, self.service.tokenizer, params)
         limits = self.limits.for_tenant(tenant) if self.limits is not None else None
         if limits is not None and limits.enabled:
             await limits.check(_bucket_of(context, tenant), len(prompt) + params.max_tokens)
@@ -368,8 +370,22 @@ def _params_of(message: pb.SamplingParams) -> SamplingParams:
     # A double field can carry NaN or an infinity, which no sampling value means (and some ranges admit).
     if not_finite := [name for name in _FLOAT_PARAMS if name in given and not math.isfinite(given[name])]:
         raise ValueError(f"{', '.join(not_finite)} must be a finite number")
+    structured = _structured_of(message.structured) if message.HasField("structured") else None
     return SamplingParams(**given, stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
-                          ignore_eos=message.ignore_eos, min_tokens=message.min_tokens)
+                          ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, structured=structured)
+
+
+def _structured_of(message: pb.StructuredOutput) -> StructuredOutput:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured is set but names no kind: set json_schema, json_object, regex, choice or grammar")
+    if kind == "json_object":
+        if not message.json_object:
+            raise ValueError("structured.json_object must be true (leave structured unset for free text)")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput.of_choices(list(message.choice.choices))
+    return StructuredOutput({"json_schema": "json"}.get(kind, kind), getattr(message, kind))
 
 
 def _check_min_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:

@@ -63,7 +63,7 @@ from cluster.serving.http.openai_protocol import (
 from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import LimitExceeded, RequestLimits
-from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service
+from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service, check_structured
 
 log = logging.getLogger(__name__)
 
@@ -401,6 +401,7 @@ class Gateway:
             body.check_limits(self.request_limits)  # before any work: a 4 MB prompt is not tokenized
             prompt = await self.off_loop.run(body.prompt_ids, self.service.tokenizer)
             params = body.sampling_params(len(prompt), self.service.max_model_len)
+            await self.off_loop.run(check_structured, self.service.tokenizer, params[0])  # the same for all choices
             tenant = getattr(request.state, "tenant", None)
             limits = self.limits.for_tenant(tenant) if self.limits is not None else None
             if limits is not None and limits.enabled:

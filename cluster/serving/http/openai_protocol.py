@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
+from cluster.serving.http.structured_outputs import StructuredOutputFields
 from cluster.serving.request_limits import RequestLimits
 from cluster.weights.tokenizer import Tokenizer
 
@@ -45,8 +46,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
-    """The fields that completions and chat completions share."""
+class SamplingRequest(StructuredOutputFields):
+    """The fields that completions and chat completions share (the structured-output ones inherited)."""
 
     # Python's JSON parser reads NaN and Infinity, which are not JSON, and no sampling value means them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -110,7 +111,7 @@ class SamplingRequest(BaseModel):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(_as_list(self.stop)),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=logprobs)
+            min_tokens=self.min_tokens, logprobs=logprobs, structured=self.structured_output())
         if self.seed is None:
             return [params] * self.n
         return [dataclasses.replace(params, seed=self.seed + i) for i in range(self.n)]
@@ -177,7 +178,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "tools", "functions", "response_format")
+    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "tools", "functions")
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens; both work
