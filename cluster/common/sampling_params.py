@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.common.structured_output import StructuredOutput
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -30,6 +32,8 @@ class SamplingParams:
     # Tokens of this request a seeded generator already drew for elsewhere (a run resumed after them
     # on another worker): its generator skips their draws, so the random stream goes on unbroken.
     seed_offset: int = 0
+    # What the output must match (a JSON schema, a regex...): the sampler masks every other token.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON bodies), store tuples so the object stays hashable.
