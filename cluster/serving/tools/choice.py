@@ -66,7 +66,10 @@ def required_schema(tools: Mapping[str, dict[str, Any] | None], parallel: bool =
     alternatives = []
     for name, parameters in tools.items():
         parameters = dict(parameters or NO_PARAMETERS)
-        for key, definition in parameters.pop("$defs", {}).items():
+        moved = parameters.pop("$defs", {})
+        if not isinstance(moved, dict):
+            raise ValueError(f"tools: the $defs of {name!r} must be an object")
+        for key, definition in moved.items():
             if definitions.setdefault(key, definition) != definition:
                 raise ValueError(f"tools define $defs/{key} in two different ways: rename one")
         alternatives.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
