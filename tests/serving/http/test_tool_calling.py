@@ -29,9 +29,9 @@ from cluster.serving.http.openai_protocol import ChatCompletionRequest
 from cluster.serving.local_service import LocalService
 from cluster.serving.tools.choice import required_schema
 from cluster.serving.tools.parsers import PARSERS
-from cluster.weights.default_model import resolve_model_path
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.weights.tokenizer import Tokenizer
+from tests.helpers import default_model_dir
 from tests.serving.http.conftest import Gateways, LiveGateway
 
 MODEL = "tiny-hermes"  # the served name: the checkpoint directory's
@@ -81,20 +81,22 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description":
 TOOLS: list[Any] = [WEATHER_TOOL, TIME_TOOL]
 ASK = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
 # The conversation after the call: the assistant's call, then the tool's answer.
+PARIS = '{"city": "Paris", "days": 3}'
 CALLED = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees"}]
-HERMES_ANSWER = 'I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+HERMES_ANSWER = f'I will look it up.\n<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>'
 
 
 class ScriptedService:
     """A real service whose answer a test may script (`script`: its pieces; None: the model answers).
-    What each request asked is kept in `params`."""
+    What each request asked is kept: `prompts`, `params`."""
 
     def __init__(self, service: LocalService) -> None:
         self.service = service
         self.script: list[str] | None = None
         self.finish_reason = "stop"
+        self.prompts: list[list[int]] = []
         self.params: list[SamplingParams] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -106,6 +108,7 @@ class ScriptedService:
         self.finish_reason = finish_reason
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+        self.prompts.append(prompt)
         self.params.append(params)
         if self.script is None:
             async for event in self.service.generate(prompt, params, request_id):
@@ -143,7 +146,7 @@ def gateway(gateways: Gateways, service: ScriptedService) -> LiveGateway:
 @pytest.fixture
 def scripted(service: ScriptedService) -> Iterator[ScriptedService]:
     yield service
-    service.script, service.params[:] = None, []
+    service.script, service.prompts[:], service.params[:] = None, [], []
 
 
 @pytest.fixture(scope="module")
@@ -329,19 +332,28 @@ def test_content_parts_and_arguments_that_are_no_json_object_still_render(hermes
 def test_smollm2s_template_renders_the_conversation_but_not_the_tools() -> None:
     """The default model's template knows no tools: it shows a tool's result as a `tool` turn, and the
     assistant's call as an empty turn (vLLM renders the same); the gateway warns at start."""
-    tokenizer = Tokenizer.from_dir(resolve_model_path("default"))
+    tokenizer = Tokenizer.from_dir(default_model_dir())
     text = prompt_text(tokenizer, messages=CALLED, tools=TOOLS)
     assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\nSunny, 24 degrees<|im_end|>\n" in text
     assert "get_weather" not in text
     assert not tokenizer.chat_template_reads("tools")
 
 
-def test_a_conversation_with_calls_runs_on_the_model(client: openai.OpenAI, scripted: ScriptedService) -> None:
-    response = client.chat.completions.create(model=MODEL, messages=CALLED, tools=TOOLS, max_tokens=8,
+def test_the_answers_call_and_its_result_go_back_to_the_model(client: openai.OpenAI,
+                                                              scripted: ScriptedService) -> None:
+    """The loop of a tool-using application: the answer's message, as the client holds it, goes back
+    into the conversation with the tool's result, and the model answers that."""
+    scripted.answer(HERMES_ANSWER)
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS).choices[0].message
+    call = (first.tool_calls or [])[0]
+    scripted.script = None  # the model answers from here
+    conversation = [*ASK, first, {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees"}]
+    response = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=8,
                                               temperature=0)
-    choice = response.choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert response.usage is not None and response.usage.prompt_tokens > 100  # the tools are in the prompt
+    assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    prompt = scripted.tokenizer.decode(scripted.prompts[-1], skip_special_tokens=False)
+    assert f'I will look it up.<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>' in prompt
+    assert prompt.endswith("<tool_response>\nSunny, 24 degrees\n</tool_response><|im_end|><|im_start|>assistant\n")
 
 
 # ---- what is refused ------------------------------------------------------------------------------
