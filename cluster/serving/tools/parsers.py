@@ -96,10 +96,8 @@ class Mistral:
     def scan(self, text: str, place: Place, final: bool) -> Scan:
         at = _skip_space(text, 0)
         if place is Place.START and text.startswith("[", at) and not text.startswith(self.marker, at):
-            # Calls that open the output bare (the marker decoded away), or the marker still coming:
-            # the next character tells.
-            if self.marker.startswith(text[at:]) and not final:
-                return Scan(at)
+            # Calls that open the output bare (the marker decoded away). A part of the marker waits
+            # here too: it is an unclosed bracket.
             return _json_block(text, at, at, "[", final, calls_of_json) or Scan(len(text))
         begin = text.find(self.marker)
         if begin < 0:

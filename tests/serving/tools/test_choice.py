@@ -58,6 +58,7 @@ def test_definitions_move_to_the_root_where_their_references_point() -> None:
              "type": "object", "properties": {"city": {"$ref": "#/$defs/Place"}}, "required": ["city"]}
     schema = required_schema({"get_weather": place, "get_time": None})
     assert schema["$defs"] == place["$defs"] and "$defs" in place  # the request's schema is left as it was
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]  # moved, not copied
     assert valid(schema, [{"name": "get_weather", "parameters": {"city": "Rome"}}])
     assert not valid(schema, [{"name": "get_weather", "parameters": {"city": "Oslo"}}])
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.serving.tools.calls import Reply, ToolCall
-from cluster.serving.tools.parsers import PARSERS, detect_parser, json_end, parser_named
+from cluster.serving.tools.calls import Reply, ToolCall, assemble
+from cluster.serving.tools.parsers import PARSERS, CallFormat, JsonArray, detect_parser, json_end, parser_named
 from cluster.serving.tools.stream import ParsedCalls, parse
 
 TOOLS = ("get_weather", "get_time")
@@ -13,8 +13,17 @@ WEATHER = ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
 TIME = ToolCall("get_time", "{}")
 
 
+def format_named(parser: str) -> CallFormat:
+    return JsonArray() if parser == "required" else parser_named(parser)
+
+
 def read(parser: str, text: str, tools: tuple[str, ...] = TOOLS) -> Reply:
-    return parse(ParsedCalls(parser_named(parser), tools), text)
+    return parse(ParsedCalls(format_named(parser), tools), text)
+
+
+def read_by_character(parser: str, text: str) -> Reply:
+    stream = ParsedCalls(format_named(parser), TOOLS)
+    return assemble([*(item for character in text for item in stream.feed(character)), *stream.finish()])
 
 
 @pytest.mark.parametrize(("parser", "text", "expected"), [
@@ -71,9 +80,22 @@ def test_well_formed_calls_are_read(parser: str, text: str, expected: Reply) -> 
     ("mistral", "[TOOL_CALLS] nothing"),
     ("mistral", "[TOOL_CALLS]get_time[ARGS]not json"),
     ("mistral", "[link](https://example.com) and more"),
+    ("mistral", 'It is [{"name": "get_time", "arguments": {}}]'),  # bare calls only open the output
+    ("required", 'It is [{"name": "get_time", "parameters": {}}]'),
 ])
 def test_what_is_not_calls_is_content_as_written(parser: str, text: str) -> None:
-    assert read(parser, text) == Reply(text, ())
+    assert read(parser, text) == read_by_character(parser, text) == Reply(text, ())
+
+
+def test_the_required_array_is_read_once() -> None:
+    text = '[{"name": "get_time", "parameters": {}}] [{"name": "get_time", "parameters": {}}]'
+    assert read("required", text) == read_by_character("required", text) == Reply(text[text.index("] ") + 2:],
+                                                                                  (TIME,))
+
+
+def test_a_mistral_marker_before_something_that_is_no_name_is_text() -> None:
+    text = "[TOOL_CALLS]no name here [TOOL_CALLS]get_time[ARGS]{}"
+    assert read("mistral", text) == read_by_character("mistral", text) == Reply("[TOOL_CALLS]no name here", (TIME,))
 
 
 def test_a_call_of_a_tool_not_offered_is_content() -> None:
