@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
@@ -449,17 +449,15 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _omitted_if_none() -> Any:
+    """A field left out of the JSON when None, rather than null (its schema stays the field's own)."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: only tool calls
-    tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _calls_if_any(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        message: dict[str, Any] = serialize(self)
-        if message["tool_calls"] is None:
-            del message["tool_calls"]  # as OpenAI: no key rather than null
-        return message
+    tool_calls: list[ToolCall] | None = _omitted_if_none()  # as OpenAI: no key when there are none
 
 
 class ChatChoice(BaseModel):
@@ -478,34 +476,29 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class Sparse(BaseModel):
-    """A delta: the fields it does not change are left out, not null."""
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in serialize(self).items() if value is not None}
+# Deltas leave out the fields they do not change, rather than sending them null.
 
 
-class FunctionCallDelta(Sparse):
-    name: str | None = None
-    arguments: str | None = None
+class FunctionCallDelta(BaseModel):
+    name: str | None = _omitted_if_none()
+    arguments: str | None = _omitted_if_none()
 
 
-class ToolCallDelta(Sparse):
+class ToolCallDelta(BaseModel):
     """A piece of call `index`: its first names it (with `id` and `type`), the rest add arguments."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta | None = None
+    id: str | None = _omitted_if_none()
+    type: Literal["function"] | None = _omitted_if_none()
+    function: FunctionCallDelta | None = _omitted_if_none()
 
 
-class ChatDelta(Sparse):
+class ChatDelta(BaseModel):
     """What a chunk adds to the message."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
+    role: Literal["assistant"] | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+    tool_calls: list[ToolCallDelta] | None = _omitted_if_none()
 
 
 class ChatChunkChoice(BaseModel):

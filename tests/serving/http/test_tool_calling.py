@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import openai
@@ -201,6 +202,23 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client: openai.Op
         ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
     assert final.message.content == whole.message.content == "I will look it up."
     assert final.finish_reason == whole.finish_reason == "tool_calls"
+
+
+def test_on_the_wire_deltas_leave_out_what_they_do_not_change(gateway: LiveGateway,
+                                                               scripted: ScriptedService) -> None:
+    scripted.answer('<tool_call>{"name": "get_time"}</tool_call>', piece=100)  # one event, finished
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    choices = [json.loads(line)["choices"][0] for line in lines[:-1]]
+    assert [(choice["delta"], choice["finish_reason"]) for choice in choices] == [
+        ({"role": "assistant", "content": ""}, None),
+        ({"tool_calls": [{"index": 0, "id": ANY, "type": "function", "function": {"name": "get_time",
+                                                                                 "arguments": ""}}]}, None),
+        ({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}, "tool_calls")]
+    scripted.answer("Hello")
+    whole = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": MODEL, "messages": ASK}).json()
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}  # no tool_calls key
 
 
 def test_an_answer_without_calls_is_content_as_the_model_wrote_it(client: openai.OpenAI,
