@@ -75,8 +75,8 @@ class ParsedCalls:
             self.place = Place.CONTENT
 
     def _add_calls(self, calls: list[ToolCall], items: list[Item]) -> None:
-        # The whitespace held before the call is dropped: after a call content starts at its first
-        # character that is not whitespace, and finish() sends none.
+        # The whitespace held before a call (`space`) is never sent: content after a call starts at
+        # its first character that is not whitespace, and finish() sends none once there are calls.
         for call in calls:
             if self.max_calls is not None and self.num_calls >= self.max_calls:
                 break  # parallel_tool_calls=false: the first call only

@@ -408,7 +408,7 @@ def test_the_model_itself_held_to_a_named_call_writes_valid_arguments(client: op
     trip["function"]["parameters"]["properties"]["city"]["enum"] = ["Paris", "Rome"]  # short answers
     trip["function"]["parameters"]["properties"]["days"].update(minimum=1, maximum=9)
     completion = client.chat.completions.parse(
-        model=MODEL, messages=ASK, tools=[trip], max_tokens=120, temperature=1.0, seed=0,
+        model=MODEL, messages=ASK, tools=[trip], max_tokens=300, temperature=1.0, seed=0,
         tool_choice={"type": "function", "function": {"name": "plan_trip"}})
     parsed = (completion.choices[0].message.tool_calls or [])[0].function.parsed_arguments
     assert isinstance(parsed, Trip) and parsed.city in ("Paris", "Rome")
