@@ -21,6 +21,7 @@ from cluster.common.structured_output import StructuredOutput
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.request_limits import RequestLimits
+from cluster.serving.tools.parsers import PARSERS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -229,7 +230,8 @@ def command_serve(args: argparse.Namespace) -> int:
                            request_limits=RequestLimits.parse(args.request_limit), api_keys_file=args.api_keys_file,
                            trusted_proxies=args.trusted_proxies, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            connections=ConnectionLimits(args.max_connections, args.request_read_timeout,
-                                                        args.stream_write_timeout))
+                                                        args.stream_write_timeout),
+                           tool_call_parser=args.tool_call_parser)
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
@@ -358,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a request (headers and body; a gRPC connection's handshake) must arrive within this")
     serve.add_argument("--stream-write-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a client that reads nothing of its stream this long is disconnected, its request aborted")
+    serve.add_argument("--tool-call-parser", choices=["auto", *PARSERS], default="auto",
+                       help="how the model writes tool calls (read under tool_choice auto); auto: the format its "
+                       "chat template shows, else hermes")
     serve.add_argument("--mode", choices=[str(mode) for mode in Mode], default=None)
     serve.add_argument("--routers", type=int, default=None, help="router replicas (Ray actors) to spread requests over")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "

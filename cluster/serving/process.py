@@ -75,6 +75,7 @@ class ServeOptions:
     rate_limit_tpm: float = 0.0  # prompt + max tokens per minute per API key; 0: none
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # both doors: what one request may ask
     connections: ConnectionLimits = ConnectionLimits()  # both doors: what one connection may hold, how long
+    tool_call_parser: str = "auto"  # the model's tool call format (cluster.serving.tools.parsers); auto: its template's
 
 
 class DeferredService:
@@ -176,7 +177,8 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     api_keys = ApiKeys.of(options.api_key if options.api_key is not None else os.environ.get(env.API_KEY) or None,
                           options.api_keys_file or None)
     app = build_app(metered, api_key=api_keys, limits=limits, request_limits=options.request_limits,
-                    off_loop=off_loop, stream_write_timeout_s=options.connections.stream_write_timeout_s)
+                    off_loop=off_loop, stream_write_timeout_s=options.connections.stream_write_timeout_s,
+                    tool_call_parser=options.tool_call_parser)
     add_status_route(app, metered)
     add_metrics_route(app, metrics, metered)
     tls = (options.tls_cert, options.tls_key) if options.tls_cert else None

@@ -18,6 +18,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -142,10 +143,16 @@ class Tokenizer:
             messages=conversation, tools=tools, add_generation_prompt=add_generation_prompt, **variables
         )
 
+    def chat_template_reads(self, variable: str) -> bool:
+        """Whether the chat template uses `variable` (`tools`: whether the model is shown the tools)."""
+        if not self.chat_template:
+            return False
+        return variable in jinja2.meta.find_undeclared_variables(_environment().parse(self.chat_template))
+
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         assert self.chat_template is not None
-        return _compile_chat_template(self.chat_template)
+        return _environment().from_string(self.chat_template)
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
@@ -233,7 +240,7 @@ def _strftime_now(format_string: str) -> str:
     return datetime.now().strftime(format_string)
 
 
-def _compile_chat_template(template: str) -> jinja2.Template:
+def _environment() -> jinja2.Environment:
     # Sandboxed: chat templates come with downloaded checkpoints and are untrusted code.
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTagExtension, jinja2.ext.loopcontrols]
@@ -241,4 +248,4 @@ def _compile_chat_template(template: str) -> jinja2.Template:
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
-    return environment.from_string(template)
+    return environment

@@ -24,7 +24,9 @@ LIGHT_MODULES = [
 def loaded_after_import(module: str, app: bool = False) -> set[str]:
     """The top-level packages in sys.modules after importing `module` (and building the HTTP app)."""
     build = ("from cluster.serving.http.gateway import build_app\n"
-             "class Nothing:\n    model_name = 'm'\n    max_model_len = 8\n    tokenizer = None\n    ready = False\n"
+             "class NoTemplate:\n    chat_template = None\n"
+             "class Nothing:\n    model_name = 'm'\n    max_model_len = 8\n    tokenizer = NoTemplate()\n"
+             "    ready = False\n"
              "build_app(Nothing(), api_key='')\n") if app else ""
     code = f"import sys, importlib\nimportlib.import_module({module!r})\n{build}print(' '.join(sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

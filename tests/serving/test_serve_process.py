@@ -28,12 +28,14 @@ def get(url: str) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def wait_for_url(process: subprocess.Popen[str]) -> tuple[str, int]:
-    """The HTTP URL and gRPC port the server printed once listening."""
+def wait_for_url(process: subprocess.Popen[str], seen: list[str] | None = None) -> tuple[str, int]:
+    """The HTTP URL and gRPC port the server printed once listening; the lines before go to `seen`."""
     assert process.stdout is not None
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         line = process.stdout.readline()
+        if seen is not None:
+            seen.append(line)
         found = re.search(r"HTTP on (http://\S+?), gRPC on port (\d+)", line)
         if found:
             return found.group(1), int(found.group(2))
@@ -50,11 +52,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     command = [sys.executable, "-m", "cluster.cli", "serve", "--local", "--model", str(checkpoint), "--host",
-               "127.0.0.1", "--port", "0", "--grpc-port", "0", "--max-num-seqs", "8"]
+               "127.0.0.1", "--port", "0", "--grpc-port", "0", "--max-num-seqs", "8", "--tool-call-parser", "mistral"]
     env = {**os.environ, "PDSERVE_API_KEY": ""}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        url, grpc_port = wait_for_url(process)
+        started: list[str] = []
+        url, grpc_port = wait_for_url(process, started)
+        assert any("read in the mistral format" in line for line in started), started
         assert get(url + "/health")[0] == 200
         deadline = time.monotonic() + START_TIMEOUT_S
         while get(url + "/ready")[0] != 200:

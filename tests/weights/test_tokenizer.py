@@ -411,3 +411,11 @@ def test_special_tokens_are_streamed_only_when_asked(tiny: Tokenizer) -> None:
         detokenizer = IncrementalDetokenizer(tiny, [], skip_special_tokens=skip)
         streamed = "".join(detokenizer.add(token) for token in output_ids) + detokenizer.finish()
         assert streamed == detokenizer.text == expected
+
+
+def test_chat_template_reads_tells_which_variables_a_template_uses(tmp_path: Path) -> None:
+    tokenizer = Tokenizer.from_dir(build_tiny_tokenizer(tmp_path, chat_template=FEATURE_TEMPLATE))
+    assert tokenizer.chat_template_reads("tools") and tokenizer.chat_template_reads("limit")
+    assert not tokenizer.chat_template_reads("documents")
+    tokenizer.chat_template = None
+    assert not tokenizer.chat_template_reads("tools")

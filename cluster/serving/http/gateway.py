@@ -64,6 +64,7 @@ from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import LimitExceeded, RequestLimits
 from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service, check_structured
+from cluster.serving.tools.parsers import CallFormat, detect_parser, parser_named
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +299,7 @@ async def _sse(run: ChoiceStreams, response_format: ResponseFormat, include_usag
         yield _event(opening.model_dump_json())
     try:
         async for choice, event in run.events():
-            if (chunk := response_format.chunk(choice, event)) is not None:
+            for chunk in response_format.chunks(choice, event):
                 yield _event(chunk.model_dump_json())
         if include_usage:
             yield _event(response_format.usage_chunk(run.usage()).model_dump_json())
@@ -351,12 +352,15 @@ async def _disconnected(receive: Receive) -> None:
 
 class Gateway:
     """What the routes share: the service, the limits, the pool that keeps tokenizing and formatting
-    off the event loop, and whether new requests are accepted (`draining`)."""
+    off the event loop, the format of the model's tool calls, and whether new requests are accepted
+    (`draining`)."""
 
     def __init__(self, service: Service, limits: RateLimits | None = None,
                  request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None,
-                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S) -> None:
+                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+                 tool_call_parser: str = "auto") -> None:
         self.service = service
+        self.tool_parser = _tool_parser(service, tool_call_parser)
         self.stream_write_timeout_s = stream_write_timeout_s
         self.limits = limits
         self.request_limits = request_limits or RequestLimits()
@@ -426,6 +430,18 @@ class Gateway:
                 await run.close()
 
 
+def _tool_parser(service: Service, name: str) -> CallFormat:
+    """The parser `name`, or with "auto" the one for the format the model's chat template shows it."""
+    template = service.tokenizer.chat_template
+    if name == "auto":
+        name = detect_parser(template)
+    if template and not service.tokenizer.chat_template_reads("tools"):
+        log.warning("the chat template of %s does not render tools: under tool_choice auto the model is not "
+                    "shown them (required and named tool choices still hold it to calls)", service.model_name)
+    log.info("tool calls under tool_choice auto are read in the %s format", name)
+    return parser_named(name)
+
+
 def _client_left(run: ChoiceStreams) -> Response:
     log.info("%s: the client went away; aborting", run.request_id)
     return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -477,7 +493,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gateway.admit(body.model)
         response_format = ChatFormat(request.state.public_id, service.model_name, service.tokenizer,
-                                     logprobs=body.logprobs)
+                                     logprobs=body.logprobs, tools=body.chosen_tools(), parser=gateway.tool_parser)
         return await gateway.respond(request, body, response_format)
 
 
@@ -596,14 +612,16 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 def build_app(service: Service, *, api_key: str | ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
-              off_loop: OffLoop | None = None,
-              stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S) -> FastAPI:
+              off_loop: OffLoop | None = None, stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+              tool_call_parser: str = "auto") -> FastAPI:
     """The gateway app. `api_key`: one key, or the `ApiKeys` of several tenants (None reads
-    `$PDSERVE_API_KEY`); no key at all leaves the API open. The `Gateway` (draining) is `gateway_of(app)`."""
+    `$PDSERVE_API_KEY`); no key at all leaves the API open. `tool_call_parser`: the format of the
+    model's tool calls (`cluster.serving.tools.parsers`; "auto": from its chat template). The
+    `Gateway` (draining) is `gateway_of(app)`."""
     api_keys = api_key if isinstance(api_key, ApiKeys) else \
         ApiKeys.of(api_key if api_key is not None else os.environ.get(env.API_KEY) or None)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
-    gateway = Gateway(service, limits, request_limits, off_loop, stream_write_timeout_s)
+    gateway = Gateway(service, limits, request_limits, off_loop, stream_write_timeout_s, tool_call_parser)
     app.state.gateway = gateway
     _add_routes(app, gateway)
     app.add_exception_handler(ApiError, _api_error)

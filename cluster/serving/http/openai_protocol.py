@@ -5,7 +5,10 @@ gateway needs: a request body into per-choice `SamplingParams`, and a choice's `
 response objects. Names, defaults and shapes follow OpenAI's API reference; the extra sampling fields
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are vLLM's,
 which clients send as extra body fields. Unknown fields are ignored, as OpenAI and vLLM do; fields
-this server could only ignore wrongly (`logit_bias`, `tools`, ...) are refused instead.
+this server could only ignore wrongly (`logit_bias`, `functions`, ...) are refused instead.
+
+Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, `tool` messages) is described here as it
+travels; what it means, how calls are constrained and read back, is `cluster.serving.tools`.
 
 The sampling fields carry the ranges `SamplingParams` accepts, so the OpenAPI document states them and
 a value out of range is refused naming its field; what one field cannot say (`min_tokens` at most
@@ -15,16 +18,22 @@ a value out of range is refused naming its field; what one field cannot say (`mi
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import SamplingParams
 from cluster.serving.http.structured_outputs import StructuredOutputFields
 from cluster.serving.request_limits import RequestLimits
+from cluster.serving.tools.calls import CallDelta, Item, Reply
+from cluster.serving.tools.choice import ToolChoice
+from cluster.serving.tools.parsers import DEFAULT_PARSER, CallFormat, parser_named
+from cluster.serving.tools.stream import CallStream, parse
 from cluster.weights.tokenizer import Tokenizer
 
 # Each choice is an engine request of its own: `n` multiplies the load one HTTP request can add.
@@ -158,11 +167,62 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class MessageFunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends JSON text; a few clients send the object
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the conversation so far (the answer of a previous turn)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates take it: the arguments as an object (transformers' convention; Llama
+        and Mistral templates write `arguments | tojson`). Text that is no JSON object stays text."""
+        call = self.model_dump(exclude_none=True)
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                parsed = arguments
+            call["function"]["arguments"] = parsed if isinstance(parsed, dict) else arguments
+        return call
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id...: handed to the template as is
+    model_config = ConfigDict(extra="allow")  # name, ...: handed to the template as is
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (content may then be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         """The message's text as the template gets it ("" for none; parts joined, unchecked)."""
@@ -172,13 +232,17 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(_text_of(part) for part in self.content)
+        # No content is "" (as vLLM): templates add message['content'] to strings.
+        message["content"] = "\n".join(_text_of(part) for part in self.content) \
+            if isinstance(self.content, list) else self.content or ""
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return message
 
 
 class ChatCompletionRequest(SamplingRequest):
-    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "tools", "functions")
+    # functions and function_call: OpenAI's API before tools (vLLM refuses them too).
+    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "functions", "function_call")
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens; both work
@@ -187,6 +251,20 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables (enable_thinking=False)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two tools have the same name")
+        if not names and self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice needs tools: the request offers none")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        return self
 
     def prompt_bytes(self) -> int:
         return sum(_utf8_length(message.text()) for message in self.messages)
@@ -201,9 +279,11 @@ class ChatCompletionRequest(SamplingRequest):
         """The rendered chat template, encoded without special tokens: the template already has them
         (as `LLMEngine.chat_prompt`). Raises ValueError, or jinja2's TemplateError from the template."""
         messages = [message.for_template() for message in self.messages]
+        # Offered tools are rendered even with tool_choice "none", as vLLM does by default.
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
-                                                 **self.template_variables())
+                                                 tools=tools, **self.template_variables())
         except TypeError as error:
             # The template met a value of a type it cannot use (a number where it adds strings, say):
             # the client's messages or variables are at fault, as vLLM answers too.
@@ -221,7 +301,23 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         max_tokens = fit_max_tokens(requested, None, num_prompt_tokens, max_model_len)
-        return self.choice_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        params = self.choice_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        tools = self.chosen_tools()
+        if tools is None or (structured := tools.structured_output()) is None:
+            return params
+        if params[0].structured is not None:
+            raise ValueError("tool_choice (required or a named function) and a structured output (response_format, "
+                             "guided_*, structured_outputs) both constrain the answer: send one of them")
+        return [dataclasses.replace(choice, structured=structured) for choice in params]
+
+    def chosen_tools(self) -> ToolChoice | None:
+        """What `tools` and `tool_choice` ask (None: no tools offered)."""
+        if not self.tools:
+            return None
+        tools = {tool.function.name: tool.function.parameters for tool in self.tools}
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolChoice("named", tools, self.tool_choice.function.name, self.parallel_tool_calls)
+        return ToolChoice(self.tool_choice or "auto", tools, parallel=self.parallel_tool_calls)
 
 
 def fit_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
@@ -345,9 +441,26 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str  # new_call_id()
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _omitted_if_none() -> Any:
+    """A field left out of the JSON when None, rather than null (its schema stays the field's own)."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: only tool calls
+    tool_calls: list[ToolCall] | None = _omitted_if_none()  # as OpenAI: no key when there are none
 
 
 class ChatChoice(BaseModel):
@@ -366,15 +479,29 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+# Deltas leave out the fields they do not change, rather than sending them null.
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = _omitted_if_none()
+    arguments: str | None = _omitted_if_none()
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of call `index`: its first names it (with `id` and `type`), the rest add arguments."""
+
+    index: int
+    id: str | None = _omitted_if_none()
+    type: Literal["function"] | None = _omitted_if_none()
+    function: FunctionCallDelta | None = _omitted_if_none()
+
+
 class ChatDelta(BaseModel):
-    """What a chunk adds to the message: fields it does not change are left out, not null."""
+    """What a chunk adds to the message."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in serialize(self).items() if value is not None}
+    role: Literal["assistant"] | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+    tool_calls: list[ToolCallDelta] | None = _omitted_if_none()
 
 
 class ChatChunkChoice(BaseModel):
@@ -443,15 +570,15 @@ class CompletionFormat(_Format):
     def opening(self, num_choices: int) -> list[BaseModel]:
         return []
 
-    def chunk(self, choice: Choice, event: TokenEvent) -> BaseModel | None:
-        """The chunk for `event`, already added to `choice`; None when it carries nothing to send."""
+    def chunks(self, choice: Choice, event: TokenEvent) -> list[BaseModel]:
+        """The chunks for `event`, already added to `choice`: none when it carries nothing to send."""
         if not self.sends(event):
-            return None
+            return []
         offset = choice.num_chars - len(event.text)  # where this event's text starts
         logprobs = completion_logprobs(self.tokenizer, event.logprobs, offset) if self.logprobs else None
         reason = choice.finish_reason if event.finished else None
-        return self._wrap([CompletionChoice(index=choice.index, text=event.text, logprobs=logprobs,
-                                            finish_reason=reason)])
+        return [self._wrap([CompletionChoice(index=choice.index, text=event.text, logprobs=logprobs,
+                                             finish_reason=reason)])]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._wrap([], usage)
@@ -470,21 +597,36 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
-    """Builds `/v1/chat/completions` responses and chunks."""
+    """Builds `/v1/chat/completions` responses and chunks. With `tools` offered, each choice's text is
+    read into tool calls (`cluster.serving.tools`): under tool_choice auto by `parser`, the format
+    of the server's model. A streamed call opens with a delta naming it (with its id and arguments
+    ""), and deltas of its arguments follow, as OpenAI's stream does."""
+
+    def __init__(self, response_id: str, model: str, tokenizer: Tokenizer, logprobs: bool,
+                 tools: ToolChoice | None = None, parser: CallFormat | None = None) -> None:
+        super().__init__(response_id, model, tokenizer, logprobs)
+        self.tools, self.parser = tools, parser or parser_named(DEFAULT_PARSER)
+        self.streams: dict[int, CallStream | None] = {}  # per choice, made at its first text
+        self.called: set[int] = set()  # the choices that streamed a call
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         """A stream starts by naming the speaker, once per choice, as OpenAI's does."""
-        return [self._wrap([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+        # Under required or a named function there is no content: null, as in the whole answer.
+        content = None if self.tools is not None and self.tools.mode in ("required", "named") else ""
+        return [self._wrap([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=content))])
                 for index in range(num_choices)]
 
-    def chunk(self, choice: Choice, event: TokenEvent) -> BaseModel | None:
-        if not self.sends(event):
-            return None
+    def chunks(self, choice: Choice, event: TokenEvent) -> list[BaseModel]:
+        deltas = self._deltas(choice.index, event)
+        if not deltas and not (event.finished or self.logprobs):
+            return []  # text held back: a possible stop string, or a possible tool call
+        deltas = deltas or [ChatDelta()]
         logprobs = chat_logprobs(self.tokenizer, event.logprobs) if self.logprobs else None
-        reason = choice.finish_reason if event.finished else None
-        delta = ChatDelta(content=event.text) if event.text else ChatDelta()
-        return self._wrap([ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs,
-                                           finish_reason=reason)])
+        reason = _finish_reason(choice.finish_reason, choice.index in self.called) if event.finished else None
+        last = len(deltas) - 1
+        return [self._wrap([ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs if i == 0 else None,
+                                            finish_reason=reason if i == last else None)])
+                for i, delta in enumerate(deltas)]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._wrap([], usage)
@@ -493,14 +635,55 @@ class ChatFormat(_Format):
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, usage=usage,
                                       choices=[self._choice(choice) for choice in choices])
 
+    def _stream(self, index: int) -> CallStream | None:
+        if index not in self.streams:
+            self.streams[index] = self.tools.call_stream(self.parser) if self.tools is not None else None
+        return self.streams[index]
+
+    def _deltas(self, index: int, event: TokenEvent) -> list[ChatDelta]:
+        stream = self._stream(index)
+        if stream is None:
+            return [ChatDelta(content=event.text)] if event.text else []
+        items = [*stream.feed(event.text), *(stream.finish() if event.finished else [])]
+        return [delta for item in items for delta in self._item_deltas(index, item)]
+
+    def _item_deltas(self, index: int, item: Item) -> list[ChatDelta]:
+        if isinstance(item, str):
+            return [ChatDelta(content=item)]
+        self.called.add(index)
+        deltas = []
+        if item.name is not None:
+            deltas.append(_call_delta(item, id=new_call_id(), type="function",
+                                      function=FunctionCallDelta(name=item.name, arguments="")))
+        if item.arguments:
+            deltas.append(_call_delta(item, function=FunctionCallDelta(arguments=item.arguments)))
+        return deltas
+
     def _choice(self, choice: Choice) -> ChatChoice:
         logprobs = chat_logprobs(self.tokenizer, choice.logprobs) if self.logprobs else None
-        return ChatChoice(index=choice.index, message=AssistantMessage(content=choice.text), logprobs=logprobs,
-                          finish_reason=choice.finish_reason)
+        stream = self._stream(choice.index)
+        reply = parse(stream, choice.text) if stream is not None else Reply(choice.text, ())
+        calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+                 for call in reply.calls]
+        return ChatChoice(index=choice.index, message=AssistantMessage(content=reply.content, tool_calls=calls or None),
+                          logprobs=logprobs, finish_reason=_finish_reason(choice.finish_reason, bool(calls)))
 
     def _wrap(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=choices,
                                    usage=usage)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_delta(item: CallDelta, **fields: Any) -> ChatDelta:
+    return ChatDelta(tool_calls=[ToolCallDelta(index=item.index, **fields)])
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """An answer that ended of itself with calls ends for them; one cut by max_tokens stays "length"."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 ResponseFormat = CompletionFormat | ChatFormat

@@ -237,11 +237,11 @@ def test_what_the_fuzz_found_is_refused_with_a_400_that_says_why(tiny: LiveGatew
 
 
 def test_a_chat_the_template_cannot_render_is_the_clients_error(tiny_checkpoint: Path) -> None:
-    """The tiny model's template takes any message; real ones loop over fields such as `tool_calls`,
-    which a client can send as anything (a number: a TypeError while rendering)."""
+    """The tiny model's template takes any message; real ones add fields such as `name` to strings,
+    and a field the request does not type a client can send as anything (a number: a TypeError while
+    rendering)."""
     tokenizer = Tokenizer.from_dir(tiny_checkpoint)
-    tokenizer.chat_template = "{% for message in messages %}{% for call in message.tool_calls or [] %}" \
-                              "{{ call.function.name }}{% endfor %}{% endfor %}"
-    request = ChatCompletionRequest(messages=[{"role": "assistant", "content": "", "tool_calls": 5}])
+    tokenizer.chat_template = "{% for message in messages %}{{ message.role + message.name }}{% endfor %}"
+    request = ChatCompletionRequest(messages=[{"role": "assistant", "content": "", "name": 5}])
     with pytest.raises(ValueError, match="the chat template cannot render this request"):
         request.prompt_ids(tokenizer)
