@@ -134,7 +134,8 @@ def test_a_worker_whose_engine_thread_fails_is_restarted_and_its_requests_finish
     try:
         ray.get(cluster.decode[0].__ray_call__.remote(break_kv_import), timeout=30)
         assert generate_all(cluster, PROMPTS * 2, GREEDY) == expected * 2
-        assert ray_stats(cluster)["rerouted"] >= 1
+        stats = ray_stats(cluster)  # resumed after the first token the prefill streamed, or rerouted before
+        assert stats["resumed"] + stats["rerouted"] >= 1, stats
         wait_until_rejoined(cluster, 1)
         assert ray.get(cluster.decode[0].load.remote(), timeout=30).failure == ""  # a fresh process
         assert_pools_whole(cluster)

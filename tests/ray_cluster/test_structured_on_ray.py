@@ -27,7 +27,7 @@ from cluster.serving.cluster_service import ClusterService
 from cluster.serving.http.gateway import HttpServer, build_app
 from tests.ray_cluster.conftest import pace_steps
 from tests.ray_cluster.test_ray_cluster import assert_pools_whole
-from tests.serving.http.test_tool_calling import MODEL, hermes_checkpoint, stream  # noqa: F401  (a fixture)
+from tests.serving.http.test_tool_calling import MODEL, build_hermes_checkpoint, stream
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -39,7 +39,12 @@ ASK = [{"role": "user", "content": "Plan a trip."}]
 
 
 @pytest.fixture(scope="module")
-def cluster(hermes_checkpoint: Path) -> Iterator[Cluster]:  # noqa: F811
+def hermes_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hermes_checkpoint(tmp_path_factory.mktemp("ray-hermes") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def cluster(hermes_checkpoint: Path) -> Iterator[Cluster]:
     engine = engine_config_from({"model": str(hermes_checkpoint), "block_size": 16, "num_blocks": 256})
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine)
@@ -106,7 +111,7 @@ def test_a_named_tool_call_and_its_streamed_deltas_parse_and_validate(gateway: G
 
 
 def test_unconstrained_requests_batched_with_constrained_ones_give_their_tokens_alone(
-        gateway: Gateway, cluster: Cluster, hermes_checkpoint: Path) -> None:  # noqa: F811
+        gateway: Gateway, cluster: Cluster, hermes_checkpoint: Path) -> None:
     prompts = ["one two", "three four five", "six"]
     engine = LLMEngine(engine_config_from({"model": str(hermes_checkpoint), "block_size": 16, "num_blocks": 256}))
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

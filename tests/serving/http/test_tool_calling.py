@@ -123,9 +123,13 @@ class ScriptedService:
 
 @pytest.fixture(scope="module")
 def hermes_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hermes_checkpoint(tmp_path_factory.mktemp("hermes") / MODEL)
+
+
+def build_hermes_checkpoint(path: Path) -> Path:
     """The tiny model with a template that shows tools, and a context that holds them: its byte-level
-    vocabulary spends about a token per character of a tool's JSON."""
-    path = build_tiny_llama_checkpoint(tmp_path_factory.mktemp(MODEL, numbered=False))
+    vocabulary spends about a token per character of a tool's JSON. Served as its directory's name."""
+    path = build_tiny_llama_checkpoint(path)
     (path / "chat_template.jinja").write_text(HERMES_TEMPLATE, encoding="utf-8")  # wins over tokenizer_config's
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
