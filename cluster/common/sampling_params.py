@@ -14,7 +14,8 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs = N` returns the log-probability of each sampled token and the N most likely ones.
     `structured` constrains every sampled token to a grammar (a JSON schema, a regex, ...); the
-    request stops where the grammar ends.
+    request stops where the grammar ends. `priority` orders the waiting queue under the scheduler's
+    priority policy, lower values first (as vLLM); an engine on the fcfs policy refuses any but 0.
     """
 
     max_tokens: int = 16
@@ -31,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    priority: int = 0
     # Tokens of this request generated already, elsewhere: the last `seed_offset` prompt tokens (a run
     # resumed after them on another worker). A seeded generator skips their draws and a grammar
     # replays them, so the random stream and the grammar's state go on unbroken.

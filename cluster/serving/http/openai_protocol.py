@@ -47,6 +47,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, kept by vLLM
 # seed would fail the engine's step, and every other request in it. (Choice i's seed + i may pass
 # 2**63 - 1: torch takes seeds up to 2**64 - 1.)
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # gRPC's int32
 # Arguments of the chat template's own call: a template variable of the same name would collide.
 TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
 
@@ -82,6 +83,7 @@ class SamplingRequest(StructuredOutputFields):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first, under the priority policy
     user: str | None = None
 
     @model_validator(mode="before")
@@ -122,7 +124,8 @@ class SamplingRequest(StructuredOutputFields):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(_as_list(self.stop)),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=logprobs, structured=self.structured_output())
+            min_tokens=self.min_tokens, logprobs=logprobs, priority=self.priority,
+            structured=self.structured_output())
         if self.seed is None:
             return [params] * self.n
         return [dataclasses.replace(params, seed=self.seed + i) for i in range(self.n)]

@@ -93,7 +93,7 @@ _SHARED: dict[str, FieldRule] = {
     "allowed_token_ids": _refused("vLLM"),
     "bad_words": _refused("vLLM"),
     "logits_processors": _refused("vLLM"),
-    "priority": _refused("vLLM; the scheduler here serves in arrival order", 0),
+    "priority": _supported("vLLM; lower first; a 400 unless the scheduler's policy is priority"),
     "request_id": _ignored("vLLM; the gateway makes its own ids (X-Request-Id is echoed)"),
     "return_tokens_as_token_ids": _refused("vLLM", False),
     "return_token_ids": _refused("vLLM", False),

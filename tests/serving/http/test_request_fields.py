@@ -17,7 +17,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from cluster.serving.http.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from cluster.serving.http.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, Status, markdown_table
-from tests.serving.http.conftest import LiveGateway
+from tests.serving.http.conftest import Gateways, LiveGateway, tiny_config
 
 CHAT = [{"role": "user", "content": "hi"}]
 DOC = Path(__file__).parents[3] / "docs" / "gateway.md"
@@ -120,3 +120,32 @@ def test_add_special_tokens_reaches_the_encoding() -> None:
 
 def test_the_doc_lists_every_field_as_classified() -> None:
     assert markdown_table() in DOC.read_text(), "regenerate docs/gateway.md's table from markdown_table()"
+
+
+# ---- priority ---------------------------------------------------------------------------------------
+
+
+def test_priority_is_a_400_unless_the_scheduler_runs_the_priority_policy(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": 1})
+    assert response.status_code == 400, response.text
+    assert "priority scheduling is not enabled" in response.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": 0}).status_code == 200
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_priority_reaches_the_scheduler(gateways: Gateways, tiny_checkpoint: Path, path: str) -> None:
+    gateway = gateways.serve(gateways.start_service(tiny_config(tiny_checkpoint, policy="priority")))
+    scheduler = gateway.service.engine.scheduler
+    seen: list[int] = []
+    add_request = scheduler.add_request
+
+    def recording(request: Any) -> None:
+        seen.append(request.priority)
+        add_request(request)
+
+    scheduler.add_request = recording  # type: ignore[method-assign]
+    _, _, body = ENDPOINTS[path]
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        response = client.post(path, json={**body, "priority": -3, "n": 2})
+    assert response.status_code == 200, response.text
+    assert seen == [-3, -3]
