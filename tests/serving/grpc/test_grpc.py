@@ -403,6 +403,7 @@ def self_signed_certificate() -> tuple[bytes, bytes]:
     ([5] * 300, {}, grpc.StatusCode.INVALID_ARGUMENT),  # longer than the context
     ([{"role": "wizard", "content": "hi"}], {}, grpc.StatusCode.INVALID_ARGUMENT),  # the template refuses it
     (PROMPT, dict(model="gpt-7"), grpc.StatusCode.NOT_FOUND),
+    (PROMPT, dict(priority=1), grpc.StatusCode.INVALID_ARGUMENT),  # the fcfs policy: priority scheduling is off
 ])
 def test_bad_requests(client: Client, prompt: Any, options: dict[str, Any], code: grpc.StatusCode) -> None:
     for call in (client.complete, lambda *args, **kwargs: list(client.generate(*args, **kwargs))):
@@ -434,6 +435,27 @@ def test_full_queue_is_resource_exhausted(server_loop: ServerLoop, tiny_config: 
             running.close()
             busy_client.abort(waiting.request_id)  # not close(): its thread is inside next()
             assert wait_until(lambda: pool_is_whole(service))
+    finally:
+        server_loop.run(server.stop(0))
+        server_loop.run(service.stop())
+
+
+def test_priority_reaches_the_scheduler(server_loop: ServerLoop, tiny_config: Callable[..., EngineConfig]) -> None:
+    service = server_loop.start_service(tiny_config(num_blocks=128, policy="priority"))
+    server = server_loop.start_server(service)
+    scheduler = service.engine.scheduler
+    seen: list[int] = []
+    add_request = scheduler.add_request
+
+    def recording(request: Any) -> None:
+        seen.append(request.priority)
+        add_request(request)
+
+    scheduler.add_request = recording  # type: ignore[method-assign]
+    try:
+        with Client(target(server), timeout=WAIT_S) as client:
+            client.complete(PROMPT, max_tokens=2, priority=-2)
+        assert seen == [-2]
     finally:
         server_loop.run(server.stop(0))
         server_loop.run(service.stop())
