@@ -219,7 +219,9 @@ class ChoiceStreams:
             pass
 
     def usage(self) -> Usage:
-        return Usage.of(len(self.prompt), sum(choice.num_tokens for choice in self.choices))
+        # The prompt counts once however many choices share it: so do its cached tokens (the first choice's).
+        return Usage.of(len(self.prompt), sum(choice.num_tokens for choice in self.choices),
+                        self.choices[0].num_cached_tokens)
 
     async def close(self) -> None:
         """Stop the pumps and abort the choices that did not finish. Runs to the end even when the

@@ -377,15 +377,21 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV the prefix cache already held
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class ModelCard(BaseModel):
@@ -532,6 +538,7 @@ class Choice:
     pieces: list[str] = field(default_factory=list)
     num_chars: int = 0
     num_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, as the engine that computed it found them in its cache
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -547,6 +554,7 @@ class Choice:
         self.pieces.append(event.text)
         self.num_chars += len(event.text)
         self.num_tokens += len(event.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         self.logprobs.extend(event.logprobs)
         if event.finished:
             self.finish_reason = str(event.finish_reason or "stop")

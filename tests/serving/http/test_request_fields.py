@@ -105,7 +105,7 @@ def test_ignored_fields_change_nothing(client: httpx.Client, path: str) -> None:
     plain, tagged = client.post(path, json=body), client.post(path, json={**body, **ignored})
     assert plain.status_code == tagged.status_code == 200, tagged.text
     assert plain.json()["choices"] == tagged.json()["choices"]
-    assert plain.json()["usage"] == tagged.json()["usage"]
+    assert plain.json()["usage"]["prompt_tokens"] == tagged.json()["usage"]["prompt_tokens"]
 
 
 def test_add_special_tokens_reaches_the_encoding() -> None:
