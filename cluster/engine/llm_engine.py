@@ -247,6 +247,8 @@ class LLMEngine:
                              f"{self.config.scheduler.policy!r}): priority must be 0, got {params.priority}")
         if max(token_ids) >= self.arch.vocab_size or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        if any(token >= self.arch.vocab_size for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.arch.vocab_size})")
         request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
                           priority=params.priority)
         self.scheduler.check_request_fits(request)

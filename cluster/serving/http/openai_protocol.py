@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.common.events import TokenEvent, TokenLogprobs
-from cluster.common.sampling_params import SamplingParams
+from cluster.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from cluster.serving.http.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, refused_field
 from cluster.serving.http.structured_outputs import StructuredOutputFields
 from cluster.serving.request_limits import RequestLimits
@@ -83,6 +83,9 @@ class SamplingRequest(StructuredOutputFields):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    # OpenAI's: token id (a JSON key, so text) -> a bias added to its logit before sampling.
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first, under the priority policy
     user: str | None = None
 
@@ -125,6 +128,7 @@ class SamplingRequest(StructuredOutputFields):
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(_as_list(self.stop)),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, priority=self.priority,
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             structured=self.structured_output())
         if self.seed is None:
             return [params] * self.n

@@ -64,7 +64,7 @@ _SHARED: dict[str, FieldRule] = {
     "stop": _supported(),
     "logprobs": _supported(),
     "response_format": _supported("structured outputs"),
-    "logit_bias": _refused("not implemented in the sampler"),
+    "logit_bias": _supported("token id -> bias in [-100, 100]; at most 1024 tokens"),
     "best_of": _refused("vLLM's v1 engine has none either"),
     "echo": _refused("the prompt is not returned", False),
     "user": _ignored("an end-user tag for abuse monitoring"),

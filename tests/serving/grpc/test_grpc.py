@@ -63,6 +63,12 @@ def test_stream_yields_every_token_once_in_order_and_matches_complete(client: Cl
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (last.usage.prompt_tokens, 12)
 
 
+def test_logit_bias_steers_sampling(client: Client) -> None:
+    plain = client.complete(PROMPT, max_tokens=3, **GREEDY).token_ids
+    token = 7 if 7 not in plain else 8
+    assert client.complete(PROMPT, max_tokens=3, logit_bias={token: 100.0}, **GREEDY).token_ids == [token] * 3
+
+
 def test_greedy_tokens_equal_the_engine_alone(client: Client, tiny_config: Callable[..., EngineConfig]) -> None:
     alone = LLMEngine(tiny_config()).generate([PROMPT], SamplingParams(max_tokens=16, **GREEDY))[0]
     assert client.complete(PROMPT, max_tokens=16, **GREEDY).token_ids == alone.token_ids
@@ -404,6 +410,8 @@ def self_signed_certificate() -> tuple[bytes, bytes]:
     ([{"role": "wizard", "content": "hi"}], {}, grpc.StatusCode.INVALID_ARGUMENT),  # the template refuses it
     (PROMPT, dict(model="gpt-7"), grpc.StatusCode.NOT_FOUND),
     (PROMPT, dict(priority=1), grpc.StatusCode.INVALID_ARGUMENT),  # the fcfs policy: priority scheduling is off
+    (PROMPT, dict(logit_bias={5: 101.0}), grpc.StatusCode.INVALID_ARGUMENT),
+    (PROMPT, dict(logit_bias={10**6: 1.0}), grpc.StatusCode.INVALID_ARGUMENT),  # past the vocabulary
 ])
 def test_bad_requests(client: Client, prompt: Any, options: dict[str, Any], code: grpc.StatusCode) -> None:
     for call in (client.complete, lambda *args, **kwargs: list(client.generate(*args, **kwargs))):

@@ -212,7 +212,9 @@ def test_chat_stream_fans_out_n_choices(client: httpx.Client) -> None:
     ("/v1/completions", {"prompt": []}),
     ("/v1/completions", {"prompt": ["one", "two"]}),
     ("/v1/completions", {"prompt": "hi", "echo": True}),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}),  # past the vocabulary: the engine refuses it
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}),
     ("/v1/completions", {"prompt": "hi", "n": 0}),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}),

@@ -149,3 +149,24 @@ def test_priority_reaches_the_scheduler(gateways: Gateways, tiny_checkpoint: Pat
         response = client.post(path, json={**body, "priority": -3, "n": 2})
     assert response.status_code == 200, response.text
     assert seen == [-3, -3]
+
+
+# ---- logit_bias -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_logit_bias_steers_sampling(client: httpx.Client, tiny: LiveGateway, path: str) -> None:
+    _, _, body = ENDPOINTS[path]
+    body = {**body, "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    tokenizer = tiny.service.tokenizer
+    plain = text_of(client.post(path, json=body).json())
+    token = next(token for token in range(40, 60)
+                 if tokenizer.decode([token]) and tokenizer.decode([token] * 3) != plain)
+    biased = client.post(path, json={**body, "logit_bias": {str(token): 100}})
+    assert biased.status_code == 200, biased.text
+    assert text_of(biased.json()) == tokenizer.decode([token] * 3)
+
+
+def text_of(answer: dict[str, Any]) -> str:
+    choice = answer["choices"][0]
+    return str(choice["text"] if "text" in choice else choice["message"]["content"])
