@@ -6,7 +6,8 @@ because harmless. A refused field set to anything but null (or a value that asks
 An ignored field changes nothing the client could notice in the answer (billing tags, cache hints).
 A field in no table is ignored as OpenAI and vLLM ignore unknown fields; the tests walk the installed
 openai package's request types so a new field must be classified here. docs/gateway.md lists the
-tables (`markdown_table`), and a test keeps it in step.
+tables (`markdown_table`; `python -m cluster.serving.http.request_fields` prints it), and a test
+keeps it in step.
 """
 
 from __future__ import annotations
@@ -170,3 +171,7 @@ def _cell(rule: FieldRule | None) -> str:
 
 def _json(value: Any) -> str:
     return f"`{json.dumps(value)}`"
+
+
+if __name__ == "__main__":  # python -m cluster.serving.http.request_fields: the table for docs/gateway.md
+    print(markdown_table(), end="")

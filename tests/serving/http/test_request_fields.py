@@ -119,7 +119,8 @@ def test_add_special_tokens_reaches_the_encoding() -> None:
 
 
 def test_the_doc_lists_every_field_as_classified() -> None:
-    assert markdown_table() in DOC.read_text(), "regenerate docs/gateway.md's table from markdown_table()"
+    regenerate = "regenerate docs/gateway.md's table: python -m cluster.serving.http.request_fields"
+    assert markdown_table() in DOC.read_text(), regenerate
 
 
 # ---- priority ---------------------------------------------------------------------------------------
