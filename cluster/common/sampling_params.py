@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from cluster.common.structured_output import StructuredOutput
 
+# Tokens one request may bias: each is a scatter entry in every step the request samples.
+MAX_LOGIT_BIAS = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -14,7 +17,10 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
     `logprobs = N` returns the log-probability of each sampled token and the N most likely ones.
     `structured` constrains every sampled token to a grammar (a JSON schema, a regex, ...); the
-    request stops where the grammar ends.
+    request stops where the grammar ends. `logit_bias` adds a bias in [-100, 100] to the logits of
+    its token ids before sampling (OpenAI's semantics; -100 in effect bans a token). `priority`
+    orders the waiting queue under the scheduler's priority policy, lower values first (as vLLM);
+    an engine on the fcfs policy refuses any but 0.
     """
 
     max_tokens: int = 16
@@ -31,6 +37,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    priority: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias) pairs
     # Tokens of this request generated already, elsewhere: the last `seed_offset` prompt tokens (a run
     # resumed after them on another worker). A seeded generator skips their draws and a grammar
     # replays them, so the random stream and the grammar's state go on unbroken.
@@ -43,6 +51,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(token), float(value)) for token, value in bias))
         self.validate()
 
     def validate(self) -> None:
@@ -61,6 +71,9 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must be non-negative"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens"),
             # torch's generators take 64-bit seeds; a larger one would fail the step of every request in it
             (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
             (self.seed_offset >= 0, f"seed_offset must be >= 0, got {self.seed_offset}"),

@@ -149,20 +149,20 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0) -> Request:
+                    request_id: str | None = None) -> Request:
         """Queue a request; raises ValueError for one that can never run, QueueFullError when full."""
         params = sampling_params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        request = self._new_request(token_ids, params, request_id or f"request-{next(self.ids)}", priority)
+        request = self._new_request(token_ids, params, request_id or f"request-{next(self.ids)}")
         self.scheduler.add_request(request)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
         return request
 
     def add_prefill(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
-                    request_id: str, priority: int = 0) -> Request:
+                    request_id: str) -> Request:
         """Prefill side of the cluster: compute the prompt, sample the first token, then keep the
         blocks until `export_kv` and `release_held`."""
-        request = self.add_request(prompt_token_ids, sampling_params, request_id=request_id, priority=priority)
+        request = self.add_request(prompt_token_ids, sampling_params, request_id=request_id)
         request.hold_kv = True
         return request
 
@@ -189,9 +189,9 @@ class LLMEngine:
         self.scheduler.release_held(request_id)
 
     def reserve_remote(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
-                       request_id: str, lease_s: float = 30.0, priority: int = 0) -> list[int] | None:
+                       request_id: str, lease_s: float = 30.0) -> list[int] | None:
         """Decode side: reserve blocks for a prompt whose KV another worker computes; None if full."""
-        request = self._new_request(list(prompt_token_ids), sampling_params, request_id, priority)
+        request = self._new_request(list(prompt_token_ids), sampling_params, request_id)
         block_ids = self.scheduler.reserve_remote(request, lease_s)
         if block_ids is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
@@ -238,13 +238,19 @@ class LLMEngine:
             return None
         return self._output(request, request.output_token_ids[0], None)
 
-    def _new_request(self, token_ids: list[int], params: SamplingParams, request_id: str, priority: int) -> Request:
+    def _new_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> Request:
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if params.priority != 0 and self.config.scheduler.policy != "priority":
+            # As vLLM: a priority the scheduler would not honour is refused rather than ignored.
+            raise ValueError(f"priority scheduling is not enabled (the scheduler's policy is "
+                             f"{self.config.scheduler.policy!r}): priority must be 0, got {params.priority}")
         if max(token_ids) >= self.arch.vocab_size or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        if any(token >= self.arch.vocab_size for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.arch.vocab_size})")
         request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
-                          priority=priority)
+                          priority=params.priority)
         self.scheduler.check_request_fits(request)
         if params.structured is not None:
             request.grammar = self._grammar_after(token_ids, params)

@@ -3,6 +3,7 @@
 Per step, for each row (one request):
   0. structured output: tokens the row's grammar forbids are masked to -inf (`grammar_masks`);
   1. min_tokens: while too few tokens are out, EOS and stop token ids are masked to -inf;
+     logit_bias: each row's biases are added to its tokens' logits (OpenAI's semantics);
   2. penalties: repetition over prompt and output tokens, presence and frequency over output tokens;
   3. greedy rows (temperature ~ 0) take the argmax here; random rows go on:
   4. temperature, then top-k, top-p and min-p filtering (vLLM v0's order);
@@ -50,6 +51,7 @@ class BatchPlan:
     penalty_rows: list[int] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
     grammar_rows: list[int] = field(default_factory=list)
+    logit_bias_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, requests: Sequence[Request]) -> BatchPlan:
@@ -66,11 +68,13 @@ class BatchPlan:
                 plan.logprob_rows.append(row)
             if request.grammar is not None:
                 plan.grammar_rows.append(row)
+            if params.logit_bias:
+                plan.logit_bias_rows.append(row)
         return plan
 
     @property
     def modifies_logits(self) -> bool:
-        return bool(self.min_tokens_rows or self.penalty_rows or self.grammar_rows)
+        return bool(self.min_tokens_rows or self.penalty_rows or self.grammar_rows or self.logit_bias_rows)
 
 
 class Sampler:
@@ -204,6 +208,8 @@ def process_logits(
         raise ValueError(f"rows {plan.grammar_rows} have a grammar but no masks were given")
     if plan.min_tokens_rows:
         apply_min_tokens(logits, [requests[row] for row in plan.min_tokens_rows], plan.min_tokens_rows)
+    if plan.logit_bias_rows:
+        apply_logit_bias(logits, [requests[row] for row in plan.logit_bias_rows], plan.logit_bias_rows)
     if len(plan.penalty_rows) == len(requests):
         apply_penalties(logits, requests)
     elif plan.penalty_rows:
@@ -231,6 +237,20 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request], rows: Se
         device = logits.device
         index = (torch.tensor(mask_rows, device=device), torch.tensor(mask_columns, device=device))
         logits.index_put_(index, torch.tensor(float("-inf"), device=device))
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request], rows: Sequence[int]) -> None:
+    """Adds each request's biases to its row (requests[i] owns rows[i]), in place, in one scatter.
+    Ids past the vocabulary are skipped (the engine refuses them; a padded column is never sampled)."""
+    vocab_size = logits.shape[1]
+    entries = [(row, token, bias) for row, request in zip(rows, requests, strict=True)
+               for token, bias in request.sampling_params.logit_bias if token < vocab_size]
+    if not entries:
+        return
+    device = logits.device
+    bias_rows, tokens, biases = zip(*entries, strict=True)
+    index = (torch.tensor(bias_rows, device=device), torch.tensor(tokens, device=device))
+    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:

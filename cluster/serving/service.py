@@ -68,13 +68,15 @@ class Service(Protocol):
 def check_prompt(service: Service, prompt: list[int], params: SamplingParams) -> None:
     """Refuse, before anything runs, a request the model cannot take (ValueError -> 400): an empty
     prompt, token ids outside the vocabulary (which would otherwise reach the router's prefix hashes
-    and the workers), one that cannot fit the context, a structured output whose schema, regex or
+    and the workers; logit_bias's too), one that cannot fit the context, a structured output whose schema, regex or
     grammar does not compile (compiled once per spec here; the workers compile it again, cached)."""
     if not prompt:
         raise ValueError("the prompt is empty")
     vocab_size = service.tokenizer.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}): the vocabulary's ids")
+    if any(token >= vocab_size for token, _ in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}): the vocabulary's ids")
     if len(prompt) + 1 > service.max_model_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context holds {service.max_model_len}")
     check_structured(service.tokenizer, params)

@@ -548,3 +548,20 @@ def test_masks_for_other_rows_than_the_constrained_ones_are_refused(grammars: Gr
     with pytest.raises(ValueError, match="grammar masks for rows"):
         Sampler(grammars.vocab_size)(random_logits(len(requests), grammars.vocab_size, seed=0), requests,
                                      masks.result())
+
+
+def test_logit_bias_adds_to_its_rows_tokens_before_greedy_and_random_sampling() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0]])
+    favoured = make_request("favoured", SamplingParams(temperature=0, logit_bias=((2, 100.0),)))
+    banned = make_request("banned", SamplingParams(temperature=1.0, seed=3, logit_bias=((1, -100.0), (3, 10.0))))
+    plain = make_request("plain", SamplingParams(temperature=0))
+    output = Sampler(4)(logits, [favoured, banned, plain])
+    assert output.token_ids == [2, 3, 1]
+    assert logits[0, 2] == 1.0  # the caller's logits are untouched
+
+
+def test_logit_bias_is_refused_out_of_range() -> None:
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias=((1, 101.0),))
+    with pytest.raises(ValueError, match="non-negative"):
+        SamplingParams(logit_bias=((-1, 1.0),))

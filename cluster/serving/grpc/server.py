@@ -372,7 +372,9 @@ def _params_of(message: pb.SamplingParams) -> SamplingParams:
         raise ValueError(f"{', '.join(not_finite)} must be a finite number")
     structured = _structured_of(message.structured) if message.HasField("structured") else None
     return SamplingParams(**given, stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
-                          ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, structured=structured)
+                          ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, priority=message.priority,
+                          logit_bias=tuple(sorted(message.logit_bias.items())),
+                          structured=structured)
 
 
 def _structured_of(message: pb.StructuredOutput) -> StructuredOutput:

@@ -5,7 +5,8 @@ A request's way through:
 1. Three ASGI middlewares, outermost first: `RequestIdMiddleware` names the request (`cmpl-<hex>` /
    `chatcmpl-<hex>`, always the server's own; a client's `X-Request-Id` is only echoed and logged);
    `BodyLimitMiddleware` refuses bodies over the limit (413); `ApiKeyMiddleware` checks the bearer key
-   on `/v1/` routes (401). Their errors, like every other, use OpenAI's error JSON.
+   on `/v1/` routes and vLLM's `/tokenize` and `/detokenize` (401). Their errors, like every other,
+   use OpenAI's error JSON.
 2. FastAPI validates the body into a `cluster.serving.http.openai_protocol` model (400 on failure, not FastAPI's 422).
 3. The route checks the model name (404) and that the gateway accepts requests (503 while the service
    starts or the gateway drains), builds the prompt and per-choice `SamplingParams` (400), and opens a
@@ -60,6 +61,13 @@ from cluster.serving.http.openai_protocol import (
     ResponseFormat,
     Usage,
 )
+from cluster.serving.http.tokenizing import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    tokenize,
+)
 from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import LimitExceeded, RequestLimits
@@ -74,6 +82,7 @@ RETRY_AFTER_S = 1
 # disconnected and its request aborted (what the socket holds first is bounded: `send_buffer_bytes`).
 EVENTS_AHEAD = 16  # per API request: events taken from the service streams but not yet sent
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: logged, never received
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's, at the root; behind the API key as /v1/ is
 QUIET_PATHS = ("/health", "/ready", "/metrics")  # probed every few seconds: logged at DEBUG only
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
@@ -210,7 +219,9 @@ class ChoiceStreams:
             pass
 
     def usage(self) -> Usage:
-        return Usage.of(len(self.prompt), sum(choice.num_tokens for choice in self.choices))
+        # The prompt counts once however many choices share it: so do its cached tokens (the first choice's).
+        return Usage.of(len(self.prompt), sum(choice.num_tokens for choice in self.choices),
+                        self.choices[0].num_cached_tokens)
 
     async def close(self) -> None:
         """Stop the pumps and abort the choices that did not finish. Runs to the end even when the
@@ -496,6 +507,19 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
                                      logprobs=body.logprobs, tools=body.chosen_tools(), parser=gateway.tool_parser)
         return await gateway.respond(request, body, response_format)
 
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        gateway.admit(body.model)
+        with service_errors(request.state.request_id):
+            return await gateway.off_loop.run(tokenize, body, service.tokenizer, gateway.request_limits,
+                                              service.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        gateway.admit(body.model)
+        with service_errors(request.state.request_id):
+            return DetokenizeResponse(prompt=await gateway.off_loop.run(body.text, service.tokenizer))
+
 
 # ---- middlewares (plain ASGI: they must not buffer streamed responses) -----------------------------
 
@@ -576,14 +600,14 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """401 for `/v1/` requests without `Authorization: Bearer <key>` of a known key; health checks
+    """401 for `/v1/` (and tokenizer) requests without `Authorization: Bearer <key>` of a known key; health checks
     stay open. The key's tenant goes to `request.state.tenant` (its rate limits, its scope)."""
 
     def __init__(self, app: ASGIApp, api_keys: ApiKeys) -> None:
         self.app, self.api_keys = app, api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in TOKENIZER_PATHS):
             return await self.app(scope, receive, send)
         tenant = self.api_keys.tenant_of(_header(scope, b"authorization"))
         if tenant is not None:

@@ -5,7 +5,8 @@ gateway needs: a request body into per-choice `SamplingParams`, and a choice's `
 response objects. Names, defaults and shapes follow OpenAI's API reference; the extra sampling fields
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are vLLM's,
 which clients send as extra body fields. Unknown fields are ignored, as OpenAI and vLLM do; fields
-this server could only ignore wrongly (`logit_bias`, `functions`, ...) are refused instead.
+this server could only ignore wrongly (`logit_bias`, `functions`, ...) are refused instead: which
+field is which is `request_fields`.
 
 Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, `tool` messages) is described here as it
 travels; what it means, how calls are constrained and read back, is `cluster.serving.tools`.
@@ -21,13 +22,15 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.common.events import TokenEvent, TokenLogprobs
-from cluster.common.sampling_params import SamplingParams
+from cluster.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from cluster.serving.http.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, refused_field
 from cluster.serving.http.structured_outputs import StructuredOutputFields
 from cluster.serving.request_limits import RequestLimits
 from cluster.serving.tools.calls import CallDelta, Item, Reply
@@ -44,6 +47,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, kept by vLLM
 # seed would fail the engine's step, and every other request in it. (Choice i's seed + i may pass
 # 2**63 - 1: torch takes seeds up to 2**64 - 1.)
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # gRPC's int32
 # Arguments of the chat template's own call: a template variable of the same name would collide.
 TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
 
@@ -60,8 +64,8 @@ class SamplingRequest(StructuredOutputFields):
 
     # Python's JSON parser reads NaN and Infinity, which are not JSON, and no sampling value means them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-    # Fields whose effect this server does not implement: refused rather than silently ignored.
-    unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "best_of")
+    # What this endpoint does with each field it knows (`request_fields`): some are refused, not ignored.
+    request_fields: ClassVar[Mapping[str, FieldRule]] = COMPLETION_FIELDS
 
     model: str | None = None  # None: the served model
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -79,6 +83,10 @@ class SamplingRequest(StructuredOutputFields):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    # OpenAI's: token id (a JSON key, so text) -> a bias added to its logit before sampling.
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first, under the priority policy
     user: str | None = None
 
     @model_validator(mode="before")
@@ -87,9 +95,8 @@ class SamplingRequest(StructuredOutputFields):
         """JSON null means "not set" in OpenAI's API: drop it so the field's default applies."""
         if not isinstance(data, dict):
             return data
-        for name in cls.unsupported:
-            if data.get(name) is not None:
-                raise ValueError(f"{name} is not supported by this server")
+        if (name := refused_field(cls.request_fields, data)) is not None:
+            raise ValueError(f"{name} is not supported by this server")
         return {key: value for key, value in data.items() if value is not None}
 
     @property
@@ -120,19 +127,19 @@ class SamplingRequest(StructuredOutputFields):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(_as_list(self.stop)),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=logprobs, structured=self.structured_output())
+            min_tokens=self.min_tokens, logprobs=logprobs, priority=self.priority,
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            structured=self.structured_output())
         if self.seed is None:
             return [params] * self.n
         return [dataclasses.replace(params, seed=self.seed + i) for i in range(self.n)]
 
 
 class CompletionRequest(SamplingRequest):
-    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "suffix")
-
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    add_special_tokens: bool = True
 
     def prompt_bytes(self) -> int:
         texts = [self.prompt] if isinstance(self.prompt, str) else [p for p in self.prompt if isinstance(p, str)]
@@ -143,15 +150,13 @@ class CompletionRequest(SamplingRequest):
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The prompt's token ids: text is encoded with the tokenizer's special tokens (BOS), as vLLM does."""
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise ValueError("batched prompts are not supported: send one prompt per request")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return tokenizer.encode(_checked_text(prompt))
+            return tokenizer.encode(_checked_text(prompt), add_special_tokens=self.add_special_tokens)
         return cast("list[int]", prompt)  # what is left: the token ids (mypy cannot narrow by element)
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
@@ -241,8 +246,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    # functions and function_call: OpenAI's API before tools (vLLM refuses them too).
-    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "functions", "function_call")
+    request_fields: ClassVar[Mapping[str, FieldRule]] = CHAT_FIELDS
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI for max_completion_tokens; both work
@@ -250,6 +254,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: the template has them
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables (enable_thinking=False)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
@@ -288,7 +293,7 @@ class ChatCompletionRequest(SamplingRequest):
             # The template met a value of a type it cannot use (a number where it adds strings, say):
             # the client's messages or variables are at fault, as vLLM answers too.
             raise ValueError(f"the chat template cannot render this request: {error}") from error
-        return tokenizer.encode(_checked_text(text), add_special_tokens=False)
+        return tokenizer.encode(_checked_text(text), add_special_tokens=self.add_special_tokens)
 
     def template_variables(self) -> dict[str, Any]:
         variables = self.chat_template_kwargs or {}
@@ -376,15 +381,21 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV the prefix cache already held
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class ModelCard(BaseModel):
@@ -531,6 +542,7 @@ class Choice:
     pieces: list[str] = field(default_factory=list)
     num_chars: int = 0
     num_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, as the engine that computed it found them in its cache
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -546,6 +558,7 @@ class Choice:
         self.pieces.append(event.text)
         self.num_chars += len(event.text)
         self.num_tokens += len(event.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         self.logprobs.extend(event.logprobs)
         if event.finished:
             self.finish_reason = str(event.finish_reason or "stop")

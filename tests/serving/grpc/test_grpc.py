@@ -63,6 +63,12 @@ def test_stream_yields_every_token_once_in_order_and_matches_complete(client: Cl
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (last.usage.prompt_tokens, 12)
 
 
+def test_logit_bias_steers_sampling(client: Client) -> None:
+    plain = client.complete(PROMPT, max_tokens=3, **GREEDY).token_ids
+    token = 7 if 7 not in plain else 8
+    assert client.complete(PROMPT, max_tokens=3, logit_bias={token: 100.0}, **GREEDY).token_ids == [token] * 3
+
+
 def test_greedy_tokens_equal_the_engine_alone(client: Client, tiny_config: Callable[..., EngineConfig]) -> None:
     alone = LLMEngine(tiny_config()).generate([PROMPT], SamplingParams(max_tokens=16, **GREEDY))[0]
     assert client.complete(PROMPT, max_tokens=16, **GREEDY).token_ids == alone.token_ids
@@ -403,6 +409,9 @@ def self_signed_certificate() -> tuple[bytes, bytes]:
     ([5] * 300, {}, grpc.StatusCode.INVALID_ARGUMENT),  # longer than the context
     ([{"role": "wizard", "content": "hi"}], {}, grpc.StatusCode.INVALID_ARGUMENT),  # the template refuses it
     (PROMPT, dict(model="gpt-7"), grpc.StatusCode.NOT_FOUND),
+    (PROMPT, dict(priority=1), grpc.StatusCode.INVALID_ARGUMENT),  # the fcfs policy: priority scheduling is off
+    (PROMPT, dict(logit_bias={5: 101.0}), grpc.StatusCode.INVALID_ARGUMENT),
+    (PROMPT, dict(logit_bias={10**6: 1.0}), grpc.StatusCode.INVALID_ARGUMENT),  # past the vocabulary
 ])
 def test_bad_requests(client: Client, prompt: Any, options: dict[str, Any], code: grpc.StatusCode) -> None:
     for call in (client.complete, lambda *args, **kwargs: list(client.generate(*args, **kwargs))):
@@ -434,6 +443,27 @@ def test_full_queue_is_resource_exhausted(server_loop: ServerLoop, tiny_config: 
             running.close()
             busy_client.abort(waiting.request_id)  # not close(): its thread is inside next()
             assert wait_until(lambda: pool_is_whole(service))
+    finally:
+        server_loop.run(server.stop(0))
+        server_loop.run(service.stop())
+
+
+def test_priority_reaches_the_scheduler(server_loop: ServerLoop, tiny_config: Callable[..., EngineConfig]) -> None:
+    service = server_loop.start_service(tiny_config(num_blocks=128, policy="priority"))
+    server = server_loop.start_server(service)
+    scheduler = service.engine.scheduler
+    seen: list[int] = []
+    add_request = scheduler.add_request
+
+    def recording(request: Any) -> None:
+        seen.append(request.priority)
+        add_request(request)
+
+    scheduler.add_request = recording  # type: ignore[method-assign]
+    try:
+        with Client(target(server), timeout=WAIT_S) as client:
+            client.complete(PROMPT, max_tokens=2, priority=-2)
+        assert seen == [-2]
     finally:
         server_loop.run(server.stop(0))
         server_loop.run(service.stop())
