@@ -166,3 +166,16 @@ def test_a_constrained_stream_resumed_after_its_decode_worker_died_keeps_its_gra
         except Exception:
             assert time.monotonic() < deadline
             time.sleep(0.5)
+
+
+def test_logit_bias_and_priority_on_the_cluster_path(gateway: Gateway, cluster: Cluster) -> None:
+    """logit_bias steers the prefill worker's first token and the decode worker's after it; a
+    priority the workers' scheduler does not run (fcfs) is a 400 naming why, not a 500."""
+    answer = gateway.client.completions.create(model=MODEL, prompt="one two", max_tokens=6, temperature=0,
+                                               logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    assert answer.usage is not None and answer.usage.completion_tokens == 6
+    tokens = cluster.tokenizer.encode(answer.choices[0].text, add_special_tokens=False)  # type: ignore[union-attr]
+    assert tokens == [77] * 6
+    with pytest.raises(openai.BadRequestError, match="priority scheduling is not enabled"):
+        gateway.client.completions.create(model=MODEL, prompt="one", max_tokens=2, extra_body={"priority": 1})
+    assert_pools_whole(cluster)
