@@ -25,7 +25,7 @@ from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.ray_cluster.test_ray_cluster import router_entries
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-SOAK_S = float(os.environ.get("PDSERVE_CLUSTER_SOAK_S", "20"))
+SOAK_S = float(os.environ.get("PDSERVE_CLUSTER_SOAK_S", "12"))
 
 
 @pytest.fixture(scope="module")

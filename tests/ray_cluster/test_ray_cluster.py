@@ -922,35 +922,6 @@ def test_a_decode_worker_that_dies_after_the_last_event_ends_the_request_once(ch
         cluster.stop()
 
 
-def test_a_client_that_stops_reading_leaves_nothing_in_the_router_or_the_workers(checkpoint: Path) -> None:
-    """The front door stops reading a long stream (its client went away) and aborts it, as the
-    gateway does, while the router and the worker are held at their backpressure limits: every
-    router entry, worker stream and block comes back."""
-    import ray
-
-    engine_config = engine_config_for(checkpoint, num_blocks=256)
-    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
-                           engine=engine_config)
-    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-    cluster = Cluster(config).start()
-
-    async def leave() -> None:
-        stream = cluster.generate(PROMPTS[0], params, request_id="gone")
-        await anext(stream)
-        await asyncio.sleep(1.0)  # the worker runs ahead of this reader until the backpressure holds it
-        await stream.aclose()
-        await cluster.abort("gone")
-
-    try:
-        ray.get(cluster.decode[0].__ray_call__.remote(pace_steps(0.01)), timeout=30)
-        asyncio.run(leave())
-        assert_pools_whole(cluster)  # router entries included
-        assert ray.get(cluster.decode[0].__ray_call__.remote(lambda actor: list(actor.worker.streams)),
-                       timeout=30) == []
-    finally:
-        cluster.stop()
-
-
 def _die_when_kv_lands(actor: Any) -> None:
     """For `__ray_call__`: the worker's process ends as the next KV lands, before it admits the request."""
     import os

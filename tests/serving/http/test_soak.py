@@ -1,4 +1,4 @@
-"""The soak: `PDSERVE_SOAK_S` seconds (30 by default) of mixed traffic against a live gateway.
+"""The soak: `PDSERVE_SOAK_S` seconds (15 by default) of mixed traffic against a live gateway.
 
 Streamed and whole completions and chats with random lengths, clients that drop streams or cancel
 requests wherever they are, invalid requests, all on a tiny model whose small KV pool forces
@@ -19,7 +19,7 @@ from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from cluster.serving.http.gateway import gateway_of
 from tests.serving.http.conftest import Gateways, engine_idle, wait_until
 
-SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "30"))
+SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "15"))
 MAX_RSS_GROWTH = 150 << 20  # generous: what a soak this long might grow by is a few tens of MiB
 
 
