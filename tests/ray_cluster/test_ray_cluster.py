@@ -363,6 +363,24 @@ def generate_with_workers(cluster: Cluster, prompts: list[list[int]]) -> tuple[l
     return [tokens for tokens, _ in results], [worker for _, worker in results]
 
 
+def burst(cluster: Cluster, prompts: list[list[int]], params: SamplingParams,
+          indices: range) -> list[list[int] | str]:
+    """The prompts at `indices`, sent at once: each one's tokens, or why it was refused (QueueFullError)."""
+    from cluster.common.errors import QueueFullError
+
+    async def one(index: int) -> list[int] | str:
+        try:
+            return [t async for event in cluster.generate(prompts[index], params, request_id=f"burst-{index}")
+                    for t in event.token_ids]
+        except QueueFullError as error:
+            return str(error)
+
+    async def together() -> list[list[int] | str]:
+        return list(await asyncio.gather(*(one(index) for index in indices)))
+
+    return asyncio.run(together())
+
+
 def ray_stats(cluster: Cluster) -> dict[str, int]:
     import ray
 
@@ -568,7 +586,6 @@ def test_a_burst_past_the_prefill_pools_throughput_is_refused_early_not_recomput
 
     import ray
 
-    from cluster.common.errors import QueueFullError
 
     engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512,
                                         "max_num_batched_tokens": 8})
@@ -580,25 +597,16 @@ def test_a_burst_past_the_prefill_pools_throughput_is_refused_early_not_recomput
     expected = alone(engine_config, prompts, params)
     cluster = Cluster(config).start()
 
-    async def one(index: int) -> list[int] | str:
-        try:
-            return [t async for event in cluster.generate(prompts[index], params, request_id=f"burst-{index}")
-                    for t in event.token_ids]
-        except QueueFullError as error:
-            return str(error)
-
-    async def burst() -> list[list[int] | str]:
-        return list(await asyncio.gather(*(one(index) for index in range(1, 11))))
 
     try:
         ray.get(cluster.prefill[0].__ray_call__.remote(pace_steps(0.1)), timeout=30)
-        assert asyncio.run(one(0)) == expected[0]  # measures the prefill worker's throughput
+        assert burst(cluster, prompts, params, range(1)) == expected[:1]  # measures the prefill worker's throughput
         deadline = time.monotonic() + 30
         while not ray.get(cluster.router.__ray_call__.remote(
                 lambda router: any(load.tokens_per_s for load in router.loads.values())), timeout=30):
             assert time.monotonic() < deadline, "the router never learnt the prefill throughput"
             time.sleep(0.2)
-        answers = asyncio.run(burst())
+        answers = burst(cluster, prompts, params, range(1, 11))
         refused = [answer for answer in answers if isinstance(answer, str)]
         served = [(index, answer) for index, answer in enumerate(answers, 1) if not isinstance(answer, str)]
         assert refused and served, answers
@@ -702,29 +710,17 @@ def test_the_first_burst_after_start_is_admitted_by_the_warm_up_throughput(check
     queue (1 ms of prompts) makes any rate this machine reaches refuse most of 10 prompts."""
     import ray
 
-    from cluster.common.errors import QueueFullError
-
     engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512})
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config, max_prefill_wait_s=0.001)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompts = [[3 + index + offset for offset in range(40)] for index in range(10)]
     cluster = Cluster(config).start()
-
-    async def one(index: int) -> str:
-        prompt = [3 + index + offset for offset in range(40)]
-        try:
-            async for _ in cluster.generate(prompt, params, request_id=f"first-{index}"):
-                pass
-            return "served"
-        except QueueFullError:
-            return "refused"
-
-    async def burst() -> list[str]:
-        return list(await asyncio.gather(*(one(index) for index in range(10))))
 
     try:
         assert ray.get(cluster.prefill[0].load.remote(), timeout=30).tokens_per_s > 0  # measured at warm-up
-        answers = asyncio.run(burst())
+        answers = ["refused" if isinstance(answer, str) else "served"
+                   for answer in burst(cluster, prompts, params, range(10))]
         assert "served" in answers and "refused" in answers, answers
         assert ray_stats(cluster)["refused_overloaded"] == answers.count("refused")
         assert_pools_whole(cluster)
@@ -835,7 +831,6 @@ def test_a_10x_burst_on_the_decode_pool_is_refused_early_and_nothing_grows(check
     whole after, and no worker's memory grew by more than 64 MiB."""
     import ray
 
-    from cluster.common.errors import QueueFullError
 
     engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512,
                                         "max_num_seqs": 2})
@@ -846,27 +841,18 @@ def test_a_10x_burst_on_the_decode_pool_is_refused_early_and_nothing_grows(check
     expected = alone(engine_config, prompts, params)
     cluster = Cluster(config).start()
 
-    async def one(index: int) -> list[int] | str:
-        try:
-            return [t async for event in cluster.generate(prompts[index], params, request_id=f"burst-{index}")
-                    for t in event.token_ids]
-        except QueueFullError as error:
-            return str(error)
-
-    async def burst(indices: range) -> list[list[int] | str]:
-        return list(await asyncio.gather(*(one(index) for index in indices)))
 
     workers = cluster.prefill + cluster.decode
     try:
         ray.get(cluster.decode[0].__ray_call__.remote(pace_steps(0.05)), timeout=30)
-        assert asyncio.run(burst(range(2))) == expected[:2]  # measures a request's running time
+        assert burst(cluster, prompts, params, range(2)) == expected[:2]  # measures a request's running time
         deadline = time.monotonic() + 30
         while not ray.get(cluster.router.__ray_call__.remote(
                 lambda router: any(load.seconds_per_request for load in router.loads.values())), timeout=30):
             assert time.monotonic() < deadline, "the router never learnt the decode worker's request time"
             time.sleep(0.2)
         memory = ray.get([worker.__ray_call__.remote(_rss_bytes) for worker in workers], timeout=30)
-        answers = asyncio.run(burst(range(20)))
+        answers = burst(cluster, prompts, params, range(20))
         refused = [answer for answer in answers if isinstance(answer, str)]
         served = [(index, answer) for index, answer in enumerate(answers) if not isinstance(answer, str)]
         assert len(refused) >= 10 and served, answers
