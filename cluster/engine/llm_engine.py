@@ -17,11 +17,13 @@ from pathlib import Path
 import torch
 
 from cluster.common.events import FinishReason, TokenLogprobs
+from cluster.common.loads import BucketCounts
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.block_pool import BlockPool
 from cluster.engine.config import EngineConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
 from cluster.grammar.compiler import GrammarCompiler
 from cluster.grammar.matcher import GrammarMatcher
@@ -86,6 +88,8 @@ class EngineStats:
     prefix_cache_hits: int
     num_recomputes: int = 0  # decode side: prompts whose KV never came, computed here
     seconds_per_request: float = 0.0  # recent requests' time running here, first step to end (0: none yet)
+    num_swapped: int = 0  # requests whose KV is swapped out to host memory
+    histograms: dict[str, BucketCounts] = field(default_factory=dict)  # copies of `RequestStats`'
 
 
 def served_model_name(model: str) -> str:
@@ -311,6 +315,7 @@ class LLMEngine:
         if scheduler_output.empty:
             return outputs
         runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.request_stats.step(scheduler_output.num_batched_tokens)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -397,6 +402,7 @@ class LLMEngine:
             self.kv_cache.pool.reset_prefix_cache()
             self.kv_cache.prefix_queries = self.kv_cache.prefix_hits = 0
             self.scheduler.seconds_per_request = 0.0  # three tokens: not a client's request
+            self.scheduler.request_stats = RequestStats(self.max_model_len)
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
@@ -405,4 +411,5 @@ class LLMEngine:
             num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks, kv_cache_usage=pool.usage,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=self.kv_cache.prefix_queries,
             prefix_cache_hits=self.kv_cache.prefix_hits, num_recomputes=self.scheduler.num_recomputes,
-            seconds_per_request=self.scheduler.seconds_per_request)
+            seconds_per_request=self.scheduler.seconds_per_request, num_swapped=len(self.scheduler.swapped),
+            histograms=self.scheduler.request_stats.snapshot())

@@ -167,7 +167,7 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     from cluster.serving.grpc.server import GrpcServer
     from cluster.serving.http.gateway import HttpServer, build_app, gateway_of
 
-    metrics = ClusterMetrics(service.model_name)
+    metrics = gateway_metrics(service.model_name, backend.config)
     state = connect_state(options.redis_url)
     metrics.sources.append(backend.counters)
     metrics.sources.append(lambda: _state_counters(state))
@@ -293,6 +293,12 @@ async def _state_counters(state: SharedState) -> dict[str, Any]:
     """Calls to Redis answered by a fallback (rate limits failed open) in this gateway."""
     fallbacks = getattr(state, "fallbacks", None)
     return {"counters": {"pdserve:gateway_redis_fallbacks": sum(fallbacks.values())}} if fallbacks is not None else {}
+
+
+def gateway_metrics(model_name: str, config: ClusterConfig) -> ClusterMetrics:
+    """This gateway's /metrics. An attached gateway serves another's workers: that gateway exports
+    their series, so that each worker is one series however many gateways Prometheus scrapes."""
+    return ClusterMetrics(model_name, export_workers=not config.attach)
 
 
 def add_metrics_route(app: Any, metrics: ClusterMetrics, service: Service) -> None:
