@@ -99,6 +99,8 @@ WORKER_GAUGES: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
     "vllm:num_requests_waiting": ("Requests waiting for the worker's batch.", lambda w: w.num_waiting),
     "vllm:kv_cache_usage_perc": ("Fraction of the worker's KV blocks in use (0-1).", lambda w: w.kv_cache_usage),
     "pdserve:kv_cache_free_blocks": ("Free KV blocks.", lambda w: w.num_free_blocks),
+    "pdserve:max_num_seqs": ("Requests the worker runs at once (its batch slots; the rest wait).",
+                             lambda w: w.max_num_seqs),
 }
 WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
     "vllm:num_preemptions": ("Preemptions since the worker started.", lambda w: w.num_preemptions),
