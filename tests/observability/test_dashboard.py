@@ -72,3 +72,13 @@ def test_the_dashboard_has_a_prefill_decode_view() -> None:
         assert metrics <= named, f"{what}: not charted {sorted(metrics - named)}"
     targets = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     assert any("by (worker)" in e and "vllm:request_decode_time_seconds_sum" in e for e in targets)  # per decode worker
+
+
+def test_every_exported_metric_is_documented(live_scrape: str) -> None:
+    """docs/observability.md (which the HELP texts point to) lists every family /metrics shows."""
+    documented = (ROOT / "docs" / "observability.md").read_text()
+    families = {family.name for family in text_string_to_metric_families(live_scrape)
+                if not family.name.endswith("_created")}  # prometheus_client's start times, one per family
+    families |= set(WORKER_GAUGES) | set(WORKER_COUNTERS) | set(WORKER_HISTOGRAMS)
+    missing = sorted(name for name in families if f"`{name}`" not in documented)
+    assert not missing, f"not in docs/observability.md: {missing}"
