@@ -77,7 +77,8 @@ class RequestStats:
         if request.remote_kv_time is None:  # the prompt was computed here
             scheduled = first_token if scheduled is None else scheduled
             self.histograms[QUEUE_TIME].observe(scheduled - request.arrival_time)
-            self.histograms[PREFILL_TIME].observe(first_token - scheduled)
+            # 0 for a recompute after the prefill's streamed first token: that token came before this run.
+            self.histograms[PREFILL_TIME].observe(max(first_token - scheduled, 0.0))
             self.histograms[PROMPT_TOKENS].observe(request.num_prompt_tokens)
         if not request.hold_kv:  # the tokens after the first were generated here
             self.histograms[DECODE_TIME].observe(now - first_token)

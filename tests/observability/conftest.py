@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.observability.metrics import ClusterMetrics
@@ -56,15 +55,3 @@ def live_scrape(checkpoint: Path) -> str:
             await service.stop()
 
     return asyncio.run(main())
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of a scrape."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(scraped: dict, name: str, **labels: str) -> float:
-    matching = [v for (n, ls), v in scraped.items() if n == name and all((k, v) in ls for k, v in labels.items())]
-    assert matching, f"no sample {name} {labels}"
-    return sum(matching)

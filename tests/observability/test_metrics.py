@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tests.observability.conftest import MAX_TOKENS, PROMPTS, samples, value
+from tests.observability.conftest import MAX_TOKENS, PROMPTS
+from tests.observability.scrape import samples, value
 
 WORKER = {"worker": "local-0", "role": "colocated"}
 

@@ -12,7 +12,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.ray_cluster.config import ClusterConfig
 from cluster.serving.process import gateway_metrics
 from tests.engine.test_disaggregation import drain, make_engine, run_prefill
-from tests.observability.conftest import samples, value
+from tests.observability.scrape import samples, value
 
 PROMPT = [5, 17, 33, 9, 81, 120, 7, 7, 64, 11]
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
