@@ -8,10 +8,12 @@ from pathlib import Path
 
 from cluster.common.loads import WorkerLoad
 from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.ray_cluster.config import ClusterConfig
 from cluster.serving.process import gateway_metrics
 from tests.engine.test_disaggregation import drain, make_engine, run_prefill
+from tests.helpers import until_idle
 from tests.observability.scrape import samples, value
 
 PROMPT = [5, 17, 33, 9, 81, 120, 7, 7, 64, 11]
@@ -43,6 +45,21 @@ def test_disaggregated_phases_are_counted_where_they_happen(checkpoint: Path) ->
     # Each engine counted the steps it ran: the prompt there, the decodes here.
     assert prefill.stats().histograms["vllm:iteration_tokens_total"].total == len(PROMPT)
     assert decode.stats().histograms["vllm:iteration_tokens_total"].total == PARAMS.max_tokens - 1
+
+
+def test_swapped_requests_are_counted_while_their_kv_is_out(checkpoint: Path) -> None:
+    """Two requests that outgrow the pool: with swap, the one preempted waits swapped out, and the
+    engine's stats (what the worker's load carries) say so until it is swapped back in."""
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint)),
+                                    cache=CacheConfig(block_size=4, num_blocks=6, num_swap_blocks=8),
+                                    scheduler=SchedulerConfig(preemption_mode="swap")))
+    for index in range(2):
+        engine.add_request([5 + index] * 8, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    swapped = []
+    for _ in until_idle(engine):
+        engine.step()
+        swapped.append(engine.stats().num_swapped)
+    assert 1 in swapped and swapped[-1] == 0 and engine.stats().num_preemptions >= 1
 
 
 def loads() -> list[WorkerLoad]:
