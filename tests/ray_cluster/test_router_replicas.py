@@ -88,6 +88,9 @@ def assert_one_series_per_worker_and_phases_where_they_ran(owner: Cluster, attac
         assert counted == requests * (2 if phase == "inference" else 1), phase
     assert value(both, "vllm:request_decode_time_seconds_count", worker="prefill-0") == 0
     assert value(both, "vllm:request_queue_time_seconds_count", worker="decode-0") == 0
+    # Every KV transfer's exposed part, timed on the prefill worker that sent it.
+    assert value(both, "pdserve:kv_transfer_exposed_seconds_count", worker="prefill-0") == \
+        value(both, "pdserve:kv_transfers_total", worker="prefill-0") == requests
 
 
 def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: Path, dedicated_redis: Any) -> None:
