@@ -62,3 +62,4 @@ class WorkerLoad:
     seconds_per_request: float = 0.0  # recent requests' time running, first step to end; 0: unknown
     max_num_seqs: int = 0  # requests it runs at once (the rest wait for one of them to end)
     started_at: float = 0.0  # when its process started (Unix time): a restart, or a model loaded again, shows here
+    dtype: str = ""  # its weights' and KV cache's dtype ("auto" resolved on its own hardware)

@@ -104,6 +104,8 @@ class Worker:
         """Warm the engine up (a short request through prefill and decode), then start serving. A
         failed warm-up does not raise: the worker reports `failure`, and the service stays unready."""
         self.loop = asyncio.get_running_loop()
+        log.info("%s: the model runs on %s in %s (%s)", self.worker_id, self.engine.device, self.engine.dtype,
+                 self.engine.dtype_reason)
         try:
             # Its prefill rate: what the routers admit prompts by until real steps have been timed.
             self.tokens_per_s = await asyncio.to_thread(self.engine.warm_up)  # until the first timed step
@@ -334,7 +336,7 @@ class Worker:
                           stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
                           self.transfer_failures, self.frame_count, stats.num_recomputes, str(self.engine.device),
                           self.failure, self.tokens_per_s, stats.seconds_per_request,
-                          self.engine.config.scheduler.max_num_seqs, self.started_at)
+                          self.engine.config.scheduler.max_num_seqs, self.started_at, dtype=self.engine.dtype)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""

@@ -9,13 +9,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.observability.metrics import ClusterMetrics
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.serving.local_service import LocalService
 from cluster.serving.metered_service import MeteredService
 from cluster.serving.process import add_metrics_route
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 PROMPTS = [[5, 17, 33, 9], [200, 201, 202, 7, 7, 7], [44] * 9]
 MAX_TOKENS = 5
@@ -40,7 +41,7 @@ def value(scraped: dict, name: str, **labels: str) -> float:
 
 def test_metrics_add_up_after_real_requests(checkpoint: Path) -> None:
     async def main() -> str:
-        service = await LocalService.from_config(EngineConfig(model=ModelConfig(model=str(checkpoint)),
+        service = await LocalService.from_config(EngineConfig(model=fp32_model(checkpoint),
                                                               cache=CacheConfig(block_size=4, num_blocks=64))).start()
         metrics = ClusterMetrics(service.model_name)
         metered = MeteredService(service, metrics.requests)
