@@ -107,3 +107,4 @@ class WorkerLoad:
     num_swapped: int = 0  # requests whose KV is swapped out to host memory
     swap_enabled: bool = False  # preemption by swap is on (else preempted requests are recomputed)
     cache_config: dict[str, str] = field(default_factory=dict)  # the engine's CacheConfig, for cache_config_info
+    dtype: str = ""  # its weights' and KV cache's dtype ("auto" resolved on its own hardware)

@@ -112,6 +112,8 @@ class Worker:
         """Warm the engine up (a short request through prefill and decode), then start serving. A
         failed warm-up does not raise: the worker reports `failure`, and the service stays unready."""
         self.loop = asyncio.get_running_loop()
+        log.info("%s: the model runs on %s in %s (%s)", self.worker_id, self.engine.device, self.engine.dtype,
+                 self.engine.dtype_reason)
         try:
             # Its prefill rate: what the routers admit prompts by until real steps have been timed.
             self.tokens_per_s = await asyncio.to_thread(self.engine.warm_up)  # until the first timed step
@@ -346,7 +348,8 @@ class Worker:
                           {**stats.histograms, KV_TRANSFER_EXPOSED: replace(self.transfer_exposed,
                                                                             counts=list(self.transfer_exposed.counts))},
                           stats.num_swapped, self.engine.config.scheduler.preemption_mode == "swap",
-                          {key: str(value) for key, value in asdict(self.engine.config.cache).items()})
+                          {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
+                          dtype=self.engine.dtype)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
