@@ -16,6 +16,9 @@ class KVTicket:
 
     address: str
     token: str = field(repr=False)
+    # The receiver's KV dtype: each worker resolves dtype auto on its own hardware, so a bf16 prefill
+    # worker may feed an fp32 decode worker; the sender converts (empty: send as it is).
+    dtype: str = ""
 
     def __str__(self) -> str:
         return self.address

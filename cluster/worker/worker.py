@@ -415,7 +415,7 @@ class Worker:
         stats = TransferStats(request_id, 0, 0.0, frames=0)
         while True:
             export = await outbox.runs.get()
-            data = export.data
+            data = export.data if not ticket.dtype else export.data.to(getattr(torch, ticket.dtype))  # same: no copy
             header = KVHeader(request_id=request_id, num_tokens=export.num_tokens, num_blocks=data.shape[0],
                               block_size=data.shape[3], num_layers=data.shape[1], num_kv_heads=data.shape[4],
                               head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
@@ -468,7 +468,7 @@ class Worker:
         direct = self._direct(self.receiver)
         staging = landing_buffer((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
                                  runner.dtype, runner.device, direct)
-        ticket = KVTicket(self.receiver.address, secrets.token_hex(16))
+        ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.dtype)
         arrived = self.receiver.expect(request_id, wire_bytes(staging, direct), ticket.token)
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
         return ticket

@@ -363,3 +363,29 @@ def test_a_streamed_first_token_that_ends_the_request_ends_it_on_the_decode_work
             assert_whole(decode)
 
     asyncio.run(main())
+
+
+def test_kv_from_a_prefill_worker_in_another_dtype_lands_without_a_recompute(checkpoint: Path) -> None:
+    """dtype auto resolves on each worker's own CPU: a bf16 prefill worker (AVX512-BF16) and an fp32
+    decode worker (AVX2) in one cluster. The prefill sends its KV in the dtype the ticket names, so the
+    decode worker's blocks take it as they are; before, every such transfer failed and was recomputed."""
+    async def main() -> None:
+        hub = LoopbackHub()
+        bf16 = LLMEngine(EngineConfig(model=replace(fp32_model(checkpoint), dtype="bfloat16"),
+                                      cache=CacheConfig(block_size=4, num_blocks=128)))
+        prefill = Worker("prefill-0", "prefill", bf16, sender=LoopbackSender(hub))
+        decode = Worker("decode-0", "decode", make_engine(checkpoint), receiver=LoopbackReceiver(hub, "decode-0"))
+        await prefill.start()
+        await decode.start()
+        try:
+            got = await asyncio.gather(*(serve(prefill, decode, f"d{i}", p) for i, p in enumerate(PROMPTS)))
+            assert [len(tokens) for tokens in got] == [GREEDY.max_tokens] * len(PROMPTS)
+            assert (await decode.load()).kv_recomputes == 0
+            assert len(prefill.transfers) == len(PROMPTS) and prefill.transfer_failures == 0
+            await asyncio.sleep(0.1)
+            assert_whole(prefill, decode)
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    asyncio.run(main())
