@@ -89,7 +89,7 @@ async def with_local_http(path: Path, work: Callable[[str], Any]) -> Any:
 async def complete(url: str, headers: dict[str, str]) -> httpx.Response:
     async with httpx.AsyncClient(timeout=60) as client:
         return await client.post(url + "/v1/completions", headers=headers,
-                                 json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+                                 json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
 
 
 def test_http_request_continues_the_clients_trace_down_to_each_prompt_chunk(
@@ -158,7 +158,8 @@ def test_grpc_request_continues_the_trace_in_its_metadata(
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 stub = pdserve_pb2_grpc.InferenceServiceStub(channel)
-                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(max_tokens=4))
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                             sampling=pb.SamplingParams(max_tokens=4))
                 return [response async for response in stub.Generate(request,
                                                                      metadata=(("traceparent", CLIENT_TRACEPARENT),))]
         finally:
