@@ -247,3 +247,20 @@ def test_the_cluster_config_reads_tracing_and_checks_the_ratio() -> None:
     assert config.tracing.enabled and not cluster_config_from({}).tracing.enabled
     with pytest.raises(ValueError, match=r"sample_ratio must be in \[0, 1\]"):
         cluster_config_from({"tracing": {"sample_ratio": 1.5}})
+
+
+def test_serve_takes_the_endpoint_from_its_flag_else_from_the_opentelemetry_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.cli import build_parser, cluster_overrides
+    from cluster.ray_cluster.config import load_cluster_config
+
+    def config_of(*flags: str) -> tracing.TracingConfig:
+        return load_cluster_config(None, cluster_overrides(build_parser().parse_args(["serve", *flags]))).tracing
+
+    monkeypatch.delenv(tracing.ENDPOINT_ENV, raising=False)
+    assert not config_of().enabled
+    assert config_of("--otlp-traces-endpoint", "http://a:4317", "--otlp-traces-sample-ratio", "0.1") == \
+        tracing.TracingConfig("http://a:4317", 0.1)
+    monkeypatch.setenv(tracing.ENDPOINT_ENV, "http://b:4317")
+    assert config_of().endpoint == "http://b:4317"
+    assert config_of("--otlp-traces-endpoint", "http://a:4317").endpoint == "http://a:4317"
