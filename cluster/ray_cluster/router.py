@@ -147,7 +147,8 @@ class Router:
     def __init__(self, prefill: list[tuple[str, str, Any]], decode: list[tuple[str, str, Any]],
                  config: RouterConfig) -> None:
         self.config = config
-        tracing.configure(config.traces, "pdserve-router")
+        if config.traces.enabled:  # a Ray actor: its process's own tracer provider
+            tracing.configure(config.traces, "pdserve-router")
         self.routes: dict[str, tracing.Route] = {}  # each traced run's span, by its (attempt's) request id
         self.ids = {id(handle): worker_id for worker_id, _, handle in prefill + decode}
         # Ray actor names by worker id: a listing under a known id with another name is a new actor.

@@ -80,7 +80,8 @@ class WorkerActor:
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
-        tracing.configure(traces or tracing.TracingConfig(), f"pdserve-{role}")  # this process's own provider
+        if traces is not None and traces.enabled:
+            tracing.configure(traces, f"pdserve-{role}")  # this actor process's own tracer provider
         transports = ucx_transports or None  # UCX_TLS for this worker; None: the environment's, or UCX's default
         host = kv_host(kv_interface)
         sender = UCXSender(transports=transports) if role == Role.PREFILL else None
