@@ -193,7 +193,7 @@ def _header(headers: Mapping[str, str] | Any) -> str:
 
 
 def end_request(span: Span | None, completion_tokens: int, finish_reasons: str) -> None:
-    _end(span, {"pdserve.completion_tokens": completion_tokens, "pdserve.finish_reason": finish_reasons})
+    _end(span, {"pdserve.completion_tokens": completion_tokens, "pdserve.finish_reason": finish_reasons or None})
 
 
 # The traceparent of the request a gateway task serves: set around the service call, read by the
