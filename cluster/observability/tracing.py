@@ -308,10 +308,14 @@ class WorkerTraces:
             return
         end_ns = time.time_ns()
         start_ns = end_ns - int(step_s * 1e9)
-        for request_id, record in list(self.open.items()):
-            parent = record.spans.get(record.main)
-            if parent is not None:
-                self._chunk(parent, record, requests.get(request_id), start_ns, end_ns)
+        try:  # on the engine thread: a tracing problem must never fail the step's requests
+            for request_id, record in list(self.open.items()):
+                parent = record.spans.get(record.main)
+                if parent is not None:
+                    self._chunk(parent, record, requests.get(request_id), start_ns, end_ns)
+        except Exception:
+            log.exception("%s: recording prompt chunks failed (the requests go on untraced)", self.worker_id)
+            self.open.clear()
 
     def _chunk(self, parent: Span, record: _RequestSpans, request: Any, start_ns: int, end_ns: int) -> None:
         computed = record.num_prompt_tokens if request is None else \
