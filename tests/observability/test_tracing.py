@@ -14,6 +14,7 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, Tracer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from cluster.common.loads import TransferStats
@@ -182,20 +183,7 @@ def test_the_kv_receive_span_joins_the_trace_through_the_frame_header(
     """Prefill and decode workers (the loopback connector carries the header as UCX does): the
     decode worker's receive span is a child of the prefill worker's last send, named only by the
     header; the router's part is played by the test, under a span of its own."""
-    async def main() -> list[int]:
-        hub = LoopbackHub()
-        prefill = Worker("prefill-0", "prefill", make_engine(checkpoint, budget=16), sender=LoopbackSender(hub))
-        decode = Worker("decode-0", "decode", make_engine(checkpoint), receiver=LoopbackReceiver(hub, "d"))
-        await prefill.start()
-        await decode.start()
-        try:
-            with tracing.route("r1", CLIENT_TRACEPARENT, "disaggregated") as route:
-                return await serve_traced(prefill, decode, "r1", route.traceparent)
-        finally:
-            await prefill.stop()
-            await decode.stop()
-
-    tokens = asyncio.run(main())
+    tokens = asyncio.run(traced_pair(checkpoint))
     assert len(tokens) == GREEDY.max_tokens
     spans = by_name(exported())
     [route] = spans["pdserve.route"]
@@ -215,13 +203,48 @@ def test_the_kv_receive_span_joins_the_trace_through_the_frame_header(
     assert sum(chunk.attributes["pdserve.tokens"] for chunk in spans["pdserve.prefill_chunk"]) == len(PROMPT)
 
 
+async def traced_pair(checkpoint: Path, fail_sends: int = 0) -> list[int]:
+    """One request through a prefill and a decode worker on the loopback connector, the test playing
+    the router under a `pdserve.route` span; `fail_sends`: break that many KV sends first."""
+    hub = LoopbackHub()
+    if fail_sends:
+        hub.fail_next(fail_sends)
+    prefill = Worker("prefill-0", "prefill", make_engine(checkpoint, budget=16), sender=LoopbackSender(hub))
+    decode = Worker("decode-0", "decode", make_engine(checkpoint), receiver=LoopbackReceiver(hub, "d"))
+    await prefill.start()
+    await decode.start()
+    try:
+        with tracing.route("r1", CLIENT_TRACEPARENT, "disaggregated") as route:
+            return await serve_traced(prefill, decode, "r1", route.traceparent)
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
+def test_a_failed_kv_send_is_an_error_span_and_the_admission_says_recomputed(
+        checkpoint: Path, exported: Callable[[], list[ReadableSpan]]) -> None:
+    tokens = asyncio.run(traced_pair(checkpoint, fail_sends=1))
+    assert len(tokens) == GREEDY.max_tokens
+    spans = by_name(exported())
+    [send] = spans["pdserve.kv_send"]
+    assert send.status.status_code == StatusCode.ERROR and send.events[0].name == "exception"
+    assert "pdserve.kv_receive" not in spans
+    [admission] = spans["pdserve.decode_admission"]
+    assert admission.attributes["pdserve.outcome"] == "recomputed"
+    assert spans["pdserve.decode_stream"][0].attributes["pdserve.output_tokens"] == GREEDY.max_tokens
+
+
 async def serve_traced(prefill: Worker, decode: Worker, request_id: str, trace: str) -> list[int]:
     """The router's part of one request, passing its trace on to each worker call."""
     ticket = await decode.reserve(request_id, PROMPT, GREEDY, trace=trace)
     assert ticket is not None
-    tokens = [token async for item in prefill.prefill(request_id, PROMPT, GREEDY, ticket, trace=trace)
-              if not isinstance(item, TransferStats) for token in item.new_token_ids]
-    async for output in decode.stream(request_id, tokens[0], trace=trace):
+    tokens: list[int] = []
+    try:
+        async for item in prefill.prefill(request_id, PROMPT, GREEDY, ticket, trace=trace):
+            tokens += [] if isinstance(item, TransferStats) else item.new_token_ids
+    except TransferError:  # as the router does: the decode worker computes the prompt itself
+        await decode.recompute(request_id, tokens[0] if tokens else None)
+    async for output in decode.stream(request_id, tokens[0] if tokens else None, trace=trace):
         tokens += output.token_ids[len(tokens):]
     return tokens
 
