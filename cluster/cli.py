@@ -195,12 +195,28 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         replicas = getattr(args, f"num_{pool}")
         if replicas is not None:
             overrides[pool] = {"replicas": replicas}
+    traces = tracing_overrides(args)
+    if traces:
+        overrides["tracing"] = traces
     engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb",
                                                  "max_num_batched_tokens", "max_num_seqs")
               if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
     return overrides
+
+
+def tracing_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """--otlp-traces-endpoint (else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) and the sample ratio, when given."""
+    from cluster.observability.tracing import ENDPOINT_ENV
+
+    traces: dict[str, object] = {}
+    endpoint = getattr(args, "otlp_traces_endpoint", None) or os.environ.get(ENDPOINT_ENV)
+    if endpoint:
+        traces["endpoint"] = endpoint
+    if getattr(args, "otlp_traces_sample_ratio", None) is not None:
+        traces["sample_ratio"] = args.otlp_traces_sample_ratio
+    return traces
 
 
 def command_serve(args: argparse.Namespace) -> int:
@@ -215,6 +231,7 @@ def command_serve(args: argparse.Namespace) -> int:
     # gRPC's C core logs a line each time Ray forks a process while the server runs: errors only.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from cluster.engine.llm_engine import served_model_name
+    from cluster.observability import tracing
     from cluster.observability.logs import configure_logging
     from cluster.ray_cluster.config import load_cluster_config
     from cluster.serving.process import DeferredService, ServeOptions, ServiceLauncher, serve
@@ -223,6 +240,7 @@ def command_serve(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_format, args.log_level)
     config = load_cluster_config(args.config, cluster_overrides(args))
+    tracing.configure(config.tracing, "pdserve-gateway")  # the routers and workers set up their own
     if config.attach and not config.ray_address:
         raise ValueError("--attach serves the workers of a running Ray cluster: give its --ray-address")
     options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
@@ -246,6 +264,7 @@ def command_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(service, backend, options, on_listening=listening))
+    tracing.shutdown()  # the last spans go out
     console.print("pdserve: stopped")
     return 0
 
@@ -365,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a request (headers and body; a gRPC connection's handshake) must arrive within this")
     serve.add_argument("--stream-write-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a client that reads nothing of its stream this long is disconnected, its request aborted")
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send OpenTelemetry traces over OTLP/gRPC here, e.g. http://collector:4317 (default: "
+                       "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: no tracing); docs/tracing.md")
+    serve.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="RATIO",
+                       help="the share of requests traced, 0 to 1 (default 1; a client's sampled traceparent is "
+                       "always followed)")
     serve.add_argument("--tool-call-parser", choices=["auto", *PARSERS], default="auto",
                        help="how the model writes tool calls (read under tool_choice auto); auto: the format its "
                        "chat template shows, else hermes")

@@ -14,6 +14,7 @@ worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always);
 worker_wait_s: 60          # with no live worker of a role, a request waits this long for one to restart
 max_prefill_wait_s: 10     # refuse new prompts (429) past this many seconds of prompts queued per prefill worker
 max_decode_wait_s: 10      # and new requests that every decode worker would keep waiting this long for a slot
+tracing: {endpoint: "", sample_ratio: 1.0}  # OTLP/gRPC collector for traces (docs/tracing.md); "": off
 attach: false              # start no workers: route to those listed in redis_url's registry
 name: ""                   # with ray_address: workers outlive the gateway; one started again takes them over
 engine:
@@ -39,6 +40,7 @@ import yaml
 
 from cluster.common.roles import Mode, RoutingPolicy
 from cluster.engine.config import CacheConfig, EngineConfig
+from cluster.observability.tracing import TracingConfig
 
 TRANSPORTS = ("ucx",)
 
@@ -101,6 +103,9 @@ class ClusterConfig:
     # gateway, and a gateway started again with the same name (and engine config) takes them over
     # without loading the model again. Needs ray_address: an embedded Ray ends with its gateway.
     name: str = ""
+    # OpenTelemetry traces (docs/tracing.md): every process exports its spans to `endpoint` over OTLP;
+    # off (and free) without one.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         for key, choices in (("mode", tuple(map(str, Mode))), ("transport", TRANSPORTS),
@@ -185,7 +190,9 @@ def cluster_config_from(values: dict[str, Any]) -> ClusterConfig:
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"unknown cluster config keys {sorted(unknown)}; known: {sorted(known)}")
-    kwargs: dict[str, Any] = {k: v for k, v in values.items() if k not in ("prefill", "decode", "engine")}
+    kwargs: dict[str, Any] = {k: v for k, v in values.items() if k not in ("prefill", "decode", "engine", "tracing")}
+    if "tracing" in values:
+        kwargs["tracing"] = TracingConfig(**values["tracing"])
     for pool in ("prefill", "decode"):
         if pool in values:
             kwargs[pool] = PoolConfig(**values[pool])

@@ -27,6 +27,7 @@ from cluster.common.events import TokenEvent
 from cluster.common.loads import WorkerLoad
 from cluster.common.roles import Mode, Role
 from cluster.common.sampling_params import SamplingParams
+from cluster.observability import tracing
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.router import Router, RouterConfig, relay
 from cluster.ray_cluster.worker_actor import CONCURRENCY_GROUPS, RAY_NAMESPACE, control, worker_actor_class
@@ -139,7 +140,7 @@ class Cluster:
         router_config = RouterConfig(self.config.mode, self.config.kv_lease_s, self.config.engine.cache.block_size,
                                      self.model_name, self.config.redis_url, self.config.routing,
                                      self.config.worker_wait_s, self.config.max_prefill_wait_s,
-                                     self.config.max_decode_wait_s)
+                                     self.config.max_decode_wait_s, self.config.tracing)
         self.routers = [router_class.remote(self._named(Role.PREFILL, self.prefill),
                                             self._named(Role.COLOCATED if colocated else Role.DECODE, self.decode),
                                             router_config)
@@ -234,7 +235,7 @@ class Cluster:
             workers.append(options.remote(f"{role}-{index}", role, self.config.engine, redis_url=self.config.redis_url,
                                           overlap_transfer=self.config.kv_overlap, address=name,
                                           kv_interface=pool.kv_interface, ucx_transports=self.config.ucx_transports,
-                                          spec=spec))
+                                          spec=spec, traces=self.config.tracing))
         return workers
 
     def _running_worker(self, name: str, spec: tuple[Any, ...]) -> Any | None:
@@ -277,7 +278,8 @@ class Cluster:
         for index in up[start % len(up):] + up[:start % len(up)] if up else []:
             started = False
             try:
-                async for event in relay(self.routers[index].generate, request_id, prompt, params):
+                async for event in relay(self.routers[index].generate, request_id, prompt, params,
+                                         tracing.current_traceparent()):
                     started = True
                     yield event
                 return

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -31,6 +31,7 @@ from cluster.common.events import TokenEvent
 from cluster.common.loads import KVTicket, WorkerLoad
 from cluster.common.roles import Mode, Role, RoutingPolicy
 from cluster.common.sampling_params import SamplingParams
+from cluster.observability import tracing
 from cluster.ray_cluster.routing_policy import LOAD_POLL_S, POLL_TIMEOUT_S, decode_rank, prefill_cost
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, control
 from cluster.state.connect import connect_state
@@ -129,6 +130,7 @@ class RouterConfig:
     # waiting longer than this (queued over slots, times a request's measured running time); when
     # every one would, it is refused (429). 0: no limit.
     max_decode_wait_s: float = 10.0
+    traces: tracing.TracingConfig = field(default_factory=tracing.TracingConfig)  # where this router's spans go
 
 
 class Router:
@@ -145,6 +147,9 @@ class Router:
     def __init__(self, prefill: list[tuple[str, str, Any]], decode: list[tuple[str, str, Any]],
                  config: RouterConfig) -> None:
         self.config = config
+        if config.traces.enabled:  # a Ray actor: its process's own tracer provider
+            tracing.configure(config.traces, "pdserve-router")
+        self.routes: dict[str, tracing.Route] = {}  # each traced run's span, by its (attempt's) request id
         self.ids = {id(handle): worker_id for worker_id, _, handle in prefill + decode}
         # Ray actor names by worker id: a listing under a known id with another name is a new actor.
         # (Ray actor name, actor id) by worker id: a listing under a known id with another name or
@@ -203,7 +208,7 @@ class Router:
                                  f"{self.config.max_decode_wait_s:g} s): the cluster is overloaded; retry later")
         return admitting
 
-    async def _pick_prefill(self, prompt: list[int]) -> Any | None:
+    async def _pick_prefill(self, prompt: list[int], route: tracing.Route = tracing.UNTRACED) -> Any | None:
         """The live prefill worker with the least prompt work before this one (its queue plus the
         part of this prompt it does not hold cached)."""
         live = self._live(self.prefill)
@@ -223,6 +228,7 @@ class Router:
         best = min(live, key=cost)
         if cached.get(self.ids[id(best)], 0):
             self.decisions["prefix_hits"] += 1
+        route.chose(cached_blocks=cached.get(self.ids[id(best)], 0), cache_hit=bool(cached.get(self.ids[id(best)], 0)))
         if not self.config.redis_url and kv_aware:  # no worker publishes here: keep our own record
             await self.state.publish_blocks(self.ids[id(best)], hashes, [])
         return best
@@ -282,6 +288,10 @@ class Router:
             pool.append(handle)
             log.info("found %s worker %s in the registry (%s)", info.role, info.worker_id, info.address)
 
+    def _route(self, request_id: str) -> tracing.Route:
+        """The span of a request's run, to record decisions in and pass on (`UNTRACED` when untraced)."""
+        return self.routes.get(request_id, tracing.UNTRACED) if self.routes else tracing.UNTRACED
+
     def _mark_dead(self, handle: Any) -> None:
         self.dead.add(id(handle))
         self.loads.pop(id(handle), None)
@@ -297,7 +307,8 @@ class Router:
         """Calls to the shared state (Redis) answered by a fallback since start: routing by load only."""
         return sum(getattr(self.state, "fallbacks", {}).values())
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       trace: str = "") -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens. A worker lost after it streamed tokens of its own is replaced:
         the request runs again elsewhere from its prompt plus the tokens already sent (exact for
         greedy decoding), and the client sees one unbroken stream."""
@@ -305,12 +316,14 @@ class Router:
             self.poller = asyncio.get_running_loop().create_task(self._poll_loads())
         await self.polled.wait()  # the first request too is admitted by the workers' rates (from warm-up)
         try:
-            async for event in self._runs(request_id, prompt, params):
-                yield event
+            with tracing.route(request_id, trace, self.config.mode) as route:
+                async for event in self._runs(request_id, prompt, params, route):
+                    yield event
         finally:
             self.aborted.discard(request_id)
 
-    async def _runs(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def _runs(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    route: tracing.Route = tracing.UNTRACED) -> AsyncIterator[TokenEvent]:
         """`generate`'s attempts: the first, then resumed ones after the tokens already sent."""
         sent: list[int] = []
         for attempt in range(MAX_RESUMES + 1):
@@ -325,6 +338,8 @@ class Router:
                 self._admit(request_id, len(prompt))  # a resumed request is never refused: its client has tokens
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
             self.attempts[request_id] = attempt_id
+            if route.span is not None:
+                self.routes[attempt_id] = route
             remaining = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
                                 seed_offset=params.seed_offset + len(sent))
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
@@ -348,6 +363,7 @@ class Router:
             finally:
                 self.attempts.pop(request_id, None)
                 self.ahead.pop(request_id, None)
+                self.routes.pop(attempt_id, None)
         raise NoCapacityError(f"{request_id}: workers kept failing ({MAX_RESUMES} resumes)")
 
     async def _attempt(self, request_id: str, prompt: list[int], params: SamplingParams, resumed: bool = False,
@@ -376,7 +392,9 @@ class Router:
             streamed = False
             try:
                 with self._holding(worker):
-                    async for event in self._relay(worker.generate, request_id, prompt, params):
+                    self._route(request_id).chose(worker=self.ids.get(id(worker)))
+                    async for event in self._relay(worker.generate, request_id, prompt, params,
+                                                   self._route(request_id).traceparent):
                         streamed = streamed or bool(event.token_ids)
                         yield event
                 return
@@ -393,10 +411,12 @@ class Router:
         for decode in self._decode_order() if resumed else self._decode_admitting():
             try:
                 with self._holding(decode):  # counted from the reservation on, so a burst spreads out
-                    ticket = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s)
+                    ticket = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s,
+                                                         self._route(request_id).traceparent)
                     if ticket is None:
                         self.decisions["reserve_refused"] += 1
                         continue
+                    self._route(request_id).chose(decode_worker=self.ids.get(id(decode)))
                     async for event in self._disaggregated(decode, ticket, request_id, prompt, params):
                         news = self._news(seen, event)
                         if news is not None:
@@ -451,7 +471,9 @@ class Router:
 
     async def _disaggregated(self, decode: Any, ticket: KVTicket, request_id: str, prompt: list[int],
                              params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        prefill = await self._pick_prefill(prompt)
+        route = self._route(request_id)
+        prefill = await self._pick_prefill(prompt, route)
+        route.chose(prefill_worker=self.ids.get(id(prefill)) if prefill is not None else "none")
         first_token_id: int | None = None  # the prefill's, once relayed: the client has it
         if prefill is None:  # every prefill worker is gone: the decode worker runs the prompt itself
             self.decisions["transfer_failed"] += 1
@@ -460,7 +482,7 @@ class Router:
             key = id(prefill)
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
             try:
-                async for item in self._relay(prefill.prefill, request_id, prompt, params, ticket):
+                async for item in self._relay(prefill.prefill, request_id, prompt, params, ticket, route.traceparent):
                     if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
                         if item.token_ids and first_token_id is None:
                             first_token_id = item.token_ids[0]
@@ -477,7 +499,7 @@ class Router:
                 self.ahead.pop(request_id, None)  # its prompt is computed (or will not be)
         # The decode worker learns the client's first token, in case the KV is lost after all (its
         # lease ended, it arrived broken): it then recomputes after that token, never a splice.
-        async for event in self._relay(decode.stream, request_id, first_token_id):
+        async for event in self._relay(decode.stream, request_id, first_token_id, route.traceparent):
             yield event
 
     def _warn_transfer_failed(self, request_id: str, prefill: Any, decode: Any, address: str, error: Exception) -> None:

@@ -17,6 +17,7 @@ from cluster.common.loads import KVTicket, TransferStats, WorkerLoad
 from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import EngineConfig
+from cluster.observability import tracing
 from cluster.state.connect import connect_state
 from cluster.state.interface import WorkerInfo
 from cluster.transfer.addresses import interface_address
@@ -75,10 +76,12 @@ class WorkerActor:
 
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, kv_interface: str = "",  # noqa: PLR0913
                  overlap_transfer: bool = True, redis_url: str = "", address: str = "",
-                 ucx_transports: str = "", spec: Any = None) -> None:
+                 ucx_transports: str = "", spec: Any = None, traces: tracing.TracingConfig | None = None) -> None:
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
+        if traces is not None and traces.enabled:
+            tracing.configure(traces, f"pdserve-{role}")  # this actor process's own tracer provider
         transports = ucx_transports or None  # UCX_TLS for this worker; None: the environment's, or UCX's default
         host = kv_host(kv_interface)
         sender = UCXSender(transports=transports) if role == Role.PREFILL else None
@@ -146,27 +149,29 @@ class WorkerActor:
     async def transfers(self) -> list[TransferStats]:
         return list(self.worker.transfers)
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       trace: str = "") -> AsyncIterator[TokenEvent]:
         worker = await self._ready()
-        async for output in worker.generate(request_id, prompt, params):
+        async for output in worker.generate(request_id, prompt, params, trace):
             yield event_of(output, worker.worker_id)
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      ticket: KVTicket) -> AsyncIterator[TokenEvent | TransferStats]:
+                      ticket: KVTicket, trace: str = "") -> AsyncIterator[TokenEvent | TransferStats]:
         worker = await self._ready()
-        async for item in worker.prefill(request_id, prompt, params, ticket):
+        async for item in worker.prefill(request_id, prompt, params, ticket, trace):
             yield item if isinstance(item, TransferStats) else event_of(item, worker.worker_id)
 
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      lease_s: float) -> KVTicket | None:
-        return await (await self._ready()).reserve(request_id, prompt, params, lease_s)
+                      lease_s: float, trace: str = "") -> KVTicket | None:
+        return await (await self._ready()).reserve(request_id, prompt, params, lease_s, trace)
 
     async def recompute(self, request_id: str, first_token_id: int | None = None) -> None:
         await (await self._ready()).recompute(request_id, first_token_id)
 
-    async def stream(self, request_id: str, first_token_id: int | None = None) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request_id: str, first_token_id: int | None = None,
+                     trace: str = "") -> AsyncIterator[TokenEvent]:
         worker = await self._ready()
-        async for output in worker.stream(request_id, first_token_id):
+        async for output in worker.stream(request_id, first_token_id, trace):
             yield event_of(output, worker.worker_id)
 
     async def abort(self, request_id: str) -> bool:

@@ -12,6 +12,7 @@ from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
+from cluster.observability import tracing
 from cluster.serving.service import check_prompt
 from cluster.worker.worker import Worker, event_of
 
@@ -51,7 +52,7 @@ class LocalService:
         if not self.ready:
             raise ServiceUnavailable("the engine is not running")
         check_prompt(self, prompt, params)
-        async for output in self.worker.generate(request_id, prompt, params):
+        async for output in self.worker.generate(request_id, prompt, params, tracing.current_traceparent()):
             yield event_of(output, self.worker.worker_id)
 
     async def abort(self, request_id: str) -> None:

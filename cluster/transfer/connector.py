@@ -33,8 +33,9 @@ from typing import Any, Protocol
 import msgpack
 
 MAX_HEADER_BYTES = 4096
-HEADER_VERSION = 3
+HEADER_VERSION = 4
 MAX_TOKEN_CHARS = 64  # a transfer's token (`KVTicket.token`): 32 hex digits
+MAX_TRACEPARENT_CHARS = 128  # a W3C traceparent has 55; its content is parsed (or ignored) by the tracer
 
 
 class DeviceBytes(Protocol):
@@ -86,6 +87,8 @@ class KVHeader:
     first_block: int = 0
     last: bool = True
     token: str = ""  # the transfer's one-time token, from the decode worker's `KVTicket`
+    # The sender's span (W3C traceparent), so the receiver's span joins the request's trace; "" untraced.
+    traceparent: str = ""
 
     @property
     def block_nbytes(self) -> int:
@@ -120,7 +123,8 @@ class KVHeader:
                 self.head_dim, self.first_token_id, self.nbytes, self.first_block)
         if not isinstance(self.request_id, str) or not isinstance(self.dtype, str) or \
                 not isinstance(self.last, bool) or not isinstance(self.token, str) or \
-                len(self.token) > MAX_TOKEN_CHARS or \
+                len(self.token) > MAX_TOKEN_CHARS or not isinstance(self.traceparent, str) or \
+                len(self.traceparent) > MAX_TRACEPARENT_CHARS or \
                 not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in ints):
             raise TransferError("malformed header: wrong field types")
         if self.num_blocks == 0 or self.nbytes % self.num_blocks:

@@ -36,6 +36,7 @@ from cluster.common.loads import (
 from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
+from cluster.observability.tracing import WorkerTraces
 from cluster.state.interface import SharedState, WorkerInfo
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender, TransferError
 from cluster.worker.kv_staging import landing_buffer, sends_device_memory, wire_bytes
@@ -105,6 +106,7 @@ class Worker:
         self.rate_measured = False  # whether tokens_per_s comes from served steps (else warm-up's, or none)
         self.started_at = time.time()  # the engine (and its model) loaded just before
         self.broken = False  # the engine thread failed for good
+        self.traces = WorkerTraces(worker_id)  # the spans of traced requests (empty while tracing is off)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -233,6 +235,7 @@ class Worker:
                 started = time.perf_counter()
                 try:
                     outputs = self.engine.step()
+                    self.traces.after_step(self.engine.scheduler.requests, time.perf_counter() - started)
                     self._count_throughput(self.engine.last_step_tokens, time.perf_counter() - started)
                 except Exception as error:  # a broken step must not hang every caller
                     log.exception("engine step failed on %s", self.worker_id)
@@ -312,15 +315,18 @@ class Worker:
     # ---- every role ----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Run a request here from prompt to end (colocated), yielding each step's output."""
+                       params: SamplingParams, trace: str = "") -> AsyncIterator[RequestOutput]:
+        """Run a request here from prompt to end (colocated), yielding each step's output. `trace`:
+        the caller's W3C traceparent, if the request is traced."""
         self._claim(request_id)
         self.streams[request_id] = OutputStream()
+        self.traces.begin(request_id, trace, "pdserve.generate", len(prompt_token_ids), watch_prompt=True)
         try:
             await self._call(lambda: self.engine.add_request(prompt_token_ids, params, request_id=request_id))
             async for output in self._outputs(request_id):
                 yield output
         finally:
+            self.traces.finish(request_id)
             await self._close_stream(request_id)
 
     async def abort(self, request_id: str) -> bool:
@@ -328,6 +334,7 @@ class Worker:
         finish reason "abort" instead of waiting forever."""
         if self.receiver is not None:
             self.receiver.cancel(request_id)
+        self.traces.finish(request_id)
 
         def end() -> bool:
             output = self.engine.abort_request(request_id)
@@ -376,7 +383,7 @@ class Worker:
     # ---- prefill role --------------------------------------------------------------------------
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      ticket: KVTicket) -> AsyncIterator[RequestOutput | TransferStats]:
+                      ticket: KVTicket, trace: str = "") -> AsyncIterator[RequestOutput | TransferStats]:
         """Compute the prompt, sending its KV to the decode worker's `ticket` chunk by chunk as it computes;
         yield the first token at once, then the transfer's stats once the last block landed.
 
@@ -392,6 +399,7 @@ class Worker:
         self.streams[request_id] = stream
         outbox = self.outboxes[request_id] = _Outbox()
         sending: asyncio.Task[TransferStats] | None = None
+        self.traces.begin(request_id, trace, "pdserve.prefill", len(prompt_token_ids), watch_prompt=True)
         try:
             await self._call(lambda: self.engine.add_prefill(prompt_token_ids, first_params, request_id=request_id))
             sending = asyncio.create_task(self._send_runs(request_id, ticket, outbox))
@@ -403,6 +411,7 @@ class Worker:
                 return  # aborted here: no last frame will come
             yield await sending
         finally:
+            self.traces.finish(request_id)
             self.streams.pop(request_id, None)
             self.outboxes.pop(request_id, None)
             if sending is not None and not sending.done():
@@ -423,7 +432,8 @@ class Worker:
                               first_block=export.first_block, last=export.last, token=ticket.token)
             started = time.perf_counter()
             try:
-                await self.sender.send(ticket.address, header, wire_bytes(data, self._direct(self.sender)))
+                with self.traces.kv_send(request_id, header, _transport_of(self.sender)) as header:
+                    await self.sender.send(ticket.address, header, wire_bytes(data, self._direct(self.sender)))
             except Exception as error:
                 self.transfer_failures += 1
                 log.warning("%s (%s): KV of %s to %s failed (%s)", self.worker_id,
@@ -445,7 +455,7 @@ class Worker:
     # ---- decode role ---------------------------------------------------------------------------
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      lease_s: float = 30.0) -> KVTicket | None:
+                      lease_s: float = 30.0, trace: str = "") -> KVTicket | None:
         """Reserve blocks for the prompt and await its KV; the ticket a prefill worker sends it with (the
         receiver's address and a one-time token), or None if full.
 
@@ -455,14 +465,17 @@ class Worker:
         assert self.receiver is not None, "a decode worker needs a KV receiver"
         self._claim(request_id)
         self.streams[request_id] = OutputStream()
+        self.traces.begin(request_id, trace, "pdserve.decode_admission")
         try:
             block_ids = await self._call(lambda: self.engine.reserve_remote(
                 prompt_token_ids, params, request_id=request_id, lease_s=lease_s))
-        except BaseException:  # refused (a prompt the model cannot take): nothing of it stays here
+        except BaseException as error:  # refused (a prompt the model cannot take): nothing of it stays here
             self.streams.pop(request_id, None)
+            self.traces.finish(request_id, error)
             raise
         if block_ids is None:
             self.streams.pop(request_id, None)
+            self.traces.finish(request_id)
             return None
         runner = self.engine.runner
         direct = self._direct(self.receiver)
@@ -480,6 +493,8 @@ class Worker:
         first_token_id = future.result().first_token_id if error is None else -1
         if error is None and not 0 <= first_token_id < self.engine.arch.vocab_size:
             error = TransferError(f"first token id {first_token_id} is outside the vocabulary")  # a sender's bug
+        if error is None:
+            self.traces.kv_landed(request_id, future.result(), staging.nbytes)
 
         def land() -> None:
             if request_id not in self.engine.scheduler.reserved:
@@ -490,9 +505,12 @@ class Worker:
                 output = self.engine.kv_lost(request_id)
                 if output is not None:
                     self._deliver(request_id, output)
+                self.traces.end(request_id, "pdserve.decode_admission", outcome="recomputed")
                 return
             self.engine.import_kv(request_id, staging)
+            self.traces.end(request_id, "pdserve.kv_receive")
             self._deliver(request_id, self.engine.admit_remote(request_id, first_token_id))
+            self.traces.end(request_id, "pdserve.decode_admission", outcome="kv")
 
         self.commands.put(land)
         self.wake.set()
@@ -503,6 +521,7 @@ class Worker:
         on after it (never a first token of this worker's own spliced after it)."""
         assert self.receiver is not None
         self.receiver.cancel(request_id)
+        self.traces.end(request_id, "pdserve.decode_admission", outcome="recomputed")
 
         def fail() -> None:
             output = self.engine.fail_remote(request_id, first_token_id)
@@ -511,7 +530,8 @@ class Worker:
 
         await self._call(fail)
 
-    async def stream(self, request_id: str, first_token_id: int | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, first_token_id: int | None = None,
+                     trace: str = "") -> AsyncIterator[RequestOutput]:
         """Outputs of a reserved request as they are produced, starting with the first token (the
         prefill's, or this worker's own when it had to recompute the prompt). `first_token_id`: the
         one the client has from the prefill (None: none), so that a KV lost now or later (lease
@@ -524,11 +544,15 @@ class Worker:
             if output is not None:
                 self._deliver(request_id, output)
 
+        self.traces.begin(request_id, trace, "pdserve.decode_stream")
         try:
             await self._call(settle)
             async for output in self._outputs(request_id):
                 yield output
+            self.traces.end(request_id, "pdserve.decode_stream", output_tokens=output.index + len(output.new_token_ids),
+                            finish_reason=output.finish_reason)
         finally:
+            self.traces.finish(request_id)
             await self._close_stream(request_id)
 
 
@@ -538,6 +562,11 @@ class _Outbox:
 
     queued: int = 0  # blocks handed to `runs` so far
     runs: asyncio.Queue[KVExport] = field(default_factory=asyncio.Queue)
+
+
+def _transport_of(connector: KVSender) -> str:
+    """The connector's kind as traces name it: "ucx", "loopback"."""
+    return type(connector).__module__.rsplit(".", 1)[-1]
 
 
 def _raise_into(stream: OutputStream, task: asyncio.Task[Any]) -> None:

@@ -477,8 +477,9 @@ def test_headers_at_block_boundaries_are_accepted(num_tokens: int, block_size: i
 
 def test_a_header_without_its_version_is_malformed() -> None:
     fields = dataclasses.asdict(frame_header("v", 0, 4, True))
-    for data in (msgpack.packb(fields), msgpack.packb({"version": 2, **fields}), msgpack.packb([1, 2])):
-        with pytest.raises(TransferError, match=r"^malformed header: not a version-3 KV header$"):
+    for data in (msgpack.packb(fields), msgpack.packb({"version": HEADER_VERSION - 1, **fields}),
+                 msgpack.packb([1, 2])):
+        with pytest.raises(TransferError, match=rf"^malformed header: not a version-{HEADER_VERSION} KV header$"):
             KVHeader.from_bytes(data)
 
 

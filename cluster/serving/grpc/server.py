@@ -43,6 +43,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.common.structured_output import StructuredOutput
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
+from cluster.observability import tracing
 from cluster.serving.api_keys import ApiKeys, Tenant
 from cluster.serving.connection_limits import DEFAULT_STREAM_WRITE_TIMEOUT_S, ConnectionLimits
 from cluster.serving.off_loop import OffLoop
@@ -206,6 +207,7 @@ class _Call:
     waiting: bool = False  # awaiting the service's next event: where an Abort may cancel the task
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    span: Any = None  # the request's trace span (`cluster.observability.tracing`), when traced
 
     def record(self, event: TokenEvent) -> None:
         self.running = not event.finished
@@ -263,9 +265,11 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
                 return
             events = self.service.generate(prompt, params, engine_id)
             call.running, call.num_prompt_tokens = True, len(prompt)
-            async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
-                async for response in _responses(call, events, self.stream_write_timeout_s):
-                    yield response
+            call.span = tracing.start_request("grpc", engine_id, len(prompt), context.invocation_metadata())
+            with tracing.current(call.span):
+                async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
+                    async for response in _responses(call, events, self.stream_write_timeout_s):
+                        yield response
         except asyncio.CancelledError:
             if not call.aborted:
                 raise  # the client cancelled, its deadline passed, or the server is stopping
@@ -280,6 +284,7 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             log.exception("request %s (%s) failed", engine_id, call.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"request {call.request_id} failed on the server")
         finally:
+            tracing.end_request(call.span, call.num_output_tokens, "abort" if call.aborted or call.running else "")
             if self.calls.get(key) is call:
                 del self.calls[key]
             if call.running:

@@ -43,6 +43,7 @@ from cluster.common import env
 from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.sampling_params import SamplingParams
+from cluster.observability import tracing
 from cluster.serving.api_keys import ApiKeys, Tenant
 from cluster.serving.connection_limits import DEFAULT_STREAM_WRITE_TIMEOUT_S, ConnectionLimits
 from cluster.serving.http.connections import bound_send_buffer, deadline_protocol
@@ -196,6 +197,7 @@ class ChoiceStreams:
         self.buffer: list[tuple[Choice, TokenEvent]] = []  # the first events, taken by `open`
         self.num_streaming = len(params)
         self.closed = False
+        self.span: Any = None  # the request's trace span (`cluster.observability.tracing`), when traced
         runs.add(self)
 
     async def open(self) -> None:
@@ -239,6 +241,7 @@ class ChoiceStreams:
         self.runs.discard(self)
         reasons = ",".join(choice.finish_reason or "aborted" for choice in self.choices)
         completion = self.usage().completion_tokens
+        tracing.end_request(self.span, completion, reasons)
         log.info("%s: %d prompt + %d completion tokens, finish %s", self.request_id, len(self.prompt), completion,
                  reasons, extra={"request_id": self.request_id, "prompt_tokens": len(self.prompt),
                                  "completion_tokens": completion, "finish_reason": reasons})
@@ -422,9 +425,10 @@ class Gateway:
             if limits is not None and limits.enabled:
                 await limits.check(_bucket_of(request, tenant), len(prompt) + sum(p.max_tokens for p in params))
         run = ChoiceStreams(self.service, request_id, prompt, params, self.runs)
+        run.span = tracing.start_request("http", request_id, len(prompt), request.headers)
         streaming = False
         try:
-            with service_errors(request_id):
+            with service_errors(request_id), tracing.current(run.span):
                 if not await _unless_disconnected(request, run.open()):
                     return _client_left(run)
                 if body.stream:

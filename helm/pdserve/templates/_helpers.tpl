@@ -310,3 +310,18 @@ volumes:
 {{- else }}{{ base .Values.model.name | trimSuffix ".gguf" }}
 {{- end }}
 {{- end }}
+
+{{/*
+Where the gateway, routers and workers send their traces (cluster.yaml's tracing.endpoint): the
+release's collector when tracing.collector.enabled, else tracing.endpoint ("" : no tracing).
+*/}}
+{{- define "pdserve.tracesEndpoint" -}}
+{{- if and .Values.tracing.collector.enabled .Values.tracing.endpoint }}
+{{- fail "tracing.endpoint and tracing.collector.enabled exclude each other: with the chart's collector the endpoint is the collector; point the collector's exporters at your backend instead" }}
+{{- end }}
+{{- if .Values.tracing.collector.enabled -}}
+http://{{ include "pdserve.fullname" . }}-otel-collector.{{ .Release.Namespace }}.svc:{{ int .Values.tracing.collector.port }}
+{{- else -}}
+{{ .Values.tracing.endpoint }}
+{{- end }}
+{{- end }}
