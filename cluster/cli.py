@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a client that reads nothing of its stream this long is disconnected, its request aborted")
     serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                        help="send OpenTelemetry traces over OTLP/gRPC here, e.g. http://collector:4317 (default: "
-                       "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: no tracing); docs/tracing.md")
+                       "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: no tracing); docs/observability.md, Traces")
     serve.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="RATIO",
                        help="the share of requests traced, 0 to 1 (default 1; a client's sampled traceparent is "
                        "always followed)")

@@ -1,6 +1,6 @@
 """OpenTelemetry traces: one trace per request, across the gateway, the router and the workers.
 
-A request's spans (docs/tracing.md lists each with its attributes):
+A request's spans (docs/observability.md, Traces, lists each with its attributes):
 
     pdserve.request            gateway (HTTP or gRPC door); continues a client's W3C `traceparent`
       pdserve.route            router: the workers it picked, the prefix it expects cached

@@ -14,7 +14,7 @@ worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always);
 worker_wait_s: 60          # with no live worker of a role, a request waits this long for one to restart
 max_prefill_wait_s: 10     # refuse new prompts (429) past this many seconds of prompts queued per prefill worker
 max_decode_wait_s: 10      # and new requests that every decode worker would keep waiting this long for a slot
-tracing: {endpoint: "", sample_ratio: 1.0}  # OTLP/gRPC collector for traces (docs/tracing.md); "": off
+tracing: {endpoint: "", sample_ratio: 1.0}  # OTLP/gRPC collector for traces (docs/observability.md, Traces); "": off
 attach: false              # start no workers: route to those listed in redis_url's registry
 name: ""                   # with ray_address: workers outlive the gateway; one started again takes them over
 engine:
@@ -103,7 +103,7 @@ class ClusterConfig:
     # gateway, and a gateway started again with the same name (and engine config) takes them over
     # without loading the model again. Needs ray_address: an embedded Ray ends with its gateway.
     name: str = ""
-    # OpenTelemetry traces (docs/tracing.md): every process exports its spans to `endpoint` over OTLP;
+    # OpenTelemetry traces (docs/observability.md, Traces): every process exports its spans to `endpoint` over OTLP;
     # off (and free) without one.
     tracing: TracingConfig = field(default_factory=TracingConfig)
 
