@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from cluster.common.events import TokenLogprobs
+from cluster.engine.request import Request
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
 from cluster.model.attention.backend import AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
@@ -35,6 +36,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Requests asking prompt logprobs: those of the prompt tokens this step's positions predict, in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -132,15 +135,32 @@ class ModelRunner:
         requests = [batch.rows[row].request for row in batch.sample_rows]
         grammar_masks = self.grammar_masker.start(requests)  # computed while the model runs
         hidden = self._forward(batch)
+        result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden))
         if not batch.sample_rows:
-            return ModelRunnerOutput()
+            return result
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = self.sampler(logits, requests, grammar_masks.result() if grammar_masks is not None else None)
-        result = ModelRunnerOutput()
         for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
             result.sampled[request.request_id] = token_id
             if logprobs is not None:
                 result.logprobs[request.request_id] = logprobs
+        return result
+
+    def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """For rows owed prompt logprobs, those of the prompt tokens their positions predict: the lm
+        head runs over those positions only, chunk by chunk as the prompt computes."""
+        spans = [span for row, s in enumerate(batch.rows)
+                 if (span := prompt_logprob_span(s, batch.metadata.query_start_list[row])) is not None]
+        if not spans:
+            return {}
+        index = torch.cat([torch.arange(first, first + count, device=self.device) for _, first, count, _ in spans])
+        logprobs = self.model.compute_logits(hidden[index])[:, : self.arch.vocab_size].float().log_softmax(dim=-1)
+        result, offset = {}, 0
+        for request, _, count, start in spans:
+            targets = request.prompt_token_ids[start + 1:start + 1 + count]
+            k = request.sampling_params.prompt_logprobs or 0
+            result[request.request_id] = token_logprobs(logprobs[offset:offset + count], targets, k)
+            offset += count
         return result
 
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -270,6 +290,32 @@ def build_batch(scheduled: list[ScheduledRequest], block_tables: BlockTables, bl
         seq_lens_list=seq_lens.tolist(), query_start_list=query_start.tolist())
     return Batch(rows, torch.tensor(token_ids, dtype=torch.int64, device=device), to_device(positions),
                  metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
+
+
+def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int) -> tuple[Request, int, int, int] | None:
+    """(request, first flat index, count, first position) of a row's positions whose logits give prompt
+    logprobs still owed (position p predicts prompt token p + 1), or None. Positions computed again
+    (after a recompute preemption) are skipped: their logprobs are in already."""
+    request = scheduled.request
+    if not request.num_prompt_logprobs_due:
+        return None
+    start = request.num_computed_tokens
+    first = max(start, len(request.prompt_logprobs))
+    end = min(start + scheduled.num_new_tokens, request.num_prompt_tokens - 1)
+    if first >= end:
+        return None
+    return request, query_start + first - start, end - first, first
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Each row's logprob of its token, that token's rank (1: the most likely) and the row's top k."""
+    targets = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, targets)
+    ranks = (logprobs > chosen).sum(dim=1).add(1).tolist()
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    return [TokenLogprobs(token_id, logprob, list(zip(ids, values, strict=True)), rank)
+            for token_id, logprob, ids, values, rank in zip(token_ids, chosen.squeeze(1).tolist(), top_ids.tolist(),
+                                                            top_values.tolist(), ranks, strict=True)]
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
