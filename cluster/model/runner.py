@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from cluster.common.events import TokenLogprobs
-from cluster.engine.request import Request
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
 from cluster.model.attention.backend import AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
@@ -156,7 +155,8 @@ class ModelRunner:
         index = torch.cat([torch.arange(first, first + count, device=self.device) for _, first, count, _ in spans])
         logprobs = self.model.compute_logits(hidden[index])[:, : self.arch.vocab_size].float().log_softmax(dim=-1)
         result, offset = {}, 0
-        for request, _, count, start in spans:
+        for scheduled, _, count, start in spans:
+            request = scheduled.request
             targets = request.prompt_token_ids[start + 1:start + 1 + count]
             k = request.sampling_params.prompt_logprobs or 0
             result[request.request_id] = token_logprobs(logprobs[offset:offset + count], targets, k)
@@ -292,8 +292,9 @@ def build_batch(scheduled: list[ScheduledRequest], block_tables: BlockTables, bl
                  metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
 
 
-def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int) -> tuple[Request, int, int, int] | None:
-    """(request, first flat index, count, first position) of a row's positions whose logits give prompt
+def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int,
+                        ) -> tuple[ScheduledRequest, int, int, int] | None:
+    """(the row, first flat index, count, first position) of a row's positions whose logits give prompt
     logprobs still owed (position p predicts prompt token p + 1), or None. Positions computed again
     (after a recompute preemption) are skipped: their logprobs are in already."""
     request = scheduled.request
@@ -304,7 +305,7 @@ def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int) -> tuple[
     end = min(start + scheduled.num_new_tokens, request.num_prompt_tokens - 1)
     if first >= end:
         return None
-    return request, query_start + first - start, end - first, first
+    return scheduled, query_start + first - start, end - first, first
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:

@@ -163,15 +163,16 @@ class CompletionRequest(SamplingRequest):
         prompt = self._one_prompt()
         if isinstance(prompt, str):
             return tokenizer.encode(_checked_text(prompt), add_special_tokens=self.add_special_tokens)
-        return cast("list[int]", prompt)  # what is left: the token ids (mypy cannot narrow by element)
+        return prompt
 
-    def _one_prompt(self) -> str | list[int] | list[list[int]]:
+    def _one_prompt(self) -> str | list[int]:
+        """The one prompt, text or token ids (mypy cannot narrow a list by its elements)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise ValueError("batched prompts are not supported: send one prompt per request")
             prompt = prompt[0]
-        return prompt
+        return cast("str | list[int]", prompt)
 
     def echo_of(self) -> Echo | None:
         """What `echo` returns before the answer: a text prompt as sent (a token-id prompt is decoded
