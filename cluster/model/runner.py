@@ -28,6 +28,7 @@ from cluster.model.sampler import Sampler
 # glibc serves allocations above 32 MiB with fresh (zero-filled) pages from mmap.
 LARGE_ALLOCATION_BYTES = 64 * 2**20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits one lm-head call computes, for prompt logprobs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -147,20 +148,22 @@ class ModelRunner:
 
     def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         """For rows owed prompt logprobs, those of the prompt tokens their positions predict: the lm
-        head runs over those positions only, chunk by chunk as the prompt computes."""
-        spans = [span for row, s in enumerate(batch.rows)
-                 if (span := prompt_logprob_span(s, batch.metadata.query_start_list[row])) is not None]
-        if not spans:
-            return {}
-        index = torch.cat([torch.arange(first, first + count, device=self.device) for _, first, count, _ in spans])
-        logprobs = self.model.compute_logits(hidden[index])[:, : self.arch.vocab_size].float().log_softmax(dim=-1)
-        result, offset = {}, 0
-        for scheduled, _, count, start in spans:
+        head runs over those positions only, chunk by chunk as the prompt computes, and over at most
+        `PROMPT_LOGPROBS_ROWS` positions at once (a full vocabulary's logits per position add up)."""
+        result: dict[str, list[TokenLogprobs]] = {}
+        for row, scheduled in enumerate(batch.rows):
+            span = prompt_logprob_span(scheduled, batch.metadata.query_start_list[row])
+            if span is None:
+                continue
+            first_index, count, first_position = span
             request = scheduled.request
-            targets = request.prompt_token_ids[start + 1:start + 1 + count]
             k = request.sampling_params.prompt_logprobs or 0
-            result[request.request_id] = token_logprobs(logprobs[offset:offset + count], targets, k)
-            offset += count
+            entries = result[request.request_id] = []
+            for offset in range(0, count, PROMPT_LOGPROBS_ROWS):
+                rows = min(PROMPT_LOGPROBS_ROWS, count - offset)
+                logits = self.model.compute_logits(hidden[first_index + offset:first_index + offset + rows])
+                targets = request.prompt_token_ids[first_position + offset + 1:first_position + offset + 1 + rows]
+                entries += token_logprobs(logits[:, : self.arch.vocab_size].float().log_softmax(dim=-1), targets, k)
         return result
 
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -292,11 +295,10 @@ def build_batch(scheduled: list[ScheduledRequest], block_tables: BlockTables, bl
                  metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
 
 
-def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int,
-                        ) -> tuple[ScheduledRequest, int, int, int] | None:
-    """(the row, first flat index, count, first position) of a row's positions whose logits give prompt
-    logprobs still owed (position p predicts prompt token p + 1), or None. Positions computed again
-    (after a recompute preemption) are skipped: their logprobs are in already."""
+def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int) -> tuple[int, int, int] | None:
+    """(first flat index, count, first position) of a row's positions whose logits give prompt logprobs
+    still owed (position p predicts prompt token p + 1), or None. Positions computed again (after a
+    recompute preemption) are skipped: their logprobs are in already."""
     request = scheduled.request
     if not request.num_prompt_logprobs_due:
         return None
@@ -305,7 +307,7 @@ def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int,
     end = min(start + scheduled.num_new_tokens, request.num_prompt_tokens - 1)
     if first >= end:
         return None
-    return scheduled, query_start + first - start, end - first, first
+    return query_start + first - start, end - first, first
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:

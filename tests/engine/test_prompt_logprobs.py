@@ -11,18 +11,21 @@ import torch
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import LLMEngine, RequestOutput
+from cluster.model import runner
 from tests.engine.test_engine_outputs import PROMPTS, assert_pool_whole, checkpoint, make_engine
 
 TOP = 3
 __all__ = ["checkpoint"]  # the shared module fixture
 
 
-def oracle_logprobs(path: Path, prompt: list[int]) -> torch.Tensor:
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> torch.Tensor:
+    """transformers' log-softmax over PROMPTS[3]: row p is the distribution of token p + 1."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+        return model(torch.tensor([PROMPTS[3]])).logits[0].float().log_softmax(dim=-1)
 
 
 def outputs_of(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
@@ -46,9 +49,10 @@ def assert_matches_oracle(output: RequestOutput, prompt: list[int], expected: to
         assert [value for _, value in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
 
 
-def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefixes(checkpoint: Path) -> None:
+def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefixes(
+        checkpoint: Path, expected: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner, "PROMPT_LOGPROBS_ROWS", 3)  # a chunk's positions go through the lm head in slices
     prompt = PROMPTS[3]  # 34 tokens: five chunks under a budget of 8
-    expected = oracle_logprobs(checkpoint, prompt)
     engine = make_engine(checkpoint, budget=8)
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=TOP)
     first = outputs_of(engine, prompt, params)
@@ -62,10 +66,9 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefixes(ch
     assert_pool_whole(engine)
 
 
-def test_prompt_logprobs_survive_preemption_by_recompute_once(checkpoint: Path) -> None:
+def test_prompt_logprobs_survive_preemption_by_recompute_once(checkpoint: Path, expected: torch.Tensor) -> None:
     """A request preempted mid-prompt and recomputed from scratch reports each position once."""
     prompt = PROMPTS[3]
-    expected = oracle_logprobs(checkpoint, prompt)
     engine = make_engine(checkpoint, budget=8, num_blocks=12)  # 34 + 40 tokens do not fit 48 slots together
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=TOP)
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))

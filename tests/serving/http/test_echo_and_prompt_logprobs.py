@@ -127,3 +127,12 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI)
             model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0, max_tokens=16, stop=[chat_stop],
             extra_body={"ignore_eos": True, **include})
         assert with_stop.choices[0].message.content == kept_chat
+
+
+def test_skip_special_tokens_false_keeps_their_text(client: openai.OpenAI, tiny: LiveGateway) -> None:
+    (eos,) = tiny.service.tokenizer.eos_token_ids
+    forced = {"max_tokens": 2, "logit_bias": {str(eos): 100}}
+    special = tiny.service.tokenizer.decode([eos], skip_special_tokens=False)
+    assert completion(client, "Hello", **forced).choices[0].text == ""
+    kept = completion(client, "Hello", **forced, extra_body={"skip_special_tokens": False}).choices[0]
+    assert kept.text == special * 2
