@@ -30,7 +30,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -91,6 +91,8 @@ class Chunk:
     finish_reason: str | None  # on the last chunk: "stop", "length", "abort" or "error"
     logprobs: list[TokenLogprob]  # one per token, when asked for with `logprobs=N`
     usage: Usage | None  # on the last chunk
+    # On the first chunk, when asked with `prompt_logprobs=N`: prompt token i + 1's, for each i.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,7 @@ class Completion:
     finish_reason: str | None
     logprobs: list[TokenLogprob]
     usage: Usage
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # as `Chunk.prompt_logprobs`
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,10 +445,11 @@ def _usage_of(usage: pb.Usage) -> Usage:
 def _chunk_of(response: pb.GenerateResponse) -> Chunk:
     return Chunk(response.request_id, response.index, list(response.token_ids), response.text, response.finished,
                  _finish_reason_of(response.finish_reason), _logprobs_of(response.logprobs),
-                 _usage_of(response.usage) if response.HasField("usage") else None)
+                 _usage_of(response.usage) if response.HasField("usage") else None,
+                 _logprobs_of(response.prompt_logprobs))
 
 
 def _completion_of(response: pb.CompleteResponse) -> Completion:
     return Completion(response.request_id, list(response.token_ids), response.text,
                       _finish_reason_of(response.finish_reason), _logprobs_of(response.logprobs),
-                      _usage_of(response.usage))
+                      _usage_of(response.usage), _logprobs_of(response.prompt_logprobs))

@@ -22,6 +22,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0  # the token's rank among the vocabulary (1: the most likely); 0: not computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +40,5 @@ class TokenEvent:
     worker_id: str
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token in `token_ids`, if asked
+    # With the first token, if asked: one per prompt token, None for the first (it has no context).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

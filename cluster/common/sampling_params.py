@@ -20,7 +20,11 @@ class SamplingParams:
     request stops where the grammar ends. `logit_bias` adds a bias in [-100, 100] to the logits of
     its token ids before sampling (OpenAI's semantics; -100 in effect bans a token). `priority`
     orders the waiting queue under the scheduler's priority policy, lower values first (as vLLM);
-    an engine on the fcfs policy refuses any but 0.
+    an engine on the fcfs policy refuses any but 0. `prompt_logprobs = N` returns, for every prompt
+    token after the first, its log-probability under the model and the N most likely tokens there
+    (vLLM's; such a request skips the prefix cache for the prompt, whose logits it needs).
+    `include_stop_str_in_output` keeps a matched stop string at the end of the text;
+    `skip_special_tokens = False` keeps special tokens' text in it.
     """
 
     max_tokens: int = 16
@@ -37,6 +41,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     priority: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias) pairs
     # Tokens of this request generated already, elsewhere: the last `seed_offset` prompt tokens (a run
@@ -69,6 +76,8 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
             (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must be non-negative"),

@@ -58,6 +58,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # With the first output token, if asked: one per prompt token, None for the first (vLLM's shape).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -160,7 +162,7 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request = self._new_request(token_ids, params, request_id or f"request-{next(self.ids)}")
         self.scheduler.add_request(request)
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
+        self.detokenizers[request.request_id] = self._detokenizer(token_ids, params)
         return request
 
     def add_prefill(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
@@ -199,8 +201,7 @@ class LLMEngine:
         request = self._new_request(list(prompt_token_ids), sampling_params, request_id)
         block_ids = self.scheduler.reserve_remote(request, lease_s)
         if block_ids is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                                   stop=sampling_params.stop)
+            self.detokenizers[request_id] = self._detokenizer(request.prompt_token_ids, sampling_params)
         return block_ids
 
     def import_kv(self, request_id: str, data: torch.Tensor) -> None:
@@ -242,6 +243,11 @@ class LLMEngine:
         if not request.output_token_ids:
             return None
         return self._output(request, request.output_token_ids[0], None)
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop,
+                                      skip_special_tokens=params.skip_special_tokens,
+                                      include_stop=params.include_stop_str_in_output)
 
     def _new_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> Request:
         if not token_ids:
@@ -317,6 +323,8 @@ class LLMEngine:
             return outputs
         runner_output = self.runner.execute(scheduler_output)
         self.scheduler.request_stats.step(scheduler_output.num_batched_tokens)
+        for scheduled in scheduler_output.scheduled:  # before the update: a request may finish in it
+            scheduled.request.prompt_logprobs += runner_output.prompt_logprobs.get(scheduled.request.request_id, [])
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -346,7 +354,17 @@ class LLMEngine:
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0), new_logprobs=[logprobs] if logprobs else [],
             stop_reason=request.stop_reason, arrival_time=request.arrival_time,
-            first_token_time=request.first_token_time)
+            first_token_time=request.first_token_time, prompt_logprobs=self._prompt_logprobs(request))
+
+    @staticmethod
+    def _prompt_logprobs(request: Request) -> list[TokenLogprobs | None] | None:
+        """The prompt's logprobs, with the first output token only, once all are computed here (a
+        decode worker that imported the prompt's KV has none: the prefill worker sent them)."""
+        if request.num_output_tokens != 1 or request.sampling_params.prompt_logprobs is None:
+            return None
+        if len(request.prompt_logprobs) != request.num_prompt_tokens - 1:
+            return None
+        return [None, *request.prompt_logprobs]
 
     def _release(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)

@@ -64,6 +64,8 @@ class Request:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # `sampling_params.prompt_logprobs`: those of prompt tokens 1, 2, ... computed so far (chunk by chunk).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     running_since: float | None = None  # when it first ran here (its time running, not waiting, is measured)
@@ -92,6 +94,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def num_prompt_logprobs_due(self) -> int:
+        """Prompt logprobs asked and not computed yet (each prompt token's but the first's)."""
+        if self.sampling_params.prompt_logprobs is None:
+            return 0
+        return max(0, self.num_prompt_tokens - 1 - len(self.prompt_logprobs))
 
     @property
     def finish_reason(self) -> FinishReason | None:

@@ -349,7 +349,9 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
         """Reserve blocks for a waiting request; the tokens it runs this step, or None if it can't."""
         swapped_blocks = self.swapped.get(request.request_id)
-        cached, num_cached = ([], 0) if swapped_blocks else self.kv_cache.find_cached_prefix(request)
+        # A request still owed prompt logprobs needs the logits of every prompt position: no cache hit (as vLLM).
+        skip_cache = swapped_blocks or request.num_prompt_logprobs_due > 0
+        cached, num_cached = ([], 0) if skip_cache else self.kv_cache.find_cached_prefix(request)
         remaining = request.num_tokens - request.num_computed_tokens - num_cached
         if self.config.batching == "static":
             num_new, num_reserved = min(remaining, budget), remaining

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cluster/grpc_stubs/pdserve.proto\x12\npdserve.v1\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa1\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x30\n\nstructured\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x10\n\x08priority\x18\x10 \x01(\x05\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xc7\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\",\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xad\x02\n\x10InferenceService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cluster/grpc_stubs/pdserve.proto\x12\npdserve.v1\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf7\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x30\n\nstructured\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x10\n\x08priority\x18\x10 \x01(\x05\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\x9c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xfb\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\",\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xad\x02\n\x10InferenceService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2085
-  _globals['_FINISHREASON']._serialized_end=2230
+  _globals['_FINISHREASON']._serialized_start=2275
+  _globals['_FINISHREASON']._serialized_end=2420
   _globals['_GENERATEREQUEST']._serialized_start=49
   _globals['_GENERATEREQUEST']._serialized_end=250
   _globals['_TOKENIDS']._serialized_start=252
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=328
   _globals['_CHATMESSAGE']._serialized_end=372
   _globals['_SAMPLINGPARAMS']._serialized_start=375
-  _globals['_SAMPLINGPARAMS']._serialized_end=1048
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=851
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=899
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1051
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1198
-  _globals['_CHOICES']._serialized_start=1200
-  _globals['_CHOICES']._serialized_end=1226
-  _globals['_TOPLOGPROB']._serialized_start=1228
-  _globals['_TOPLOGPROB']._serialized_end=1275
-  _globals['_TOKENLOGPROBS']._serialized_start=1277
-  _globals['_TOKENLOGPROBS']._serialized_end=1364
-  _globals['_USAGE']._serialized_start=1366
-  _globals['_USAGE']._serialized_end=1468
-  _globals['_GENERATERESPONSE']._serialized_start=1471
-  _globals['_GENERATERESPONSE']._serialized_end=1703
-  _globals['_COMPLETERESPONSE']._serialized_start=1706
-  _globals['_COMPLETERESPONSE']._serialized_end=1905
-  _globals['_ABORTREQUEST']._serialized_start=1907
-  _globals['_ABORTREQUEST']._serialized_end=1941
-  _globals['_ABORTRESPONSE']._serialized_start=1943
-  _globals['_ABORTRESPONSE']._serialized_end=1958
-  _globals['_LISTMODELSREQUEST']._serialized_start=1960
-  _globals['_LISTMODELSREQUEST']._serialized_end=1979
-  _globals['_MODEL']._serialized_start=1981
-  _globals['_MODEL']._serialized_end=2025
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2027
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2082
-  _globals['_INFERENCESERVICE']._serialized_start=2233
-  _globals['_INFERENCESERVICE']._serialized_end=2534
+  _globals['_SAMPLINGPARAMS']._serialized_end=1134
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=917
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=965
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1137
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1284
+  _globals['_CHOICES']._serialized_start=1286
+  _globals['_CHOICES']._serialized_end=1312
+  _globals['_TOPLOGPROB']._serialized_start=1314
+  _globals['_TOPLOGPROB']._serialized_end=1361
+  _globals['_TOKENLOGPROBS']._serialized_start=1363
+  _globals['_TOKENLOGPROBS']._serialized_end=1450
+  _globals['_USAGE']._serialized_start=1452
+  _globals['_USAGE']._serialized_end=1554
+  _globals['_GENERATERESPONSE']._serialized_start=1557
+  _globals['_GENERATERESPONSE']._serialized_end=1841
+  _globals['_COMPLETERESPONSE']._serialized_start=1844
+  _globals['_COMPLETERESPONSE']._serialized_end=2095
+  _globals['_ABORTREQUEST']._serialized_start=2097
+  _globals['_ABORTREQUEST']._serialized_end=2131
+  _globals['_ABORTRESPONSE']._serialized_start=2133
+  _globals['_ABORTRESPONSE']._serialized_end=2148
+  _globals['_LISTMODELSREQUEST']._serialized_start=2150
+  _globals['_LISTMODELSREQUEST']._serialized_end=2169
+  _globals['_MODEL']._serialized_start=2171
+  _globals['_MODEL']._serialized_end=2215
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2217
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2272
+  _globals['_INFERENCESERVICE']._serialized_start=2423
+  _globals['_INFERENCESERVICE']._serialized_end=2724
 # @@protoc_insertion_point(module_scope)

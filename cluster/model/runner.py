@@ -28,6 +28,7 @@ from cluster.model.sampler import Sampler
 # glibc serves allocations above 32 MiB with fresh (zero-filled) pages from mmap.
 LARGE_ALLOCATION_BYTES = 64 * 2**20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits one lm-head call computes, for prompt logprobs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,6 +36,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Requests asking prompt logprobs: those of the prompt tokens this step's positions predict, in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -132,15 +135,35 @@ class ModelRunner:
         requests = [batch.rows[row].request for row in batch.sample_rows]
         grammar_masks = self.grammar_masker.start(requests)  # computed while the model runs
         hidden = self._forward(batch)
+        result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden))
         if not batch.sample_rows:
-            return ModelRunnerOutput()
+            return result
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = self.sampler(logits, requests, grammar_masks.result() if grammar_masks is not None else None)
-        result = ModelRunnerOutput()
         for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
             result.sampled[request.request_id] = token_id
             if logprobs is not None:
                 result.logprobs[request.request_id] = logprobs
+        return result
+
+    def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """For rows owed prompt logprobs, those of the prompt tokens their positions predict: the lm
+        head runs over those positions only, chunk by chunk as the prompt computes, and over at most
+        `PROMPT_LOGPROBS_ROWS` positions at once (a full vocabulary's logits per position add up)."""
+        result: dict[str, list[TokenLogprobs]] = {}
+        for row, scheduled in enumerate(batch.rows):
+            span = prompt_logprob_span(scheduled, batch.metadata.query_start_list[row])
+            if span is None:
+                continue
+            first_index, count, first_position = span
+            request = scheduled.request
+            k = request.sampling_params.prompt_logprobs or 0
+            entries = result[request.request_id] = []
+            for offset in range(0, count, PROMPT_LOGPROBS_ROWS):
+                rows = min(PROMPT_LOGPROBS_ROWS, count - offset)
+                logits = self.model.compute_logits(hidden[first_index + offset:first_index + offset + rows])
+                targets = request.prompt_token_ids[first_position + offset + 1:first_position + offset + 1 + rows]
+                entries += token_logprobs(logits[:, : self.arch.vocab_size].float().log_softmax(dim=-1), targets, k)
         return result
 
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -270,6 +293,32 @@ def build_batch(scheduled: list[ScheduledRequest], block_tables: BlockTables, bl
         seq_lens_list=seq_lens.tolist(), query_start_list=query_start.tolist())
     return Batch(rows, torch.tensor(token_ids, dtype=torch.int64, device=device), to_device(positions),
                  metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
+
+
+def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int) -> tuple[int, int, int] | None:
+    """(first flat index, count, first position) of a row's positions whose logits give prompt logprobs
+    still owed (position p predicts prompt token p + 1), or None. Positions computed again (after a
+    recompute preemption) are skipped: their logprobs are in already."""
+    request = scheduled.request
+    if not request.num_prompt_logprobs_due:
+        return None
+    start = request.num_computed_tokens
+    first = max(start, len(request.prompt_logprobs))
+    end = min(start + scheduled.num_new_tokens, request.num_prompt_tokens - 1)
+    if first >= end:
+        return None
+    return query_start + first - start, end - first, first
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Each row's logprob of its token, that token's rank (1: the most likely) and the row's top k."""
+    targets = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, targets)
+    ranks = (logprobs > chosen).sum(dim=1).add(1).tolist()
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    return [TokenLogprobs(token_id, logprob, list(zip(ids, values, strict=True)), rank)
+            for token_id, logprob, ids, values, rank in zip(token_ids, chosen.squeeze(1).tolist(), top_ids.tolist(),
+                                                            top_values.tolist(), ranks, strict=True)]
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -109,7 +109,7 @@ class RepeatFilter:
         extra = event.text.removeprefix(self.first_text) if event.text.startswith(self.first_text) else ""
         if not (tokens or extra or event.finished):
             return None
-        news = replace(event, index=self.sent, token_ids=tokens, text=extra, logprobs=logprobs)
+        news = replace(event, index=self.sent, token_ids=tokens, text=extra, logprobs=logprobs, prompt_logprobs=None)
         self.sent += len(tokens)
         return news
 
@@ -340,8 +340,10 @@ class Router:
             self.attempts[request_id] = attempt_id
             if route.span is not None:
                 self.routes[attempt_id] = route
+            # The client has the prompt's logprobs with its first token: a resumed run must not send them again.
             remaining = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
-                                seed_offset=params.seed_offset + len(sent))
+                                seed_offset=params.seed_offset + len(sent),
+                                prompt_logprobs=params.prompt_logprobs if not sent else None)
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
             ended = False
             try:

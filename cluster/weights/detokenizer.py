@@ -22,7 +22,8 @@ class IncrementalDetokenizer:
     Stop strings follow OpenAI semantics: once one appears in the output, `stopped` is set and the
     text (both `text` and what `add` returns) ends right before it. So as never to stream text that a
     later token turns into a stop string, the last len(longest stop) - 1 characters are held back
-    until they cannot start one. When the request ends otherwise (EOS, length), pass `final=True`
+    until they cannot start one; with `include_stop` the text ends right after it instead (vLLM's
+    include_stop_str_in_output). When the request ends otherwise (EOS, length), pass `final=True`
     with its last token, or call `finish()`, to get what is held back.
     """
 
@@ -32,6 +33,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Iterable[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -39,6 +41,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)  # tokens before it are decoded into `text`
         self._prefix_offset = 0  # decoding starts here, for context
         self._stop = tuple(dict.fromkeys(s for s in stop if s))
+        self._include_stop = include_stop
         self._stop_hold = max((len(s) for s in self._stop), default=1) - 1
         self._emitted = 0  # characters of `text` already returned
         self.output_token_ids: list[int] = []
@@ -96,7 +99,7 @@ class IncrementalDetokenizer:
         matches = [(index, s) for s in self._stop if (index := self.text.find(s, search_from)) >= 0]
         if matches:
             index, self.stop_string = min(matches)
-            self.text = self.text[:index]
+            self.text = self.text[:index + len(self.stop_string) if self._include_stop else index]
             self.stopped = True
 
     def _emit_until(self, end: int) -> str:

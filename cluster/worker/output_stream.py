@@ -39,12 +39,13 @@ class _Merging:
         self.logprobs += output.new_logprobs
 
     def output(self) -> RequestOutput:
-        """The news of all, the state of the latest."""
+        """The news of all, the state of the latest (prompt logprobs come with the first token only)."""
         first, last = self.first, self.last
         return RequestOutput(last.request_id, self.token_ids, "".join(self.texts), last.token_ids, first.index,
                              last.text, last.finished, last.finish_reason, last.num_prompt_tokens,
                              last.num_cached_tokens, self.logprobs, last.stop_reason, first.arrival_time,
-                             first.first_token_time if first.first_token_time is not None else last.first_token_time)
+                             first.first_token_time if first.first_token_time is not None else last.first_token_time,
+                             first.prompt_logprobs)
 
 
 class OutputStream:

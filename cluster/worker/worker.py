@@ -54,7 +54,7 @@ def event_of(output: RequestOutput, worker_id: str) -> TokenEvent:
     """The engine's output for one request and step, as it crosses process boundaries."""
     return TokenEvent(output.request_id, output.index, list(output.new_token_ids), output.new_text, output.finished,
                       output.finish_reason, output.num_prompt_tokens, worker_id, output.num_cached_tokens,
-                      list(output.new_logprobs))
+                      list(output.new_logprobs), output.prompt_logprobs)
 
 
 class Worker:

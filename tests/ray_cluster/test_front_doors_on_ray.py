@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from cluster.common.events import TokenEvent
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.observability.metrics import ClusterMetrics
@@ -228,3 +229,27 @@ def test_a_client_that_stops_reading_is_cut_off_on_the_cluster_path(checkpoint: 
         assert b"HTTP/1.1 200" in received and b"[DONE]" not in received
     finally:
         cluster.stop()
+
+
+def test_prompt_logprobs_come_once_from_the_prefill_worker_as_the_engine_alones(cluster: Cluster,
+                                                                               checkpoint: Path) -> None:
+    """The prefill worker computes them; they travel with its first token through the router, and the
+    decode worker's restated first token brings none (the client sees them once)."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    engine = LLMEngine(fp32_engine(checkpoint, block_size=4, num_blocks=128))
+    engine.add_request(PROMPTS[3], params)
+    alone = engine.step()[0].prompt_logprobs
+    assert alone is not None
+
+    async def events() -> list[TokenEvent]:
+        return [event async for event in ClusterService(cluster).generate(PROMPTS[3], params, "prompt-logprobs")]
+
+    received = asyncio.run(events())
+    with_them = [event for event in received if event.prompt_logprobs is not None]
+    assert len(with_them) == 1 and with_them[0].index == 0 and received[-1].finished
+    (clustered,) = [event.prompt_logprobs for event in with_them]
+    assert clustered[0] is None and len(clustered) == len(alone) == len(PROMPTS[3])
+    pairs = list(zip(clustered[1:], alone[1:], strict=True))
+    assert all(ours is not None and theirs is not None and ours.token_id == theirs.token_id
+               and ours.logprob == pytest.approx(theirs.logprob, abs=1e-5) and ours.rank == theirs.rank
+               and [t for t, _ in ours.top] == [t for t, _ in theirs.top] for ours, theirs in pairs)

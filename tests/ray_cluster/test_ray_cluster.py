@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from cluster.common.events import TokenEvent
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
@@ -920,21 +921,25 @@ def test_a_decode_worker_lost_after_the_prefill_streamed_the_first_token_is_resu
     request. Before, the router sent the request to the other decode worker with a new prefill, whose
     new first token (unseeded sampling: another one) the client never saw: the answer went on after a
     token it did not have (a splice, which the router now refuses). Now the request is resumed after
-    the token the client has."""
+    the token the client has. The prompt's logprobs came with that token: the resumed run (whose prompt
+    is the prompt and that token) sends none."""
     import ray
 
     engine_config = engine_config_for(checkpoint)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
                            engine=engine_config)
-    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)  # no seed
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, prompt_logprobs=1)  # no seed
     cluster = Cluster(config).start()
 
-    async def tokens() -> list[int]:
-        return [t async for event in cluster.generate(PROMPTS[0], params, request_id="cut") for t in event.token_ids]
+    async def events() -> list[TokenEvent]:
+        return [event async for event in cluster.generate(PROMPTS[0], params, request_id="cut")]
 
     try:
         ray.get(cluster.decode[0].__ray_call__.remote(_die_when_kv_lands), timeout=30)
-        assert len(asyncio.run(tokens())) == 8
+        received = asyncio.run(events())
+        assert sum(len(event.token_ids) for event in received) == 8
+        prompt_logprobs = [event.prompt_logprobs for event in received if event.prompt_logprobs is not None]
+        assert [len(entries) for entries in prompt_logprobs] == [len(PROMPTS[0])]  # once, the prompt's own
         stats = ray_stats(cluster)
         assert stats["resumed"] == 1 and stats["splice_refused"] == 0, stats
     finally:

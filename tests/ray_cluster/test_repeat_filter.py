@@ -3,6 +3,8 @@ first token, the decode worker restates it. What the client gets has every token
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.common.events import TokenEvent, TokenLogprobs
@@ -47,3 +49,14 @@ def test_a_restated_first_token_that_differs_is_refused_not_spliced() -> None:
     """The client has token 7 from the prefill; a decode worker that goes on after 9 would splice."""
     with pytest.raises(SpliceError, match="went on after token 9, the client has 7"):
         _relay(_event(0, [7], "a"), _event(0, [9, 8], "xb"))
+
+
+def test_prompt_logprobs_reach_the_client_once() -> None:
+    """The prefill worker's first token carries the prompt's logprobs; a decode worker that computed the
+    prompt again (its KV lost) restates the first token with its own: dropped, the client has them."""
+    prompt_logprobs = [None, TokenLogprobs(3, -2.0, [])]
+    first = replace(_event(0, [7], "a"), prompt_logprobs=prompt_logprobs)
+    restated = replace(_event(0, [7, 8], "ab"), prompt_logprobs=prompt_logprobs)
+    relayed = _relay(first, restated, _event(2, [9], "c", True))
+    assert [e.prompt_logprobs for e in relayed] == [prompt_logprobs, None, None]
+    assert [e.token_ids for e in relayed] == [[7], [8], [9]]

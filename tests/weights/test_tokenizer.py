@@ -267,6 +267,24 @@ def test_stop_strings_cut_the_text_before_them(
         assert detokenizer.stop_string is None
 
 
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("The capital of France is Paris. It is big.", ("Paris",), "The capital of France is Paris"),
+        ("The capital of France is Paris. It is big.", ("is big", "e capital"), "The capital"),  # earliest wins
+        ("line one\nline two", ("\n",), "line one\n"),
+    ],
+)
+def test_include_stop_keeps_the_stop_string_and_cuts_after_it(
+    tiny: Tokenizer, text: str, stop: tuple[str, ...], expected: str
+) -> None:
+    """vLLM's include_stop_str_in_output: the text ends with the matched stop string, streamed or not."""
+    output_ids = tiny.encode(text, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tiny, [], stop=stop, include_stop=True)
+    deltas = [detokenizer.add(token) for token in output_ids if not detokenizer.stopped]
+    assert detokenizer.stopped and detokenizer.text == expected == "".join(deltas)
+
+
 def test_stop_string_spanning_tokens_is_found_when_its_last_token_arrives(tiny: Tokenizer) -> None:
     text = "The capital of France is Paris."
     output_ids = tiny.encode(text, add_special_tokens=False)

@@ -80,7 +80,7 @@ def _server_options(max_connections: int, handshake_timeout_s: float) -> list[tu
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "logprobs")
+                    "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -312,7 +312,8 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         return pb.CompleteResponse(
             request_id=last.request_id, token_ids=[token for r in responses for token in r.token_ids],
             text="".join(r.text for r in responses), finish_reason=last.finish_reason,
-            logprobs=[entry for r in responses for entry in r.logprobs], usage=last.usage)
+            logprobs=[entry for r in responses for entry in r.logprobs], usage=last.usage,
+            prompt_logprobs=[entry for r in responses for entry in r.prompt_logprobs])
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """End the caller's own request of that id (sent with the same API key); any other id is a no-op."""
@@ -379,7 +380,7 @@ def _params_of(message: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**given, stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
                           ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, priority=message.priority,
                           logit_bias=tuple(sorted(message.logit_bias.items())),
-                          structured=structured)
+                          include_stop_str_in_output=message.include_stop_str_in_output, structured=structured)
 
 
 def _structured_of(message: pb.StructuredOutput) -> StructuredOutput:
@@ -455,7 +456,8 @@ def _response_of(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
     finish_reason = _FINISH_REASONS.get(str(event.finish_reason), pb.FINISH_REASON_UNSPECIFIED)
     response = pb.GenerateResponse(
         request_id=request_id, index=event.index, token_ids=event.token_ids, text=event.text,
-        finished=event.finished, finish_reason=finish_reason, logprobs=[_logprobs_of(lp) for lp in event.logprobs])
+        finished=event.finished, finish_reason=finish_reason, logprobs=[_logprobs_of(lp) for lp in event.logprobs],
+        prompt_logprobs=[_logprobs_of(lp) for lp in event.prompt_logprobs or [] if lp is not None])
     if event.finished:
         completion_tokens = event.index + len(event.token_ids)
         response.usage.CopyFrom(pb.Usage(

@@ -418,6 +418,7 @@ class Gateway:
         with service_errors(request_id):
             body.check_limits(self.request_limits)  # before any work: a 4 MB prompt is not tokenized
             prompt = await self.off_loop.run(body.prompt_ids, self.service.tokenizer)
+            response_format.start(prompt)
             params = body.sampling_params(len(prompt), self.service.max_model_len)
             await self.off_loop.run(check_structured, self.service.tokenizer, params[0])  # the same for all choices
             tenant = getattr(request.state, "tenant", None)
@@ -500,7 +501,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gateway.admit(body.model)
         response_format = CompletionFormat(request.state.public_id, service.model_name, service.tokenizer,
-                                           logprobs=body.logprobs is not None)
+                                           logprobs=body.logprobs is not None, echo=body.echo_of())
         return await gateway.respond(request, body, response_format)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={

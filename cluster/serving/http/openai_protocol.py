@@ -88,6 +88,10 @@ class SamplingRequest(StructuredOutputFields):
         None, max_length=MAX_LOGIT_BIAS)
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)  # vLLM's: lower first, under the priority policy
     user: str | None = None
+    # vLLM's: each prompt token's logprob and the N most likely there (not streamed, as vLLM)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays in the text
+    skip_special_tokens: bool = True  # vLLM's
 
     @model_validator(mode="before")
     @classmethod
@@ -119,15 +123,20 @@ class SamplingRequest(StructuredOutputFields):
         """Top logprobs per generated token, None if no logprobs at all."""
         raise NotImplementedError
 
-    def choice_params(self, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    def choice_params(self, max_tokens: int, logprobs: int | None,
+                      prompt_logprobs: int | None = None) -> list[SamplingParams]:
         """One `SamplingParams` per choice. With a seed, choice i samples with `seed + i`: the same
         seed for all would make the n choices identical. Raises ValueError for invalid values."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
         params = SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(_as_list(self.stop)),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, priority=self.priority,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             structured=self.structured_output())
         if self.seed is None:
@@ -137,9 +146,10 @@ class SamplingRequest(StructuredOutputFields):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    max_tokens: int = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=0)  # 0: only with echo (the prompt alone)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True
+    echo: bool = False  # the answer's text (and logprobs) begin with the prompt's
 
     def prompt_bytes(self) -> int:
         texts = [self.prompt] if isinstance(self.prompt, str) else [p for p in self.prompt if isinstance(p, str)]
@@ -150,19 +160,38 @@ class CompletionRequest(SamplingRequest):
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The prompt's token ids: text is encoded with the tokenizer's special tokens (BOS), as vLLM does."""
+        prompt = self._one_prompt()
+        if isinstance(prompt, str):
+            return tokenizer.encode(_checked_text(prompt), add_special_tokens=self.add_special_tokens)
+        return prompt
+
+    def _one_prompt(self) -> str | list[int]:
+        """The one prompt, text or token ids (mypy cannot narrow a list by its elements)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise ValueError("batched prompts are not supported: send one prompt per request")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            return tokenizer.encode(_checked_text(prompt), add_special_tokens=self.add_special_tokens)
-        return cast("list[int]", prompt)  # what is left: the token ids (mypy cannot narrow by element)
+        return cast("str | list[int]", prompt)
+
+    def echo_of(self) -> Echo | None:
+        """What `echo` returns before the answer: a text prompt as sent (a token-id prompt is decoded
+        once tokenized, `Echo.start`); with max_tokens 0 the prompt alone, as vLLM."""
+        if not self.echo:
+            return None
+        prompt = self._one_prompt()
+        return Echo(prompt if isinstance(prompt, str) else None, only=self.max_tokens == 0)
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> list[SamplingParams]:
         requested = self.max_tokens if "max_tokens" in self.model_fields_set else None
+        if requested == 0:  # vLLM's echo without generation: one token is computed, the prompt returned
+            if not self.echo:
+                raise ValueError("max_tokens must be at least 1 (0 only with echo, which returns the prompt alone)")
+            requested = 1
         max_tokens = fit_max_tokens(requested, COMPLETION_DEFAULT_MAX_TOKENS, num_prompt_tokens, max_model_len)
-        return self.choice_params(max_tokens, self.logprobs)
+        # As vLLM: echo with logprobs returns the prompt tokens' logprobs too.
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self.choice_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(BaseModel):
@@ -412,12 +441,30 @@ class ModelList(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Completions' logprobs: parallel lists, one entry per generated token."""
+    """Completions' logprobs: parallel lists, one entry per generated token (per echoed prompt token
+    first, with echo: the prompt's first token has None, as it has no context)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry for a token at a prompt position: its logprob, its rank in the vocabulary."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token (None for the first), the token and the top N by id.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _omitted_if_none() -> Any:
+    """A field left out of the JSON when None, rather than null (its schema stays the field's own)."""
+    return Field(None, exclude_if=lambda value: value is None)
 
 
 class CompletionChoice(BaseModel):
@@ -425,6 +472,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = _omitted_if_none()  # when asked, in the whole answer only
 
 
 class CompletionResponse(BaseModel):
@@ -463,11 +511,6 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-def _omitted_if_none() -> Any:
-    """A field left out of the JSON when None, rather than null (its schema stays the field's own)."""
-    return Field(None, exclude_if=lambda value: value is None)
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: only tool calls
@@ -488,6 +531,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = _omitted_if_none()  # vLLM's, when asked (never streamed)
 
 
 # Deltas leave out the fields they do not change, rather than sending them null.
@@ -545,6 +589,7 @@ class Choice:
     num_cached_tokens: int = 0  # of the prompt, as the engine that computed it found them in its cache
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first event, when asked
 
     @property
     def text(self) -> str:
@@ -560,6 +605,8 @@ class Choice:
         self.num_tokens += len(event.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         self.logprobs.extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.finished:
             self.finish_reason = str(event.finish_reason or "stop")
 
@@ -576,22 +623,84 @@ class _Format:
         string) leaves nothing to send, unless its token's logprobs are due."""
         return bool(event.text or event.finished or self.logprobs)
 
+    def start(self, prompt: list[int]) -> None:
+        """The request's prompt, once tokenized (before any event)."""
+
+    def prompt_logprobs(self, choice: Choice) -> PromptLogprobs | None:
+        entries = choice.prompt_logprobs
+        return None if entries is None else [None if e is None else self._prompt_entry(e) for e in entries]
+
+    def _prompt_entry(self, entry: TokenLogprobs) -> dict[int, PromptLogprob]:
+        """As vLLM: the prompt token's entry, then the top N (ranked 1..N); a token among both once."""
+        result = {entry.token_id: PromptLogprob(logprob=entry.logprob, rank=entry.rank or None,
+                                                decoded_token=_token_text(self.tokenizer, entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            result.setdefault(token_id, PromptLogprob(logprob=logprob, rank=rank,
+                                                      decoded_token=_token_text(self.tokenizer, token_id)))
+        return result
+
+
+@dataclass(slots=True)
+class Echo:
+    """Completions' `echo`: the prompt's text (and its tokens' logprobs) before the answer's, in the
+    first chunk of a stream; `only` (max_tokens 0): the prompt instead of the answer."""
+
+    text: str | None  # None until `start` decodes a token-id prompt
+    only: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    sent: set[int] = field(default_factory=set)  # streamed choices whose first chunk carried the prompt
+
 
 class CompletionFormat(_Format):
-    """Builds `/v1/completions` responses and chunks."""
+    """Builds `/v1/completions` responses and chunks (with `echo`, the prompt's first)."""
+
+    def __init__(self, response_id: str, model: str, tokenizer: Tokenizer, logprobs: bool,
+                 echo: Echo | None = None) -> None:
+        super().__init__(response_id, model, tokenizer, logprobs)
+        self.echo = echo
+
+    def start(self, prompt: list[int]) -> None:
+        if self.echo is not None:
+            self.echo.token_ids = prompt
+            if self.echo.text is None:
+                self.echo.text = self.tokenizer.decode(prompt, skip_special_tokens=False)
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         return []
 
     def chunks(self, choice: Choice, event: TokenEvent) -> list[BaseModel]:
         """The chunks for `event`, already added to `choice`: none when it carries nothing to send."""
-        if not self.sends(event):
+        echo = self.echo
+        echoes = echo is not None and choice.index not in echo.sent
+        if not (self.sends(event) or echoes):
             return []
-        offset = choice.num_chars - len(event.text)  # where this event's text starts
-        logprobs = completion_logprobs(self.tokenizer, event.logprobs, offset) if self.logprobs else None
+        text, entries = ("", []) if echo is not None and echo.only else (event.text, event.logprobs)
+        logprobs = None
+        if self.logprobs:
+            offset = self._echoed_chars() + choice.num_chars - len(event.text)  # where this event's text starts
+            logprobs = completion_logprobs(self.tokenizer, entries, offset)
+        if echoes:
+            assert echo is not None
+            echo.sent.add(choice.index)
+            text = (echo.text or "") + text
+            logprobs = self._with_prompt(choice, logprobs)
         reason = choice.finish_reason if event.finished else None
-        return [self._wrap([CompletionChoice(index=choice.index, text=event.text, logprobs=logprobs,
+        return [self._wrap([CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
                                              finish_reason=reason)])]
+
+    def _echoed_chars(self) -> int:
+        return len(self.echo.text or "") if self.echo is not None else 0
+
+    def _with_prompt(self, choice: Choice, logprobs: CompletionLogprobs | None) -> CompletionLogprobs | None:
+        """`logprobs` after the echoed prompt's (as vLLM: the first token's logprob None)."""
+        if logprobs is None or self.echo is None:
+            return logprobs
+        entries = choice.prompt_logprobs or [None] * len(self.echo.token_ids)
+        prompt = echoed_logprobs(self.tokenizer, self.echo.token_ids, entries)
+        return CompletionLogprobs(tokens=prompt.tokens + logprobs.tokens,
+                                  token_logprobs=prompt.token_logprobs + logprobs.token_logprobs,
+                                  top_logprobs=prompt.top_logprobs + logprobs.top_logprobs,
+                                  text_offset=prompt.text_offset + logprobs.text_offset)
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._wrap([], usage)
@@ -600,9 +709,15 @@ class CompletionFormat(_Format):
         return self._wrap([self._choice(choice) for choice in choices], usage)
 
     def _choice(self, choice: Choice) -> CompletionChoice:
-        logprobs = completion_logprobs(self.tokenizer, choice.logprobs, 0) if self.logprobs else None
-        return CompletionChoice(index=choice.index, text=choice.text, logprobs=logprobs,
-                                finish_reason=choice.finish_reason)
+        """The whole choice; with echo and logprobs the offsets run on over the prompt's tokens, as vLLM's."""
+        echo = self.echo
+        text, entries = ("", []) if echo is not None and echo.only else (choice.text, choice.logprobs)
+        offset = sum(len(_token_text(self.tokenizer, t)) for t in echo.token_ids) if echo is not None else 0
+        logprobs = completion_logprobs(self.tokenizer, entries, offset) if self.logprobs else None
+        if echo is not None:
+            text, logprobs = (echo.text or "") + text, self._with_prompt(choice, logprobs)
+        return CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+                                prompt_logprobs=self.prompt_logprobs(choice))
 
     def _wrap(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
@@ -646,7 +761,8 @@ class ChatFormat(_Format):
 
     def response(self, choices: list[Choice], usage: Usage) -> BaseModel:
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, usage=usage,
-                                      choices=[self._choice(choice) for choice in choices])
+                                      choices=[self._choice(choice) for choice in choices],
+                                      prompt_logprobs=self.prompt_logprobs(choices[0]))
 
     def _stream(self, index: int) -> CallStream | None:
         if index not in self.streams:
@@ -710,6 +826,21 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs], offs
         result.tokens.append(token)
         result.token_logprobs.append(entry.logprob)
         result.top_logprobs.append({_token_text(tokenizer, token_id): logprob for token_id, logprob in entry.top})
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def echoed_logprobs(tokenizer: Tokenizer, prompt: list[int], entries: list[TokenLogprobs | None],
+                    ) -> CompletionLogprobs:
+    """The echoed prompt's logprobs, from offset 0: None where none were computed (the first token)."""
+    result, offset = CompletionLogprobs(), 0
+    for token_id, entry in zip(prompt, entries, strict=True):
+        token = _token_text(tokenizer, token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(entry.logprob if entry is not None else None)
+        result.top_logprobs.append(None if entry is None else
+                                   {_token_text(tokenizer, top_id): logprob for top_id, logprob in entry.top})
         result.text_offset.append(offset)
         offset += len(token)
     return result

@@ -67,7 +67,6 @@ _SHARED: dict[str, FieldRule] = {
     "response_format": _supported("structured outputs"),
     "logit_bias": _supported("token id -> bias in [-100, 100]; at most 1024 tokens"),
     "best_of": _refused("vLLM's v1 engine has none either"),
-    "echo": _refused("the prompt is not returned", False),
     "user": _ignored("an end-user tag for abuse monitoring"),
     # vLLM's extra sampling and structured-output fields
     "top_k": _supported("vLLM"),
@@ -86,11 +85,11 @@ _SHARED: dict[str, FieldRule] = {
     "guided_whitespace_pattern": _refused("vLLM; the grammar's whitespace is llguidance's"),
     "use_beam_search": _refused("vLLM; no beam search", False),
     "length_penalty": _refused("vLLM; beam search only", 1.0),
-    "include_stop_str_in_output": _refused("vLLM; the stop string is always cut", False),
-    "skip_special_tokens": _refused("vLLM; special tokens are always skipped", True),
+    "include_stop_str_in_output": _supported("vLLM"),
+    "skip_special_tokens": _supported("vLLM"),
     "spaces_between_special_tokens": _refused("vLLM; the tokenizer's own spacing", True),
     "truncate_prompt_tokens": _refused("vLLM; a prompt too long is a 400"),
-    "prompt_logprobs": _refused("vLLM"),
+    "prompt_logprobs": _supported("vLLM; at most 20; not with stream (as vLLM)"),
     "allowed_token_ids": _refused("vLLM"),
     "bad_words": _refused("vLLM"),
     "logits_processors": _refused("vLLM"),
@@ -134,11 +133,14 @@ CHAT_FIELDS: Mapping[str, FieldRule] = {
     "documents": _refused("vLLM"),
     "chat_template": _refused("vLLM; a client's template would run on the server"),
     "mm_processor_kwargs": _ignored("vLLM; text-only models (image parts are refused)"),
+    "echo": _refused("completions: the prompt (with logprobs, its logprobs) before the answer, max_tokens 0 "
+                     "the prompt alone; chat: vLLM's echo of the last message is not served", False),
 }
 
 COMPLETION_FIELDS: Mapping[str, FieldRule] = {
     **_SHARED,
     "prompt": _supported("one prompt: text or token ids"),
+    "echo": _supported("the prompt (and its logprobs, with logprobs) first; max_tokens 0: the prompt alone"),
     "suffix": _refused("no fill-in-the-middle"),
     "prompt_embeds": _refused("vLLM"),
 }

@@ -90,6 +90,32 @@ def test_token_ids_chat_and_logprobs(client: Client, service: LocalService) -> N
     assert client.list_models()[0].name == service.model_name
 
 
+def test_prompt_logprobs_equal_the_engine_alone_and_come_once(client: Client, service: LocalService,
+                                                              tiny_config: Callable[..., EngineConfig]) -> None:
+    prompt_ids = service.tokenizer.encode(PROMPT)
+    engine = LLMEngine(tiny_config())
+    engine.add_request(prompt_ids, SamplingParams(max_tokens=3, prompt_logprobs=2, **GREEDY))
+    first = engine.step()[0]
+    assert first.prompt_logprobs is not None
+    expected = [entry for entry in first.prompt_logprobs[1:] if entry is not None]
+    with client.generate(prompt_ids, max_tokens=3, prompt_logprobs=2, **GREEDY) as stream:
+        chunks = list(stream)
+    streamed = chunks[0].prompt_logprobs
+    assert [entry.token_id for entry in streamed] == prompt_ids[1:] == [entry.token_id for entry in expected]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in expected], abs=1e-5)
+    assert [[token for token, _ in e.top] for e in streamed] == [[token for token, _ in e.top] for e in expected]
+    assert not any(chunk.prompt_logprobs for chunk in chunks[1:])  # with the first token only
+    whole = client.complete(prompt_ids, max_tokens=3, prompt_logprobs=2, **GREEDY).prompt_logprobs
+    assert [entry.token_id for entry in whole] == prompt_ids[1:]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client: Client) -> None:
+    free = client.complete(PROMPT, max_tokens=16, **GREEDY).text
+    stop = next(free[i:i + 2] for i in range(len(free) // 2, len(free) - 1) if free[i:i + 2].strip())
+    kept = client.complete(PROMPT, max_tokens=16, stop=[stop], include_stop_str_in_output=True, **GREEDY)
+    assert (kept.text, kept.finish_reason) == (free[:free.index(stop) + len(stop)], "stop")
+
+
 def test_async_client(server_loop: ServerLoop, server: GrpcServer) -> None:
     async def body() -> tuple[list[Any], Any, str, list[Any]]:
         async with AsyncClient(target(server), timeout=WAIT_S) as client:

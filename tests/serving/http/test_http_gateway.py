@@ -211,7 +211,8 @@ def test_chat_stream_fans_out_n_choices(client: httpx.Client) -> None:
     ("/v1/completions", {"prompt": [99_999]}),  # not in the vocabulary: refused by the engine
     ("/v1/completions", {"prompt": []}),
     ("/v1/completions", {"prompt": ["one", "two"]}),
-    ("/v1/completions", {"prompt": "hi", "echo": True}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),  # 0 only with echo (the prompt alone)
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}),  # past the vocabulary: the engine refuses it

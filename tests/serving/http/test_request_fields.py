@@ -91,7 +91,7 @@ def test_a_refused_field_is_a_400_naming_it(client: httpx.Client, path: str, nam
 
 def test_refused_values_are_told_from_accepted_ones_by_type() -> None:
     with pytest.raises(ValueError, match="echo"):
-        CompletionRequest.model_validate({"prompt": "hi", "echo": 0})
+        ChatCompletionRequest.model_validate({"messages": CHAT, "echo": 0})
     with pytest.raises(ValueError, match="modalities"):
         ChatCompletionRequest.model_validate({"messages": CHAT, "modalities": ["text", "audio"]})
     ChatCompletionRequest.model_validate({"messages": CHAT, "modalities": ["text"]})
