@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cluster/grpc_stubs/pdserve.proto\x12\npdserve.v1\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb9\x01\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x07 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x08 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xb7\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x30\n\nstructured\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x10\n\x08priority\x18\x10 \x01(\x05\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x14 \x01(\x05H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_n\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xc9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0e\n\x06\x63hoice\x18\n \x01(\x05\x12-\n\ntool_calls\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\x12\x14\n\x07\x63ontent\x18\x0c \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\xc2\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x1c.pdserve.v1.CompletionChoice\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\n \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\xec\x01\n\x10\x43ompletionChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12(\n\ntool_calls\x18\x06 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x07 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\",\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xad\x02\n\x10InferenceService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cluster/grpc_stubs/pdserve.proto\x12\npdserve.v1\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb9\x01\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x07 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x08 \x01(\t\"]\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xb7\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x30\n\nstructured\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x10\n\x08priority\x18\x10 \x01(\x05\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x14 \x01(\x05H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_n\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xc9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0e\n\x06\x63hoice\x18\n \x01(\x05\x12-\n\ntool_calls\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\x12\x14\n\x07\x63ontent\x18\x0c \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\xc2\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x1c.pdserve.v1.CompletionChoice\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\n \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\xec\x01\n\x10\x43ompletionChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12(\n\ntool_calls\x18\x06 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x07 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\",\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xad\x02\n\x10InferenceService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3024
-  _globals['_FINISHREASON']._serialized_end=3199
+  _globals['_FINISHREASON']._serialized_start=3056
+  _globals['_FINISHREASON']._serialized_end=3231
   _globals['_GENERATEREQUEST']._serialized_start=49
   _globals['_GENERATEREQUEST']._serialized_end=250
   _globals['_TOKENIDS']._serialized_start=252
@@ -44,43 +44,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=465
   _globals['_CHATMESSAGE']._serialized_end=573
   _globals['_TOOL']._serialized_start=575
-  _globals['_TOOL']._serialized_end=636
-  _globals['_TOOLCHOICE']._serialized_start=638
-  _globals['_TOOLCHOICE']._serialized_end=696
-  _globals['_TOOLCALL']._serialized_start=698
-  _globals['_TOOLCALL']._serialized_end=753
-  _globals['_TOOLCALLDELTA']._serialized_start=755
-  _globals['_TOOLCALLDELTA']._serialized_end=830
-  _globals['_SAMPLINGPARAMS']._serialized_start=833
-  _globals['_SAMPLINGPARAMS']._serialized_end=1528
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1325
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1373
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1531
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1678
-  _globals['_CHOICES']._serialized_start=1680
-  _globals['_CHOICES']._serialized_end=1706
-  _globals['_TOPLOGPROB']._serialized_start=1708
-  _globals['_TOPLOGPROB']._serialized_end=1755
-  _globals['_TOKENLOGPROBS']._serialized_start=1757
-  _globals['_TOKENLOGPROBS']._serialized_end=1844
-  _globals['_USAGE']._serialized_start=1846
-  _globals['_USAGE']._serialized_end=1948
-  _globals['_GENERATERESPONSE']._serialized_start=1951
-  _globals['_GENERATERESPONSE']._serialized_end=2280
-  _globals['_COMPLETERESPONSE']._serialized_start=2283
-  _globals['_COMPLETERESPONSE']._serialized_end=2605
-  _globals['_COMPLETIONCHOICE']._serialized_start=2608
-  _globals['_COMPLETIONCHOICE']._serialized_end=2844
-  _globals['_ABORTREQUEST']._serialized_start=2846
-  _globals['_ABORTREQUEST']._serialized_end=2880
-  _globals['_ABORTRESPONSE']._serialized_start=2882
-  _globals['_ABORTRESPONSE']._serialized_end=2897
-  _globals['_LISTMODELSREQUEST']._serialized_start=2899
-  _globals['_LISTMODELSREQUEST']._serialized_end=2918
-  _globals['_MODEL']._serialized_start=2920
-  _globals['_MODEL']._serialized_end=2964
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2966
-  _globals['_LISTMODELSRESPONSE']._serialized_end=3021
-  _globals['_INFERENCESERVICE']._serialized_start=3202
-  _globals['_INFERENCESERVICE']._serialized_end=3503
+  _globals['_TOOL']._serialized_end=668
+  _globals['_TOOLCHOICE']._serialized_start=670
+  _globals['_TOOLCHOICE']._serialized_end=728
+  _globals['_TOOLCALL']._serialized_start=730
+  _globals['_TOOLCALL']._serialized_end=785
+  _globals['_TOOLCALLDELTA']._serialized_start=787
+  _globals['_TOOLCALLDELTA']._serialized_end=862
+  _globals['_SAMPLINGPARAMS']._serialized_start=865
+  _globals['_SAMPLINGPARAMS']._serialized_end=1560
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1357
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1405
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1563
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1710
+  _globals['_CHOICES']._serialized_start=1712
+  _globals['_CHOICES']._serialized_end=1738
+  _globals['_TOPLOGPROB']._serialized_start=1740
+  _globals['_TOPLOGPROB']._serialized_end=1787
+  _globals['_TOKENLOGPROBS']._serialized_start=1789
+  _globals['_TOKENLOGPROBS']._serialized_end=1876
+  _globals['_USAGE']._serialized_start=1878
+  _globals['_USAGE']._serialized_end=1980
+  _globals['_GENERATERESPONSE']._serialized_start=1983
+  _globals['_GENERATERESPONSE']._serialized_end=2312
+  _globals['_COMPLETERESPONSE']._serialized_start=2315
+  _globals['_COMPLETERESPONSE']._serialized_end=2637
+  _globals['_COMPLETIONCHOICE']._serialized_start=2640
+  _globals['_COMPLETIONCHOICE']._serialized_end=2876
+  _globals['_ABORTREQUEST']._serialized_start=2878
+  _globals['_ABORTREQUEST']._serialized_end=2912
+  _globals['_ABORTRESPONSE']._serialized_start=2914
+  _globals['_ABORTRESPONSE']._serialized_end=2929
+  _globals['_LISTMODELSREQUEST']._serialized_start=2931
+  _globals['_LISTMODELSREQUEST']._serialized_end=2950
+  _globals['_MODEL']._serialized_start=2952
+  _globals['_MODEL']._serialized_end=2996
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2998
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3053
+  _globals['_INFERENCESERVICE']._serialized_start=3234
+  _globals['_INFERENCESERVICE']._serialized_end=3535
 # @@protoc_insertion_point(module_scope)

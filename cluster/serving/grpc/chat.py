@@ -29,7 +29,8 @@ def chat_prompt(tokenizer: ChatTemplate, chat: pb.Chat, exclude_tools_when_tool_
     if not chat.messages:
         raise ValueError("the chat has no messages")
     messages = [_message_for_template(message, index) for index, message in enumerate(chat.messages)]
-    tools = [tool_for_template(tool.name, tool.description or None, _parameters_of(tool, index))
+    tools = [tool_for_template(tool.name, tool.description or None, _parameters_of(tool, index),
+                               tool.strict if tool.HasField("strict") else None)
              for index, tool in enumerate(chat.tools)]
     if exclude_tools_when_tool_choice_none and _mode_of(chat) == "none":
         tools = []

@@ -53,13 +53,11 @@ def render_chat(tokenizer: ChatTemplate, messages: list[dict[str, Any]], tools: 
     return tokenizer.encode(checked_text(text), add_special_tokens=add_special_tokens)
 
 
-def tool_for_template(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": name}
-    if description is not None:
-        function["description"] = description
-    if parameters is not None:
-        function["parameters"] = parameters
-    return {"type": "function", "function": function}
+def tool_for_template(name: str, description: str | None, parameters: dict[str, Any] | None,
+                      strict: bool | None = None) -> dict[str, Any]:
+    """A tool as the HTTP door's `ToolDefinition` dumps it (its unset fields left out)."""
+    fields = {"description": description, "parameters": parameters, "strict": strict}
+    return {"type": "function", "function": {"name": name, **{k: v for k, v in fields.items() if v is not None}}}
 
 
 def arguments_for_template(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
