@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from cluster.client import Client, ClientError
+from cluster.client import Chunk, Client, ClientError
 from cluster.common.events import TokenEvent
 from cluster.common.structured_output import StructuredOutput
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
@@ -153,25 +153,35 @@ def test_a_named_tool_choice_holds_the_model_to_arguments_its_schema_admits(
     jsonschema.validate(json.loads(call.arguments), TRIP)  # the model itself, held by the grammar
 
 
-def test_streamed_call_deltas_reassemble_to_the_whole_answers_calls(tool_server: Callable[..., Client],
-                                                                    scripted: ScriptedService) -> None:
-    scripted.answer(HERMES_ANSWER + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
-    client = tool_server()
-    completion = client.complete(ASK, tools=TOOLS)
-    assert completion.content == "I will look it up." and completion.finish_reason == "tool_calls"
-    assert [(call.name, json.loads(call.arguments)) for call in completion.tool_calls] == [
-        ("get_weather", json.loads(PARIS)), ("get_time", {})]
-    with client.generate(ASK, tools=TOOLS) as stream:
-        chunks = list(stream)
+def reassembled(chunks: list[Chunk]) -> list[tuple[str, str]]:
+    """The calls a client puts together from a stream's deltas."""
     calls: list[list[str]] = []
     for delta in (delta for chunk in chunks for delta in chunk.tool_calls):
         if delta.id:
             assert (delta.index, delta.arguments) == (len(calls), "")  # a call opens with its id and name
             calls.append([delta.name, ""])
         calls[delta.index][1] += delta.arguments
-    assert [(name, arguments) for name, arguments in calls] == [
-        (call.name, call.arguments) for call in completion.tool_calls]
+    return [(name, arguments) for name, arguments in calls]
+
+
+@pytest.mark.parametrize(("answer", "options", "expected"), [
+    (HERMES_ANSWER + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', {},
+     [("get_weather", json.loads(PARIS)), ("get_time", {})]),
+    (PARIS, {"tool_choice": {"function": {"name": "get_weather"}}}, [("get_weather", json.loads(PARIS))]),
+])
+def test_streamed_call_deltas_reassemble_to_the_whole_answers_calls(
+        tool_server: Callable[..., Client], scripted: ScriptedService, answer: str, options: dict[str, Any],
+        expected: list[tuple[str, Any]]) -> None:
+    scripted.answer(answer)
+    client = tool_server()
+    completion = client.complete(ASK, tools=TOOLS, **options)
+    assert completion.finish_reason == "tool_calls"
+    assert [(call.name, json.loads(call.arguments)) for call in completion.tool_calls] == expected
+    with client.generate(ASK, tools=TOOLS, **options) as stream:
+        chunks = list(stream)
+    assert reassembled(chunks) == [(call.name, call.arguments) for call in completion.tool_calls]
     assert "".join(chunk.content or "" for chunk in chunks) == completion.content
+    assert completion.content == ("I will look it up." if not options else "")
     assert chunks[-1].finish_reason == "tool_calls"
 
 
