@@ -397,6 +397,13 @@ class Gateway:
             await asyncio.sleep(0.05)
         return not self.runs
 
+    async def count_request(self, request: Request) -> None:
+        """Count a request that generates nothing (/tokenize, /detokenize) against its caller's
+        requests per second, as any other; it takes no tokens. Raises RateLimited."""
+        tenant = getattr(request.state, "tenant", None)
+        if self.limits is not None:
+            await self.limits.for_tenant(tenant).check_request(_bucket_of(request, tenant))
+
     def shown_tools(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
         """`body` with the tools its prompt shows: none under tool_choice none when the server
         excludes them then (vLLM's `--exclude-tools-when-tool-choice-none`), else all it offers."""
@@ -508,6 +515,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         gateway.admit(body.model)
         with service_errors(request.state.request_id):
+            await gateway.count_request(request)
             return await gateway.off_loop.run(tokenize, body, service.tokenizer, gateway.request_limits,
                                               service.max_model_len)
 
@@ -515,6 +523,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         gateway.admit(body.model)
         with service_errors(request.state.request_id):
+            await gateway.count_request(request)
             return DetokenizeResponse(prompt=await gateway.off_loop.run(body.text, service.tokenizer))
 
 
