@@ -26,7 +26,7 @@ from cluster.serving.http.gateway import build_app
 from cluster.serving.http.openai_protocol import ChatCompletionRequest
 from cluster.serving.local_service import LocalService
 from cluster.serving.tools.template import ToolServing
-from tests.serving.grpc.conftest import WAIT_S, ServerLoop
+from tests.serving.grpc.conftest import WAIT_S, ServerLoop, pool_is_whole, wait_until
 from tests.serving.http.test_tool_calling import (
     ASK,
     CALLED,
@@ -87,6 +87,18 @@ def test_a_seeded_n_gives_the_choices_https_gives(client: Client, server_loop: S
     assert [choice.text for choice in completion.choices] == [choice["text"] for choice in http["choices"]]
     assert len({choice.text for choice in completion.choices}) == 3  # seed + i: not the same seed thrice
     assert client.complete(PROMPT, **options).choices == completion.choices  # type: ignore[arg-type]
+
+
+def test_an_abort_or_a_client_that_leaves_ends_every_choice(client: Client, service: LocalService) -> None:
+    stream = client.generate(PROMPT, n=3, max_tokens=200, temperature=1.0, ignore_eos=True)
+    next(stream)
+    client.abort(stream.request_id)
+    endings = {chunk.choice: chunk.finish_reason for chunk in stream if chunk.finished}
+    assert endings == {0: "abort", 1: "abort", 2: "abort"}
+    assert wait_until(lambda: pool_is_whole(service))
+    with client.generate(PROMPT, n=3, max_tokens=200, temperature=1.0, ignore_eos=True) as leaving:
+        next(leaving)
+    assert wait_until(lambda: pool_is_whole(service))  # every choice's blocks, not only the first's
 
 
 @pytest.mark.parametrize("n", [0, -1, 17])
