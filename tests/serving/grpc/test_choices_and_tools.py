@@ -89,16 +89,45 @@ def test_a_seeded_n_gives_the_choices_https_gives(client: Client, server_loop: S
     assert client.complete(PROMPT, **options).choices == completion.choices  # type: ignore[arg-type]
 
 
-def test_an_abort_or_a_client_that_leaves_ends_every_choice(client: Client, service: LocalService) -> None:
-    stream = client.generate(PROMPT, n=3, max_tokens=200, temperature=1.0, ignore_eos=True)
-    next(stream)
-    client.abort(stream.request_id)
-    endings = {chunk.choice: chunk.finish_reason for chunk in stream if chunk.finished}
-    assert endings == {0: "abort", 1: "abort", 2: "abort"}
-    assert wait_until(lambda: pool_is_whole(service))
-    with client.generate(PROMPT, n=3, max_tokens=200, temperature=1.0, ignore_eos=True) as leaving:
-        next(leaving)
-    assert wait_until(lambda: pool_is_whole(service))  # every choice's blocks, not only the first's
+class AbortsSeen:
+    """A real service that notes the engine requests it is asked to run and to abort."""
+
+    def __init__(self, service: LocalService) -> None:
+        self.service = service
+        self.started: list[str] = []
+        self.aborted: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.service, name)
+
+    def generate(self, prompt: list[int], params: Any, request_id: str) -> Any:
+        self.started.append(request_id)
+        return self.service.generate(prompt, params, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        await self.service.abort(request_id)
+
+
+def test_an_abort_or_a_client_that_leaves_ends_every_choice(server_loop: ServerLoop, service: LocalService) -> None:
+    seen = AbortsSeen(service)
+    server = server_loop.start_server(seen)  # type: ignore[arg-type]
+    try:
+        with Client(f"127.0.0.1:{server.port}", timeout=WAIT_S * 3) as client:
+            stream = client.generate(PROMPT, n=3, max_tokens=200, temperature=1.0, ignore_eos=True)
+            next(stream)
+            client.abort(stream.request_id)
+            endings = {chunk.choice: chunk.finish_reason for chunk in stream if chunk.finished}
+            assert endings == {0: "abort", 1: "abort", 2: "abort"}
+            assert len(seen.started) == 3 and set(seen.aborted) >= set(seen.started)  # every choice's request
+            assert wait_until(lambda: pool_is_whole(service))
+            seen.started[:], seen.aborted[:] = [], []
+            with client.generate(PROMPT, n=3, max_tokens=200, temperature=1.0, ignore_eos=True) as leaving:
+                next(leaving)
+            assert wait_until(lambda: set(seen.aborted) >= set(seen.started) and len(seen.started) == 3)
+            assert wait_until(lambda: pool_is_whole(service))
+    finally:
+        server_loop.run(server.stop(0))
 
 
 @pytest.mark.parametrize("n", [0, -1, 17])
