@@ -130,11 +130,14 @@ def test_an_abort_or_a_client_that_leaves_ends_every_choice(server_loop: ServerL
         server_loop.run(server.stop(0))
 
 
-@pytest.mark.parametrize("n", [0, -1, 17])
-def test_n_out_of_bounds_is_invalid_argument(client: Client, n: int) -> None:
+@pytest.mark.parametrize(("options", "message"), [
+    ({"n": 0}, "n is 0: it must be from 1 to 16"), ({"n": -1}, "n is -1"), ({"n": 17}, "n is 17"),
+    ({"n": 16, "logprobs": 20}, "16 choices with 20 top logprobs"),  # the request limits count every choice
+])
+def test_n_out_of_bounds_is_invalid_argument(client: Client, options: dict[str, Any], message: str) -> None:
     with pytest.raises(ClientError) as error:
-        client.complete(PROMPT, n=n, max_tokens=2)
-    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "n is" in error.value.details
+        client.complete(PROMPT, max_tokens=2, **options)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details
 
 
 def test_cached_tokens_are_the_most_any_event_of_the_choice_reported() -> None:
