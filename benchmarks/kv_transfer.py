@@ -12,7 +12,7 @@ Arms:
 - tcp: the connector (`cluster.transfer.ucx`), listener endpoints with error handling: TCP.
 - tcp-poll1: the same with UCX_TCP_MAX_POLL=1 (UCX drains a socket less greedily per progress call).
 - sm: raw ucxx with worker-address endpoints, error handling off and UCX_TLS=sm,self (shared memory,
-  see PLATFORM.md, "UCX through ucxx"): the same four messages per transfer as the connector's wire
+  see docs/performance.md, "UCX's transports here"): the same four messages per transfer as the connector's wire
   format, minus the payload size probe, awaited the same way (`cluster.transfer.ucx.complete`). Not
   part of the connector: a dead peer hangs it, so every operation here runs under a deadline.
 Results go to benchmarks/results/kv-transfer.json and kv-transfer.png.

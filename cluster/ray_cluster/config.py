@@ -18,7 +18,7 @@ attach: false              # start no workers: route to those listed in redis_ur
 name: ""                   # with ray_address: workers outlive the gateway; one started again takes them over
 engine:
   model: default
-  dtype: float32
+  dtype: auto               # bf16 where the worker's CPU (AMX, AVX512-BF16) or GPU has it natively, else fp32
   kv_cache_memory_gb: 1.0
   max_num_batched_tokens: 2048
   max_num_seqs: 256

@@ -170,7 +170,7 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
 
     if options.tools.exclude_tools_when_tool_choice_none:
         log.info("tool_choice none leaves a request's tools out of its prompt")
-    metrics = ClusterMetrics(service.model_name)
+    metrics = gateway_metrics(service.model_name, backend.config)
     state = connect_state(options.redis_url)
     metrics.sources.append(backend.counters)
     metrics.sources.append(lambda: _state_counters(state))
@@ -299,6 +299,12 @@ async def _state_counters(state: SharedState) -> dict[str, Any]:
     return {"counters": {"pdserve:gateway_redis_fallbacks": sum(fallbacks.values())}} if fallbacks is not None else {}
 
 
+def gateway_metrics(model_name: str, config: ClusterConfig) -> ClusterMetrics:
+    """This gateway's /metrics. An attached gateway serves another's workers: that gateway exports
+    their series, so that each worker is one series however many gateways Prometheus scrapes."""
+    return ClusterMetrics(model_name, export_workers=not config.attach)
+
+
 def add_metrics_route(app: Any, metrics: ClusterMetrics, service: Service) -> None:
     """GET /metrics: Prometheus text format, the whole cluster in one scrape (no API key)."""
     from fastapi import Response
@@ -319,5 +325,5 @@ def add_status_route(app: Any, service: Service) -> None:
                              "waiting": w.num_waiting, "free_blocks": w.num_free_blocks, "blocks": w.num_blocks,
                              "kv_cache_usage": w.kv_cache_usage, "kv_transfers": w.kv_transfers,
                              "kv_transfer_failures": w.kv_transfer_failures, "kv_recomputes": w.kv_recomputes,
-                             "device": w.device, "failure": w.failure, "started_at": w.started_at}
+                             "device": w.device, "dtype": w.dtype, "failure": w.failure, "started_at": w.started_at}
                             for w in loads]}

@@ -19,13 +19,20 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
 
 from cluster.common.events import FinishReason, TokenEvent
-from cluster.common.loads import KVTicket, TransferStats, WorkerLoad
+from cluster.common.loads import (
+    KV_TRANSFER_BUCKETS,
+    KV_TRANSFER_EXPOSED,
+    BucketCounts,
+    KVTicket,
+    TransferStats,
+    WorkerLoad,
+)
 from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
@@ -84,6 +91,7 @@ class Worker:
         # Since start, for the metrics: transfers sent, their bytes and seconds on the wire, failures.
         self.transfer_count, self.transfer_bytes, self.transfer_seconds, self.transfer_failures = 0, 0, 0.0, 0
         self.frame_count = 0
+        self.transfer_exposed = BucketCounts(KV_TRANSFER_BUCKETS)  # each transfer's part after its prefill
         # Prefills whose KV goes out while they compute: runs of blocks queued by the engine thread,
         # sent by `prefill` on the event loop. request id -> (blocks queued so far, the queue).
         self.outboxes: dict[str, _Outbox] = {}
@@ -104,6 +112,8 @@ class Worker:
         """Warm the engine up (a short request through prefill and decode), then start serving. A
         failed warm-up does not raise: the worker reports `failure`, and the service stays unready."""
         self.loop = asyncio.get_running_loop()
+        log.info("%s: the model runs on %s in %s (%s)", self.worker_id, self.engine.device, self.engine.dtype,
+                 self.engine.dtype_reason)
         try:
             # Its prefill rate: what the routers admit prompts by until real steps have been timed.
             self.tokens_per_s = await asyncio.to_thread(self.engine.warm_up)  # until the first timed step
@@ -334,7 +344,12 @@ class Worker:
                           stats.prefix_cache_hits, self.transfer_count, self.transfer_bytes, self.transfer_seconds,
                           self.transfer_failures, self.frame_count, stats.num_recomputes, str(self.engine.device),
                           self.failure, self.tokens_per_s, stats.seconds_per_request,
-                          self.engine.config.scheduler.max_num_seqs, self.started_at)
+                          self.engine.config.scheduler.max_num_seqs, self.started_at,
+                          {**stats.histograms, KV_TRANSFER_EXPOSED: replace(self.transfer_exposed,
+                                                                            counts=list(self.transfer_exposed.counts))},
+                          stats.num_swapped, self.engine.config.scheduler.preemption_mode == "swap",
+                          {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
+                          dtype=self.engine.dtype)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
@@ -420,6 +435,7 @@ class Worker:
                 stats.frames + 1
             if export.last:
                 stats.exposed_s = seconds
+                self.transfer_exposed.observe(seconds)
                 self.transfers.append(stats)
                 self.transfer_count += 1
                 self.transfer_bytes += stats.nbytes

@@ -36,11 +36,12 @@ from cluster.bench.workloads import (
     read_conversations,
 )
 from cluster.cli import main as cli_main
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.serving.grpc.server import GrpcServer
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.serving.local_service import LocalService
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 T = TypeVar("T")
 TINY_TOKENS = (3, 300)  # inside the tiny model's 320-id vocabulary, above its special tokens
@@ -239,7 +240,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServers]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="bench-test-servers", daemon=True)
     thread.start()
-    config = EngineConfig(model=ModelConfig(model=str(checkpoint)), cache=CacheConfig(block_size=4, num_blocks=128))
+    config = EngineConfig(model=fp32_model(checkpoint), cache=CacheConfig(block_size=4, num_blocks=128))
 
     async def start() -> tuple[LocalService, HttpServer, GrpcServer]:
         service = await LocalService.from_config(config).start()

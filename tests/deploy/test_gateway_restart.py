@@ -77,7 +77,7 @@ def test_a_killed_gateway_started_again_takes_over_its_workers(tmp_path: Path, p
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump({
         "prefill": {"replicas": 1, "num_cpus": 0.25}, "decode": {"replicas": 1, "num_cpus": 0.25},
-        "engine": {"model": str(checkpoint), "block_size": 4, "num_blocks": 256}}))
+        "engine": {"dtype": "float32", "model": str(checkpoint), "block_size": 4, "num_blocks": 256}}))
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "PDSERVE_REDIS_URL")}
     env.update(RAY_ENV, PDSERVE_API_KEY="")
     gcs_port = free_port()

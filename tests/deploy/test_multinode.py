@@ -32,9 +32,10 @@ import pytest
 import yaml
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 RAY = str(Path(sys.executable).with_name("ray"))
 START_TIMEOUT_S = 90.0
@@ -168,7 +169,7 @@ def wait_for_url(process: subprocess.Popen[str], processes: Processes) -> str:
 
 
 def engine_alone(checkpoint: Path) -> str:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint)),
+    engine = LLMEngine(EngineConfig(model=fp32_model(checkpoint),
                                     cache=CacheConfig(block_size=4, num_blocks=128)))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     return engine.generate([PROMPT], params)[0].text
@@ -182,7 +183,7 @@ def test_pools_on_their_own_nodes_answer_as_the_engine_alone(tmp_path: Path, pro
         "mode": "disaggregated",
         "prefill": {"replicas": 1, "num_cpus": 0.25, "resources": {"prefill_node": 1}},
         "decode": {"replicas": 1, "num_cpus": 0.25, "resources": {"decode_node": 1}},
-        "engine": {"model": str(checkpoint), "block_size": 4, "num_blocks": 128}}))
+        "engine": {"dtype": "float32", "model": str(checkpoint), "block_size": 4, "num_blocks": 128}}))
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "PDSERVE_REDIS_URL")}
     env.update(RAY_ENV, PDSERVE_API_KEY="")
     gcs_port, dashboard_port = free_port(), free_port()

@@ -12,13 +12,13 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
-from tests.helpers import until_idle
+from tests.helpers import fp32_model, until_idle
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
     path = build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path), max_model_len=64),
+    return LLMEngine(EngineConfig(model=fp32_model(path, max_model_len=64),
                                   cache=CacheConfig(block_size=4, num_blocks=32),
                                   scheduler=SchedulerConfig(max_waiting_requests=2)))
 
@@ -46,17 +46,17 @@ def test_invalid_settings_say_what_to_change(make: object, message: str) -> None
 
 def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not found"):
-        LLMEngine(EngineConfig(model=ModelConfig(model=str(tmp_path / "nowhere"))))
+        LLMEngine(EngineConfig(model=fp32_model(tmp_path / "nowhere")))
 
 
 def test_directory_without_config_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="config.json"):
-        LLMEngine(EngineConfig(model=ModelConfig(model=str(tmp_path))))
+        LLMEngine(EngineConfig(model=fp32_model(tmp_path)))
 
 
 def test_context_longer_than_the_model_is_refused(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        LLMEngine(EngineConfig(model=ModelConfig(model=str(engine.model_dir), max_model_len=100_000)))
+        LLMEngine(EngineConfig(model=fp32_model(engine.model_dir, max_model_len=100_000)))
 
 
 def test_prompt_longer_than_context_is_refused(engine: LLMEngine) -> None:

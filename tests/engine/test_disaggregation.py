@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS, assert_pool_whole
-from tests.helpers import until_idle
+from tests.helpers import fp32_model, until_idle
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(path: Path, num_blocks: int = 128, budget: int = 2048) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path)),
+    return LLMEngine(EngineConfig(model=fp32_model(path),
                                   cache=CacheConfig(block_size=4, num_blocks=num_blocks),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 PROMPTS = [
     [5, 17, 33, 9, 81, 120, 7, 7, 64, 11, 3, 250, 199, 42, 42, 18, 77],
@@ -36,7 +37,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_engine(path: Path, *, num_blocks: int = 256, budget: int = 2048, mode: str = "recompute",
                 prefix_caching: bool = True, max_num_seqs: int = 256, block_size: int = 4) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=str(path)),
+        model=fp32_model(path),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode,  # type: ignore[arg-type]
                                   max_num_seqs=max_num_seqs)))

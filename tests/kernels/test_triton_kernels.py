@@ -23,7 +23,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.model.attention.backend import AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
@@ -32,6 +32,7 @@ from cluster.model.attention.triton_backend import TritonAttentionBackend
 from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from kernels import reference, triton_cache, triton_decode, triton_prefill
+from tests.helpers import fp32_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
@@ -315,7 +316,7 @@ def greedy_tokens(checkpoint: Path, backend: str, graphs: bool = False) -> tuple
     """The first prompt alone, then all of them arriving one per step under a budget that chunks the
     prefills: the second reuses the first's cached prefix blocks (extend attention over them)."""
     engine = LLMEngine(EngineConfig(
-        model=ModelConfig(model=str(checkpoint)), cache=CacheConfig(block_size=4, num_blocks=64),
+        model=fp32_model(checkpoint), cache=CacheConfig(block_size=4, num_blocks=64),
         scheduler=SchedulerConfig(max_num_batched_tokens=6), attention_backend=backend))
     runner = engine.runner
     if graphs:

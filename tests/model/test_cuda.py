@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PROMPTS = [[5, 17, 42, 99, 123, 7, 250, 31, 64, 12, 200, 3, 77], [9, 8, 7, 6, 5, 4, 3, 2, 1] * 3, [300, 2, 3]]
@@ -25,7 +26,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def greedy(checkpoint: Path, backend: str) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint), device="cuda"),
+    engine = LLMEngine(EngineConfig(model=fp32_model(checkpoint, device="cuda"),
                                     cache=CacheConfig(block_size=16, num_blocks=64), attention_backend=backend))
     assert engine.runner.kv_caches[0].is_cuda
     engine.warm_up()
@@ -52,7 +53,7 @@ def test_greedy_on_cuda_equals_transformers_on_cuda(checkpoint: Path, backend: s
 
 
 def test_cuda_graph_replays_equal_eager_steps(checkpoint: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint), device="cuda"),
+    engine = LLMEngine(EngineConfig(model=fp32_model(checkpoint, device="cuda"),
                                     cache=CacheConfig(block_size=16, num_blocks=64), attention_backend="triton"))
     assert engine.runner.decode_graphs is not None
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

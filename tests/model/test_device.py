@@ -11,6 +11,7 @@ from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.model.device import resolve_device
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
@@ -41,13 +42,13 @@ def test_the_default_is_auto() -> None:
 def test_an_engine_on_a_missing_gpu_refuses_before_loading(tmp_path: Path) -> None:
     checkpoint = build_tiny_llama_checkpoint(tmp_path / "tiny")
     with pytest.raises(ValueError, match="sees no CUDA device"):
-        LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint), device="cuda"),
+        LLMEngine(EngineConfig(model=fp32_model(checkpoint, device="cuda"),
                                cache=CacheConfig(block_size=4, num_blocks=16)))
 
 
 def test_an_engine_on_auto_runs_where_auto_points(tmp_path: Path) -> None:
     checkpoint = build_tiny_llama_checkpoint(tmp_path / "tiny")
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint)), cache=CacheConfig(block_size=4,
+    engine = LLMEngine(EngineConfig(model=fp32_model(checkpoint), cache=CacheConfig(block_size=4,
                                                                                                 num_blocks=16)))
     assert engine.device == resolve_device("auto")
     assert engine.runner.kv_caches[0].device.type == engine.device.type

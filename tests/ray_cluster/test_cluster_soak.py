@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 
 from cluster.bench.soak import ABORTED, ERROR, FINISHED, KINDS, SoakConfig, SoakReport, run_soak
-from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.launcher import Cluster
 from cluster.serving.cluster_service import ClusterService
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_engine
 from tests.ray_cluster.test_ray_cluster import router_entries
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -70,8 +71,7 @@ def test_the_soak_through_a_worker_crash_and_a_redis_restart_accounts_for_every_
     shape) they wait for Ray to restart it (before, every one of them failed: "internal error")."""
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 256,
-                                        "max_num_seqs": 8})
+    engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=256, max_num_seqs=8)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1),
                            decode=PoolConfig(replicas=decode_workers, num_cpus=0.1), engine=engine_config,
                            redis_url=dedicated_redis.url)

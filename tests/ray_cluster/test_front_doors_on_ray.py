@@ -16,13 +16,14 @@ import pytest
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
 from cluster.observability.metrics import ClusterMetrics
-from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.launcher import Cluster
 from cluster.serving.cluster_service import ClusterService
 from cluster.serving.metered_service import MeteredService
 from cluster.serving.process import add_metrics_route
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.engine.test_engine_outputs import PROMPTS
+from tests.helpers import fp32_engine
 from tests.observability.test_metrics import samples, value
 from tests.ray_cluster.conftest import pace_steps
 
@@ -37,7 +38,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint: Path) -> Iterator[Cluster]:
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128})
+    engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=128)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config)
     started = Cluster(config).start()
@@ -57,7 +58,7 @@ def test_gateway_and_grpc_on_the_cluster(cluster: Cluster, checkpoint: Path) -> 
     from cluster.serving.grpc.server import GrpcServer
     from cluster.serving.http.gateway import HttpServer, build_app
 
-    engine = LLMEngine(engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 128}))
+    engine = LLMEngine(fp32_engine(checkpoint, block_size=4, num_blocks=128))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     expected = [output.text for output in engine.generate(PROMPTS[:3], greedy)]
 
@@ -177,7 +178,7 @@ def test_a_client_that_stops_reading_is_cut_off_on_the_cluster_path(checkpoint: 
 
     from cluster.serving.http.gateway import EVENTS_AHEAD, HttpServer, build_app
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 16, "num_blocks": 256})
+    engine_config = fp32_engine(checkpoint, block_size=16, num_blocks=256)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config)
     cluster = Cluster(config).start()

@@ -18,6 +18,7 @@ from cluster.ray_cluster.launcher import Cluster
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.conftest import MAX_TOKENS
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
+from tests.helpers import fp32_engine
 from tests.ray_cluster.conftest import pace_steps
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -29,7 +30,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_config_for(checkpoint: Path, num_blocks: int = 128) -> EngineConfig:
-    return engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": num_blocks})
+    return fp32_engine(checkpoint, block_size=4, num_blocks=num_blocks)
 
 
 def alone(engine_config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -155,8 +156,7 @@ def test_an_abort_frees_the_request_on_both_workers_within_two_of_their_steps(ch
     could not have ended by itself (hundreds of paced steps were left)."""
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 256,
-                                        "max_num_batched_tokens": 8})
+    engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=256, max_num_batched_tokens=8)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config)
     cluster = Cluster(config).start()
@@ -208,8 +208,8 @@ def test_prefill_workers_killed_mid_transfer(checkpoint: Path) -> None:
     rejoins and carries the next prompts' KV again; the one killed for good stays out."""
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512,
-                                        "max_num_batched_tokens": 8})  # long prompts: many chunks, many frames
+    # Long prompts: many chunks, many frames.
+    engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=512, max_num_batched_tokens=8)
     prompts = [[3 + (7 * i + 11 * j) % 290 for j in range(96)] for i in range(6)]
     expected = alone(engine_config, prompts, GREEDY)
     config = ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
@@ -263,7 +263,7 @@ def wait_until_rejoined(cluster: Cluster, count: int) -> None:
 def test_default_model_through_the_disaggregated_path(default_prompts: list[list[int]],
                                                       transformers_greedy: list[list[int]]) -> None:
     config = ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
-                           engine=engine_config_from({"kv_cache_memory_gb": 0.25}))
+                           engine=engine_config_from({"dtype": "float32", "kv_cache_memory_gb": 0.25}))
     cluster = Cluster(config).start()
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
@@ -587,8 +587,7 @@ def test_a_burst_past_the_prefill_pools_throughput_is_refused_early_not_recomput
     import ray
 
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512,
-                                        "max_num_batched_tokens": 8})
+    engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=512, max_num_batched_tokens=8)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config, kv_lease_s=3.0, max_prefill_wait_s=1.0)
     generator = random.Random(7)
@@ -677,8 +676,7 @@ def test_a_lease_that_ends_while_the_prefill_computes_goes_on_after_the_token_th
     token differ and refuse the splice (before, the decode worker sampled its own at the lease's end)."""
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 256,
-                                        "max_num_batched_tokens": 8})
+    engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=256, max_num_batched_tokens=8)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config, kv_lease_s=1.0, max_prefill_wait_s=0)
     params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # no seed
@@ -710,7 +708,7 @@ def test_the_first_burst_after_start_is_admitted_by_the_warm_up_throughput(check
     queue (1 ms of prompts) makes any rate this machine reaches refuse most of 10 prompts."""
     import ray
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512})
+    engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=512)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config, max_prefill_wait_s=0.001)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -832,8 +830,7 @@ def test_a_10x_burst_on_the_decode_pool_is_refused_early_and_nothing_grows(check
     import ray
 
 
-    engine_config = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512,
-                                        "max_num_seqs": 2})
+    engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=512, max_num_seqs=2)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config, max_prefill_wait_s=0, max_decode_wait_s=1.0)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

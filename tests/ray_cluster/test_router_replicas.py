@@ -14,9 +14,11 @@ import pytest
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.launcher import Cluster
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, worker_actor_class
+from cluster.serving.process import gateway_metrics
 from cluster.state.connect import connect_state
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
+from tests.observability.scrape import samples, value
 from tests.ray_cluster.test_ray_cluster import alone, assert_pools_whole, collect_tokens, engine_config_for
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -69,6 +71,28 @@ def wait_for(condition: Any, what: str, within_s: float = 60) -> None:
         time.sleep(0.2)
 
 
+def assert_one_series_per_worker_and_phases_where_they_ran(owner: Cluster, attached: Cluster, requests: int) -> None:
+    """Both gateways' /metrics, kept apart by gateway as Prometheus keeps them: each worker is one
+    series, and each request's phases were counted once, on the worker where they ran (the
+    histograms crossed Ray in the workers' loads)."""
+
+    async def scrape(cluster: Cluster, gateway: str) -> dict:
+        text = await gateway_metrics(cluster.model_name, cluster.config).exposition(await cluster.workers())
+        return {(name, (("gateway", gateway), *labels)): v for (name, labels), v in samples(text.decode()).items()}
+
+    both = asyncio.run(scrape(owner, "owner")) | asyncio.run(scrape(attached, "attached"))
+    for worker in ("prefill-0", "decode-0"):
+        assert len([k for k in both if k[0] == "vllm:num_requests_running" and ("worker", worker) in k[1]]) == 1
+    for phase in ("queue", "prefill", "decode", "inference"):  # inference: once on each of the two
+        counted = value(both, f"vllm:request_{phase}_time_seconds_count")
+        assert counted == requests * (2 if phase == "inference" else 1), phase
+    assert value(both, "vllm:request_decode_time_seconds_count", worker="prefill-0") == 0
+    assert value(both, "vllm:request_queue_time_seconds_count", worker="decode-0") == 0
+    # Every KV transfer's exposed part, timed on the prefill worker that sent it.
+    assert value(both, "pdserve:kv_transfer_exposed_seconds_count", worker="prefill-0") == \
+        value(both, "pdserve:kv_transfers_total", worker="prefill-0") == requests
+
+
 def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: Path, dedicated_redis: Any) -> None:
     """Two routers and an attached cluster serve the same workers; Redis killed under load and
     restarted leaves every request served (routing by load alone meanwhile) and the registry whole
@@ -89,6 +113,7 @@ def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: P
         assert second.model_name == first.model_name
         assert live_workers(second.router) == ["decode-0", "prefill-0"]
         assert served(second, "b")[0] == expected
+        assert_one_series_per_worker_and_phases_where_they_ran(first, second, requests=2 * len(PROMPTS))
 
         async def redis_killed_under_load() -> list[list[int]]:
             run = asyncio.gather(*(collect_tokens(first, p, f"outage-{i}") for i, p in enumerate(PROMPTS)))

@@ -11,11 +11,12 @@ from cluster.common.block_hashes import prefix_hashes
 from cluster.common.errors import QueueFullError
 from cluster.common.loads import WorkerLoad
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.ray_cluster.router import Router, RouterConfig
 from cluster.ray_cluster.routing_policy import decode_rank, prefill_cost
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
 
@@ -29,7 +30,7 @@ def test_prefix_hashes_are_chained_per_full_block() -> None:
 
 
 def test_prefix_hashes_are_the_workers_cache_hashes(tmp_path: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(build_tiny_llama_checkpoint(tmp_path))),
+    engine = LLMEngine(EngineConfig(model=fp32_model(build_tiny_llama_checkpoint(tmp_path)),
                                     cache=CacheConfig(block_size=4, num_blocks=32)))
     engine.kv_cache.pool.record_events()
     prompt = list(range(10, 23))  # 3 full blocks of 4

@@ -21,10 +21,11 @@ import pytest
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.llm_engine import LLMEngine
-from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.launcher import Cluster
 from cluster.serving.cluster_service import ClusterService
 from cluster.serving.http.gateway import HttpServer, build_app
+from tests.helpers import fp32_engine
 from tests.ray_cluster.conftest import pace_steps
 from tests.ray_cluster.test_ray_cluster import assert_pools_whole
 from tests.serving.http.test_tool_calling import MODEL, build_hermes_checkpoint, stream
@@ -45,7 +46,7 @@ def hermes_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(hermes_checkpoint: Path) -> Iterator[Cluster]:
-    engine = engine_config_from({"model": str(hermes_checkpoint), "block_size": 16, "num_blocks": 256})
+    engine = fp32_engine(hermes_checkpoint, block_size=16, num_blocks=256)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine)
     started = Cluster(config).start()
@@ -113,7 +114,7 @@ def test_a_named_tool_call_and_its_streamed_deltas_parse_and_validate(gateway: G
 def test_unconstrained_requests_batched_with_constrained_ones_give_their_tokens_alone(
         gateway: Gateway, cluster: Cluster, hermes_checkpoint: Path) -> None:
     prompts = ["one two", "three four five", "six"]
-    engine = LLMEngine(engine_config_from({"model": str(hermes_checkpoint), "block_size": 16, "num_blocks": 256}))
+    engine = LLMEngine(fp32_engine(hermes_checkpoint, block_size=16, num_blocks=256))
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = [output.text for output in engine.generate(prompts, greedy)]
 

@@ -30,10 +30,11 @@ import pytest
 import yaml
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.deploy.test_multinode import RAY, RAY_ENV, Processes, free_port, wait_for_url, wait_until
+from tests.helpers import fp32_model
 
 # Addresses that exist only on the veth pair this test makes, inside its own namespaces.
 HOST_A, HOST_B, PREFIX_LENGTH = "10.213.7.1", "10.213.7.2", 30
@@ -123,7 +124,7 @@ def metric(text: str, name: str) -> float:
 
 
 def engine_alone(checkpoint: Path) -> list[str]:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint)),
+    engine = LLMEngine(EngineConfig(model=fp32_model(checkpoint),
                                     cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=128)))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     return [output.text for output in engine.generate(PROMPTS, params)]
@@ -136,7 +137,7 @@ def start_cluster(a: Host, b: Host, processes: Processes, tmp_path: Path, checkp
         "mode": "disaggregated",
         "prefill": {"replicas": 1, "num_cpus": 0.25, "resources": {"prefill_node": 1}},
         "decode": {"replicas": 1, "num_cpus": 0.25, "resources": {"decode_node": 1}},
-        "engine": {"model": str(checkpoint), "block_size": BLOCK_SIZE, "num_blocks": 128}}))
+        "engine": {"dtype": "float32", "model": str(checkpoint), "block_size": BLOCK_SIZE, "num_blocks": 128}}))
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "PDSERVE_REDIS_URL")}
     env.update(RAY_ENV, PDSERVE_API_KEY="")
     gcs_port = free_port()  # any port is free in a namespace of our own

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.common.block_hashes import prefix_hashes
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.state.connect import connect_state
 from cluster.state.interface import WorkerInfo
@@ -22,6 +22,7 @@ from cluster.state.redis_state import RedisState
 from cluster.state.resilient import ResilientState
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.worker.worker import HEARTBEAT_TTL_S, Worker
+from tests.helpers import fp32_model
 from tests.state.conftest import RedisServer, free_port
 from tests.state.test_shared_state import eventually, listed
 
@@ -144,7 +145,7 @@ def test_a_worker_publishes_its_cache_again_after_redis_restarts(dedicated_redis
                                                                 tmp_path: Path) -> None:
     """Redis restarts empty: the worker's heartbeat finds itself unlisted, and the worker lists itself
     and its whole prefix cache again, so KV-aware routing sees the prefix it still holds."""
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(build_tiny_llama_checkpoint(tmp_path))),
+    engine = LLMEngine(EngineConfig(model=fp32_model(build_tiny_llama_checkpoint(tmp_path)),
                                     cache=CacheConfig(block_size=4, num_blocks=64)))
     prompt = list(range(100, 120))  # 5 full blocks
     hashes = prefix_hashes(prompt, 4, engine.model_name)

@@ -51,13 +51,14 @@ from hypothesis.stateful import (
 from cluster.common.events import FinishReason
 from cluster.common.loads import KVTicket, TransferStats
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine, RequestOutput
 from cluster.transfer.connector import TransferError
 from cluster.transfer.loopback import FailMode, LoopbackHub, LoopbackReceiver, LoopbackSender
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.worker.worker import Worker
 from tests.engine.test_engine_outputs import PROMPTS
+from tests.helpers import fp32_model
 from tests.worker.test_worker_disaggregated import make_engine
 
 MAX_REQUESTS = 6
@@ -344,7 +345,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
 
 def _engine(path: Path, num_blocks: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path)),
+    return LLMEngine(EngineConfig(model=fp32_model(path),
                                   cache=CacheConfig(block_size=4, num_blocks=num_blocks)))
 
 

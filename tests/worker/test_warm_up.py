@@ -10,13 +10,14 @@ import httpx
 import pytest
 import torch
 
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.serving.cluster_service import ClusterService
 from cluster.serving.http.gateway import build_app
 from cluster.serving.local_service import LocalService
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.worker.worker import Worker
+from tests.helpers import fp32_model
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_of(checkpoint: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint)), cache=CacheConfig(block_size=2,
+    return LLMEngine(EngineConfig(model=fp32_model(checkpoint), cache=CacheConfig(block_size=2,
                                                                                               num_blocks=32)))
 
 

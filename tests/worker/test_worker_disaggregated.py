@@ -16,13 +16,14 @@ import pytest
 
 from cluster.common.loads import TransferStats
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.transfer.connector import KVHeader, TransferError
 from cluster.transfer.loopback import FailMode, FrameRefused, LoopbackHub, LoopbackReceiver, LoopbackSender, Refusal
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.worker.worker import Worker
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
+from tests.helpers import fp32_model
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def expected(checkpoint: Path) -> list[list[int]]:
 
 
 def make_engine(path: Path, budget: int = 2048) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(block_size=4, num_blocks=128),
+    return LLMEngine(EngineConfig(model=fp32_model(path), cache=CacheConfig(block_size=4, num_blocks=128),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
 
 

@@ -1,15 +1,15 @@
-"""The torch attention backend: the kernels' torch references over the paged KV cache (the CPU path)."""
+"""The torch attention backend over the paged KV cache (the CPU path): torch ops only."""
 
 from __future__ import annotations
 
 import torch
 
 from cluster.model.attention.backend import AttentionMetadata
-from kernels import reference
+from kernels import reference, torch_decode
 
 
 class TorchAttentionBackend:
-    """The reference backend: batched decodes, prefills one sequence at a time."""
+    """Batched decodes (grouped matmuls, `kernels.torch_decode`), prefills one sequence at a time (the reference)."""
 
     name = "torch"
 
@@ -18,11 +18,11 @@ class TorchAttentionBackend:
         reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         decodes = metadata.num_decodes
         if decodes == len(metadata.seq_lens_list):
-            return reference.paged_decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
+            return torch_decode.paged_decode_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
                                                     metadata.max_seq_len, scale)
         out = torch.empty_like(query)
         if decodes:
-            out[:decodes] = reference.paged_decode_attention(
+            out[:decodes] = torch_decode.paged_decode_attention(
                 query[:decodes], kv_cache, metadata.block_tables[:decodes], metadata.seq_lens[:decodes],
                 max(metadata.seq_lens_list[:decodes]), scale)
         starts = [start - decodes for start in metadata.query_start_list[decodes:]]

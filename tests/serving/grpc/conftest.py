@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 import pytest
 
 from cluster.client import Client
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.serving.grpc.server import GrpcServer
 from cluster.serving.local_service import LocalService
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 T = TypeVar("T")
 # Generous: a slow machine must not fail a test that only waits for a condition.
@@ -76,7 +77,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_config(tiny_model: Path) -> Callable[..., EngineConfig]:
     def config(num_blocks: int = 64, **scheduler: Any) -> EngineConfig:
-        return EngineConfig(model=ModelConfig(model=str(tiny_model)),
+        return EngineConfig(model=fp32_model(tiny_model),
                             cache=CacheConfig(block_size=4, num_blocks=num_blocks),
                             scheduler=SchedulerConfig(**scheduler))
     return config

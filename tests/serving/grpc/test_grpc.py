@@ -28,6 +28,7 @@ from cluster.serving.grpc.server import SERVICE_NAME, GrpcServer
 from cluster.serving.local_service import LocalService
 from cluster.serving.rate_limits import RateLimits
 from cluster.state.connect import connect_state
+from tests.helpers import fp32_model
 from tests.serving.grpc.conftest import WAIT_S, ServerLoop, pool_is_whole, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -505,7 +506,7 @@ def test_docs_examples_run(server: GrpcServer) -> None:
 
 @pytest.mark.slow
 def test_default_model_answers_over_grpc(server_loop: ServerLoop) -> None:
-    service = server_loop.start_service(EngineConfig(cache=CacheConfig(kv_cache_memory_gb=0.25)))
+    service = server_loop.start_service(EngineConfig(model=fp32_model(), cache=CacheConfig(kv_cache_memory_gb=0.25)))
     server = server_loop.start_server(service)
     try:
         with Client(target(server), timeout=120) as default_client:

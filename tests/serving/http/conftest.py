@@ -17,11 +17,12 @@ from typing import Any, TypeVar
 import pytest
 from fastapi import FastAPI
 
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.serving.local_service import LocalService
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 T = TypeVar("T")
 
@@ -86,7 +87,7 @@ class Gateways:
 
 def tiny_config(path: Path, **scheduler: Any) -> EngineConfig:
     # 128 blocks of 4 tokens: a 512-token context (the checkpoint's limit).
-    return EngineConfig(model=ModelConfig(model=str(path)), cache=CacheConfig(block_size=4, num_blocks=128),
+    return EngineConfig(model=fp32_model(path), cache=CacheConfig(block_size=4, num_blocks=128),
                         scheduler=SchedulerConfig(**scheduler))
 
 
@@ -149,5 +150,5 @@ def tiny(gateways: Gateways, tiny_checkpoint: Path) -> LiveGateway:
 @pytest.fixture(scope="module")
 def default_gateway(gateways: Gateways) -> LiveGateway:
     """The default model (SmolLM2-135M-Instruct) behind an open gateway."""
-    config = EngineConfig(cache=CacheConfig(kv_cache_memory_gb=0.25))
+    config = EngineConfig(model=fp32_model(), cache=CacheConfig(kv_cache_memory_gb=0.25))
     return gateways.serve(gateways.start_service(config))

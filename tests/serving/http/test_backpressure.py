@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.http.gateway import EVENTS_AHEAD
 from cluster.serving.local_service import LocalService
+from tests.helpers import fp32_model
 from tests.serving.http.conftest import Gateways, LiveGateway, engine_idle, paced, wait_until
 
 MAX_TOKENS = 480
@@ -82,7 +83,7 @@ class _Held:
 @pytest.fixture(scope="module")
 def big_pool(tiny_checkpoint: Path) -> EngineConfig:
     # Room for 6 choices of a full 512-token context (the checkpoint's limit).
-    return EngineConfig(model=ModelConfig(model=str(tiny_checkpoint)), cache=CacheConfig(block_size=16, num_blocks=256))
+    return EngineConfig(model=fp32_model(tiny_checkpoint), cache=CacheConfig(block_size=16, num_blocks=256))
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ from typing import Any
 import httpx
 
 from cluster.bench.soak import rss_bytes
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.serving.local_service import LocalService
+from tests.helpers import fp32_model
 from tests.serving.http.conftest import Gateways, engine_idle, paced, wait_until
 
 MAX_RSS_GROWTH = 100 << 20  # generous: the burst itself needs a few MiB
@@ -25,7 +26,7 @@ MAX_RSS_GROWTH = 100 << 20  # generous: the burst itself needs a few MiB
 
 def roomy_config(checkpoint: Path, **scheduler: Any) -> EngineConfig:
     """Room in the KV pool for everything these tests run at once (2,000 tokens): no preemption."""
-    return EngineConfig(model=ModelConfig(model=str(checkpoint)), cache=CacheConfig(block_size=4, num_blocks=600),
+    return EngineConfig(model=fp32_model(checkpoint), cache=CacheConfig(block_size=4, num_blocks=600),
                         scheduler=SchedulerConfig(**scheduler))
 
 

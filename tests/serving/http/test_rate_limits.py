@@ -11,13 +11,14 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.serving.api_keys import ApiKeys
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.serving.local_service import LocalService
 from cluster.serving.rate_limits import RateLimits
 from cluster.state.connect import connect_state
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import fp32_model
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ TENANTS = ApiKeys.from_entries([{"name": "a", "key": "key-a"}, {"name": "b", "ke
 async def gateways(checkpoint: Path, redis_url: str, count: int, api_key: str | ApiKeys = "",
                    trusted_proxies: str = "", **limits: float) -> tuple[LocalService, list]:
     """`count` gateways in front of one engine, each with its own connection to the shared state."""
-    service = await LocalService.from_config(EngineConfig(model=ModelConfig(model=str(checkpoint)),
+    service = await LocalService.from_config(EngineConfig(model=fp32_model(checkpoint),
                                                           cache=CacheConfig(block_size=4, num_blocks=64))).start()
     servers = []
     for _ in range(count):

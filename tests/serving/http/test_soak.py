@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 
 from cluster.bench.soak import ABORTED, ERROR, FINISHED, KINDS, SoakConfig, rss_bytes, run_soak
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.serving.http.gateway import gateway_of
+from tests.helpers import fp32_model
 from tests.serving.http.conftest import Gateways, engine_idle, wait_until
 
 SOAK_S = float(os.environ.get("PDSERVE_SOAK_S", "15"))
@@ -25,7 +26,7 @@ MAX_RSS_GROWTH = 150 << 20  # generous: what a soak this long might grow by is a
 
 def soak_config(checkpoint: Path) -> EngineConfig:
     # 64 blocks of 4 tokens (a 256-token context) for up to 8 running requests: preemption is common.
-    return EngineConfig(model=ModelConfig(model=str(checkpoint)),
+    return EngineConfig(model=fp32_model(checkpoint),
                         cache=CacheConfig(block_size=4, num_blocks=64, num_swap_blocks=16),
                         scheduler=SchedulerConfig(max_num_seqs=8, max_waiting_requests=8, max_num_batched_tokens=64,
                                                   preemption_mode="swap"))

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from cluster.common.events import TokenEvent
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.structured_output import StructuredOutput
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.serving.http.gateway import build_app, gateway_of
 from cluster.serving.http.openai_protocol import ChatCompletionRequest
 from cluster.serving.local_service import LocalService
@@ -32,7 +32,7 @@ from cluster.serving.tools.choice import required_schema
 from cluster.serving.tools.parsers import PARSERS
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.weights.tokenizer import Tokenizer
-from tests.helpers import default_model_dir
+from tests.helpers import default_model_dir, fp32_model
 from tests.serving.http.conftest import Gateways, LiveGateway
 
 MODEL = "tiny-hermes"  # the served name: the checkpoint directory's
@@ -138,7 +138,7 @@ def build_hermes_checkpoint(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def service(gateways: Gateways, hermes_checkpoint: Path) -> ScriptedService:
-    config = EngineConfig(model=ModelConfig(model=str(hermes_checkpoint)),
+    config = EngineConfig(model=fp32_model(hermes_checkpoint),
                           cache=CacheConfig(block_size=16, num_blocks=128))
     return ScriptedService(gateways.start_service(config))
 
