@@ -22,6 +22,7 @@ from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.request_limits import RequestLimits
 from cluster.serving.tools.parsers import PARSERS
+from cluster.serving.tools.template import ToolServing
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -250,7 +251,7 @@ def command_serve(args: argparse.Namespace) -> int:
                            trusted_proxies=args.trusted_proxies, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            connections=ConnectionLimits(args.max_connections, args.request_read_timeout,
                                                         args.stream_write_timeout),
-                           tool_call_parser=args.tool_call_parser)
+                           tools=ToolServing(args.tool_call_parser, args.exclude_tools_when_tool_choice_none))
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
@@ -393,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=["auto", *PARSERS], default="auto",
                        help="how the model writes tool calls (read under tool_choice auto); auto: the format its "
                        "chat template shows, else hermes")
+    serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help="leave a request's tools out of its prompt under tool_choice none (vLLM's flag; off: "
+                       "they are shown, as vLLM)")
     serve.add_argument("--mode", choices=[str(mode) for mode in Mode], default=None)
     serve.add_argument("--routers", type=int, default=None, help="router replicas (Ray actors) to spread requests over")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "

@@ -9,6 +9,13 @@ sampling options are `SamplingParams`' fields as keywords (`structured` takes a 
 the message's fields as a dict: `structured={"regex": "[0-9]+"}`). Failures raise `ClientError`, which
 carries the gRPC status code.
 
+`n=3` asks three choices: a stream's chunks carry their `choice`, and a `Completion` has them all in
+`choices` (the first also at its top). A chat may offer tools as OpenAI's API does: `tools=[{"type":
+"function", "function": {"name", "description", "parameters"}}]` (or the inner dicts), `tool_choice`
+("auto", "none", "required" or {"function": {"name": ...}}) and `parallel_tool_calls`; the calls come
+back parsed (`Completion.tool_calls`, `Chunk.tool_calls` deltas), and a chat message may carry an
+assistant's `tool_calls` and a tool's `tool_call_id`.
+
 Retries: a call failing with UNAVAILABLE (server starting, draining, restarting, unreachable) is
 tried again with exponential backoff, up to `max_attempts` in all, but a stream never once a token
 has arrived: the caller has seen output that a second attempt would repeat. Other codes are final
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import random
 import time
@@ -42,8 +50,8 @@ from cluster.common.structured_output import StructuredOutput
 from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 
-__all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "ClientError", "Completion", "Model", "Prompt",
-           "Stream", "TokenLogprob", "Usage"]
+__all__ = ["AsyncClient", "AsyncStream", "Choice", "Chunk", "Client", "ClientError", "Completion", "Model", "Prompt",
+           "Stream", "TokenLogprob", "ToolCall", "ToolCallDelta", "Usage"]
 
 DEFAULT_TARGET = "localhost:50051"
 MAX_ATTEMPTS = 5
@@ -59,7 +67,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
-Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+TOOL_CHOICE_MODES = ("auto", "none", "required")
 
 
 # ---- what calls return ---------------------------------------------------------------------------
@@ -80,6 +89,23 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a choice's call `index`: the first has `id` and `name`, the others extend `arguments`."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One message of a stream: the tokens and text added since the previous one."""
 
@@ -90,19 +116,38 @@ class Chunk:
     finished: bool
     finish_reason: str | None  # on the last chunk: "stop", "length", "abort" or "error"
     logprobs: list[TokenLogprob]  # one per token, when asked for with `logprobs=N`
-    usage: Usage | None  # on the last chunk
+    usage: Usage | None  # on the choice's last chunk: the prompt and that choice's tokens
+    choice: int = 0  # which of the n choices
+    content: str | None = None  # with tools: the part of `text` that is no call (None without tools)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
     # On the first chunk, when asked with `prompt_logprobs=N`: prompt token i + 1's, for each i.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
+class Choice:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop", "length", "tool_calls", "abort" or "error"
+    logprobs: list[TokenLogprob]
+    tool_calls: list[ToolCall]
+    content: str | None  # with tools: the text that is no call (None without tools)
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
+    """The first choice at the top; every choice in `choices`; `usage` counts the prompt once."""
+
     request_id: str
     token_ids: list[int]
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob]
     usage: Usage
+    choices: list[Choice] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # as `Chunk.prompt_logprobs`
 
 
@@ -389,17 +434,56 @@ def _credentials(tls: bool | bytes) -> grpc.ChannelCredentials | None:
 def _request_of(prompt: Prompt, sampling: dict[str, Any], request_id: str | None,
                 model: str | None) -> pb.GenerateRequest:
     # The client names the request, so retries reuse the name and `abort` can reach it.
+    sampling = dict(sampling)
+    tools = {name: sampling.pop(name) for name in ("tools", "tool_choice", "parallel_tool_calls") if name in sampling}
     request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, model=model or "",
                                  sampling=_sampling_of(sampling))
+    if tools and not (prompt and not isinstance(prompt, str) and isinstance(prompt[0], Mapping)):
+        raise TypeError("tools, tool_choice and parallel_tool_calls go with a chat prompt (a list of messages)")
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and all(isinstance(message, Mapping) for message in prompt):
-        chat: Sequence[Mapping[str, str]] = prompt  # type: ignore[assignment]
-        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
+        chat: Sequence[Mapping[str, Any]] = prompt  # type: ignore[assignment]
+        request.chat.CopyFrom(_chat_of(chat, **tools))
     else:
         request.token_ids.SetInParent()  # an empty list too: the server says the prompt is empty
         request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     return request
+
+
+def _chat_of(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = (),
+             tool_choice: str | Mapping[str, Any] | None = None, parallel_tool_calls: bool | None = None) -> pb.Chat:
+    chat = pb.Chat(messages=[_message_of(message) for message in messages], tools=[_tool_of(tool) for tool in tools])
+    if isinstance(tool_choice, str):
+        if tool_choice not in TOOL_CHOICE_MODES:
+            raise TypeError(f"tool_choice is {tool_choice!r}: use one of {TOOL_CHOICE_MODES} or "
+                            "{'function': {'name': ...}}")
+        chat.tool_choice.mode = tool_choice
+    elif tool_choice is not None:
+        chat.tool_choice.function = tool_choice.get("function", tool_choice)["name"]
+    if parallel_tool_calls is not None:
+        chat.parallel_tool_calls = parallel_tool_calls
+    return chat
+
+
+def _message_of(message: Mapping[str, Any]) -> pb.ChatMessage:
+    """An OpenAI-shaped message: `tool_calls` as [{"id", "function": {"name", "arguments"}}] (or flat)."""
+    calls = [call.get("function", call) | {"id": call.get("id") or ""} for call in message.get("tool_calls") or ()]
+    return pb.ChatMessage(role=message["role"], content=message.get("content") or "",
+                          tool_call_id=message.get("tool_call_id") or "",
+                          tool_calls=[pb.ToolCall(id=call["id"], name=call["name"], arguments=_json(call["arguments"]))
+                                      for call in calls])
+
+
+def _tool_of(tool: Mapping[str, Any]) -> pb.Tool:
+    function = tool.get("function", tool)
+    parameters = function.get("parameters")
+    return pb.Tool(name=function["name"], description=function.get("description") or "",
+                   parameters="" if parameters is None else _json(parameters), strict=function.get("strict"))
+
+
+def _json(value: str | Mapping[str, Any]) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _sampling_of(options: dict[str, Any]) -> pb.SamplingParams:
@@ -445,11 +529,25 @@ def _usage_of(usage: pb.Usage) -> Usage:
 def _chunk_of(response: pb.GenerateResponse) -> Chunk:
     return Chunk(response.request_id, response.index, list(response.token_ids), response.text, response.finished,
                  _finish_reason_of(response.finish_reason), _logprobs_of(response.logprobs),
-                 _usage_of(response.usage) if response.HasField("usage") else None,
-                 _logprobs_of(response.prompt_logprobs))
+                 _usage_of(response.usage) if response.HasField("usage") else None, response.choice,
+                 response.content if response.HasField("content") else None,
+                 [ToolCallDelta(delta.index, delta.id, delta.name, delta.arguments) for delta in response.tool_calls],
+                 prompt_logprobs=_logprobs_of(response.prompt_logprobs))
+
+
+def _calls_of(calls: Any) -> list[ToolCall]:
+    return [ToolCall(call.id, call.name, call.arguments) for call in calls]
+
+
+def _choice_of(choice: pb.CompletionChoice) -> Choice:
+    return Choice(choice.index, list(choice.token_ids), choice.text, _finish_reason_of(choice.finish_reason),
+                  _logprobs_of(choice.logprobs), _calls_of(choice.tool_calls),
+                  choice.content if choice.HasField("content") else None)
 
 
 def _completion_of(response: pb.CompleteResponse) -> Completion:
     return Completion(response.request_id, list(response.token_ids), response.text,
                       _finish_reason_of(response.finish_reason), _logprobs_of(response.logprobs),
-                      _usage_of(response.usage), _logprobs_of(response.prompt_logprobs))
+                      _usage_of(response.usage), [_choice_of(choice) for choice in response.choices],
+                      _calls_of(response.tool_calls), response.content if response.HasField("content") else None,
+                      prompt_logprobs=_logprobs_of(response.prompt_logprobs))

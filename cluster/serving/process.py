@@ -48,6 +48,7 @@ from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimits
 from cluster.serving.request_limits import RequestLimits
 from cluster.serving.service import Service
+from cluster.serving.tools.template import ToolServing
 from cluster.state.connect import connect_state
 from cluster.state.interface import SharedState
 from cluster.weights.tokenizer import Tokenizer
@@ -75,7 +76,7 @@ class ServeOptions:
     rate_limit_tpm: float = 0.0  # prompt + max tokens per minute per API key; 0: none
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # both doors: what one request may ask
     connections: ConnectionLimits = ConnectionLimits()  # both doors: what one connection may hold, how long
-    tool_call_parser: str = "auto"  # the model's tool call format (cluster.serving.tools.parsers); auto: its template's
+    tools: ToolServing = ToolServing()  # both doors: the model's tool call format, whether tool_choice none shows tools
 
 
 class DeferredService:
@@ -167,6 +168,8 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     from cluster.serving.grpc.server import GrpcServer
     from cluster.serving.http.gateway import HttpServer, build_app, gateway_of
 
+    if options.tools.exclude_tools_when_tool_choice_none:
+        log.info("tool_choice none leaves a request's tools out of its prompt")
     metrics = gateway_metrics(service.model_name, backend.config)
     state = connect_state(options.redis_url)
     metrics.sources.append(backend.counters)
@@ -178,7 +181,8 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
                           options.api_keys_file or None)
     app = build_app(metered, api_key=api_keys, limits=limits, request_limits=options.request_limits,
                     off_loop=off_loop, stream_write_timeout_s=options.connections.stream_write_timeout_s,
-                    tool_call_parser=options.tool_call_parser)
+                    tool_call_parser=options.tools.parser,
+                    exclude_tools_when_tool_choice_none=options.tools.exclude_tools_when_tool_choice_none)
     add_status_route(app, metered)
     add_metrics_route(app, metrics, metered)
     tls = (options.tls_cert, options.tls_key) if options.tls_cert else None
@@ -194,7 +198,7 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
             grpc_tls = (Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None
             grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=api_keys, tls=grpc_tls, limits=limits,
                               request_limits=options.request_limits, off_loop=off_loop,
-                              connections=options.connections)
+                              connections=options.connections, tools=options.tools)
             await grpc.start()
         if on_listening is not None:
             on_listening(http.url, grpc.port if grpc is not None else None)

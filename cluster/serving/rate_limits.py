@@ -5,7 +5,8 @@ counts against the same buckets (Redis; or this process alone without it). A ten
 Two token buckets per key: requests per second (burst: one second's worth, at least 1) and tokens
 per minute, where a request costs its prompt plus its max_tokens (burst: one minute's worth). A
 request over either limit is refused with 429 and a Retry-After of the time until it would fit;
-one that could never fit the per-minute quota with 400.
+one that could never fit the per-minute quota with 400. Requests that generate nothing (/tokenize,
+/detokenize) count against the requests bucket only (`check_request`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,7 @@ class RateLimits:
 
     async def check(self, key: str, tokens: int) -> None:
         """Take one request and `tokens` from `key`'s buckets, or raise RateLimited / ValueError."""
-        if self.requests_per_s > 0:
-            decision = await self.state.take(f"rps:{key}", 1, self.requests_per_s, max(1.0, self.requests_per_s))
-            if not decision.allowed:
-                raise RateLimited(f"over {self.requests_per_s:g} requests per second for this key",
-                                  decision.retry_after_s)
+        await self.check_request(key)
         if self.tokens_per_min > 0:
             decision = await self.state.take(f"tpm:{key}", tokens, self.tokens_per_min / 60, self.tokens_per_min)
             if math.isinf(decision.retry_after_s):
@@ -58,4 +55,12 @@ class RateLimits:
                                  f"quota of {self.tokens_per_min:g} per minute")
             if not decision.allowed:
                 raise RateLimited(f"over {self.tokens_per_min:g} tokens per minute for this key",
+                                  decision.retry_after_s)
+
+    async def check_request(self, key: str) -> None:
+        """Take one request from `key`'s requests bucket (none of its tokens), or raise RateLimited."""
+        if self.requests_per_s > 0:
+            decision = await self.state.take(f"rps:{key}", 1, self.requests_per_s, max(1.0, self.requests_per_s))
+            if not decision.allowed:
+                raise RateLimited(f"over {self.requests_per_s:g} requests per second for this key",
                                   decision.retry_after_s)

@@ -15,6 +15,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Each choice is an engine request of its own: `n` multiplies the load one request can add (both doors).
+MAX_CHOICES = 16
+
 
 class LimitExceeded(ValueError):
     """A request over one of the limits (a bad request: 400 / INVALID_ARGUMENT)."""

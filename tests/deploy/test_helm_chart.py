@@ -47,7 +47,8 @@ EVERYTHING_ON = {
                 "podDisruptionBudget": {"maxUnavailable": 1}, "attachedReplicas": 2,
                 "tls": {"secretName": "pdserve-gateway-tls"}, "trustedProxies": "10.0.0.0/8,192.168.1.7",
                 "connections": {"maxConnections": 1000, "requestReadTimeoutSeconds": 10,
-                                "streamWriteTimeoutSeconds": 20.5}},
+                                "streamWriteTimeoutSeconds": 20.5},
+                "tools": {"callParser": "llama3_json", "excludeWhenToolChoiceNone": True}},
     "apiKey": {"value": "a-key-from-values"},
     "apiKeys": {"existingSecret": "pdserve-tenants"},
     "redis": {"auth": {"existingSecret": "redis-credentials", "secretKey": "redis-password"}},
@@ -478,6 +479,7 @@ def test_the_gateways_certificate_keys_and_limits_come_from_values(case: str) ->
     values, api_keys = CASES[case].get("gateway", {}), CASES[case].get("apiKeys", {})
     connections = {"maxConnections": 4096, "requestReadTimeoutSeconds": 30, "streamWriteTimeoutSeconds": 30,
                    **values.get("connections", {})}
+    tools = values.get("tools", {})
     for gateway in gateways(objects):
         pod = gateway["spec"]["template"]["spec"]
         (container,) = pod["containers"]
@@ -505,6 +507,9 @@ def test_the_gateways_certificate_keys_and_limits_come_from_values(case: str) ->
         assert (args.max_connections, args.request_read_timeout, args.stream_write_timeout) == (
             connections["maxConnections"], connections["requestReadTimeoutSeconds"],
             connections["streamWriteTimeoutSeconds"])
+        assert "--tool-call-parser" in command  # stated, as the limits are
+        assert (args.tool_call_parser, args.exclude_tools_when_tool_choice_none) == (
+            tools.get("callParser", "auto"), tools.get("excludeWhenToolChoiceNone", False))
     monitors = [o for o in objects if o["kind"] == "ServiceMonitor"]
     for monitor in monitors:  # Prometheus scrapes /metrics as the gateway serves it
         (endpoint,) = monitor["spec"]["endpoints"]
@@ -572,6 +577,14 @@ def test_monitoring_objects_select_the_gateway() -> None:
     assert "ServiceMonitor" not in {o["kind"] for o in render_case("defaults")}  # needs the operator's CRD
 
 
+def test_the_charts_tool_call_parsers_are_pdserves() -> None:
+    from cluster.serving.tools.parsers import PARSERS
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    parsers = schema["properties"]["gateway"]["properties"]["tools"]["properties"]["callParser"]["enum"]
+    assert sorted(parsers) == sorted(["auto", *PARSERS])
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"gateway": {"replicas": 2}}, "at '/gateway/replicas': value must be 1"),  # values.schema.json
     ({"ray": {"prefill": {"workerPerPod": 2}}}, "'workerPerPod' not allowed"),
@@ -585,6 +598,7 @@ def test_monitoring_objects_select_the_gateway() -> None:
               "prefill": {"idleTimeoutSeconds": 60}}}, "idleTimeoutSeconds needs the v2 autoscaler"),
     ({"redis": {"auth": {"value": "p@ss/word"}}}, "at '/redis/auth/value'"),  # it goes into a URL as it is
     ({"gateway": {"trustedProxies": "10.0.0.0/8; curl evil"}}, "at '/gateway/trustedProxies'"),  # a shell line
+    ({"gateway": {"tools": {"callParser": "xml"}}}, "at '/gateway/tools/callParser'"),  # pdserve's parsers only
 ])
 def test_values_that_cannot_work_fail_with_a_message(chart: Any, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):

@@ -253,3 +253,33 @@ def test_prompt_logprobs_come_once_from_the_prefill_worker_as_the_engine_alones(
     assert all(ours is not None and theirs is not None and ours.token_id == theirs.token_id
                and ours.logprob == pytest.approx(theirs.logprob, abs=1e-5) and ours.rank == theirs.rank
                and [t for t, _ in ours.top] == [t for t, _ in theirs.top] for ours, theirs in pairs)
+
+
+def test_grpc_reports_the_prompt_tokens_the_prefill_worker_found_cached(cluster: Cluster) -> None:
+    """The prefill worker knows the cached prompt tokens and the decode worker's events do not: gRPC's
+    usage must carry the prefill worker's count, as HTTP's does."""
+    from cluster.client import AsyncClient
+    from cluster.serving.grpc.server import GrpcServer
+    from cluster.serving.http.gateway import build_app
+
+    prompt = "A prompt sent twice is found in the prefill worker's prefix cache the second time."
+
+    async def main() -> None:
+        service = ClusterService(cluster)
+        grpc = GrpcServer(service, "127.0.0.1", 0, api_key="")
+        await grpc.start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{grpc.port}") as sdk:
+                first = await sdk.complete(prompt, max_tokens=2, temperature=0)
+                second = await sdk.complete(prompt, max_tokens=2, temperature=0)
+            transport = httpx.ASGITransport(build_app(service, api_key=""))
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30) as http:
+                answer = (await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2,
+                                                                   "temperature": 0})).json()
+        finally:
+            await grpc.stop(1)
+        assert first.usage.prompt_tokens == second.usage.prompt_tokens > 40
+        assert second.usage.cached_tokens > 0
+        assert second.usage.cached_tokens == answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    asyncio.run(main())

@@ -138,3 +138,5 @@ def test_a_disaggregated_request_is_one_trace_across_every_process(
         "pdserve.bytes"]
     assert named["pdserve.decode_admission"].attributes["pdserve.outcome"] == "kv"
     assert named["pdserve.decode_stream"].attributes["pdserve.output_tokens"] == 6
+    documented = (Path(__file__).parents[2] / "docs" / "observability.md").read_text()
+    assert not [name for name in named if f"`{name}`" not in documented], "spans missing from docs/observability.md"

@@ -52,13 +52,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     command = [sys.executable, "-m", "cluster.cli", "serve", "--local", "--model", str(checkpoint), "--host",
-               "127.0.0.1", "--port", "0", "--grpc-port", "0", "--max-num-seqs", "8", "--tool-call-parser", "mistral"]
+               "127.0.0.1", "--port", "0", "--grpc-port", "0", "--max-num-seqs", "8", "--tool-call-parser", "mistral",
+               "--exclude-tools-when-tool-choice-none"]
     env = {**os.environ, "PDSERVE_API_KEY": ""}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         started: list[str] = []
         url, grpc_port = wait_for_url(process, started)
         assert any("read in the mistral format" in line for line in started), started
+        assert any("tool_choice none leaves a request's tools out" in line for line in started), started
         assert get(url + "/health")[0] == 200
         deadline = time.monotonic() + START_TIMEOUT_S
         while get(url + "/ready")[0] != 200:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
 import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -46,10 +47,14 @@ from cluster.grpc_stubs import pdserve_pb2_grpc
 from cluster.observability import tracing
 from cluster.serving.api_keys import ApiKeys, Tenant
 from cluster.serving.connection_limits import DEFAULT_STREAM_WRITE_TIMEOUT_S, ConnectionLimits
+from cluster.serving.grpc.chat import chat_prompt, tool_choice_of
+from cluster.serving.grpc.choices import CallReader, ChoiceEvents, completion_of, merged
 from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
-from cluster.serving.request_limits import RequestLimits
+from cluster.serving.request_limits import MAX_CHOICES, RequestLimits
 from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service, check_structured
+from cluster.serving.tools.choice import ToolChoice
+from cluster.serving.tools.template import ToolServing, parser_for
 
 __all__ = ["SERVICE_NAME", "GrpcServer"]
 
@@ -112,14 +117,17 @@ class GrpcServer:
     `api_key`, one key or the `ApiKeys` of several tenants (default: $PDSERVE_API_KEY; none: no
     check), must come as `authorization: Bearer <key>` metadata; `limits` are the tenants' rate limits, as on HTTP.
     `tls` is (certificate chain, private key), both PEM. `port` 0 picks a free port; `port` holds the
-    bound one after `start()`.
+    bound one after `start()`. `tools` is how chats with tools are served (the model's call format,
+    whether tool_choice none shows the tools), as on HTTP.
     """
 
     def __init__(self, service: Service, host: str = "0.0.0.0", port: int = 50051, *,  # noqa: PLR0913
                  api_key: str | ApiKeys | None = None, tls: tuple[bytes, bytes] | None = None,
                  limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
-                 off_loop: OffLoop | None = None, connections: ConnectionLimits | None = None) -> None:
+                 off_loop: OffLoop | None = None, connections: ConnectionLimits | None = None,
+                 tools: ToolServing | None = None) -> None:
         self.service = service
+        self.tools = tools or ToolServing()
         self.connections = connections or ConnectionLimits()
         self.api_keys = api_key if isinstance(api_key, ApiKeys) else \
             ApiKeys.of(api_key if api_key is not None else os.environ.get(env.API_KEY) or None)
@@ -142,7 +150,8 @@ class GrpcServer:
                                                          self.connections.request_read_timeout_s))
         servicer = InferenceServicer(self.service, api_keys=self.api_keys, limits=self.limits,
                                      request_limits=self.request_limits, off_loop=self.off_loop,
-                                     stream_write_timeout_s=self.connections.stream_write_timeout_s)
+                                     stream_write_timeout_s=self.connections.stream_write_timeout_s,
+                                     tools=self.tools)
         pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
         self.health = health.aio.HealthServicer()  # a fresh one: a drained one ignores updates for good
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -206,27 +215,53 @@ class _Call:
     aborted: bool = False  # ended by an Abort call: finish with an "abort" message, not an error
     waiting: bool = False  # awaiting the service's next event: where an Abort may cancel the task
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
+    # Per choice: its engine request (`engine_id`, or `<engine_id>-<i>` when n > 1), and what it did.
+    engine_ids: list[str] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    # The most any event reported: the engine that computed the prompt (a prefill worker, in
+    # disaggregated mode) found them; the decode worker's later events report none.
+    num_cached_tokens: list[int] = field(default_factory=list)
     span: Any = None  # the request's trace span (`cluster.observability.tracing`), when traced
 
-    def record(self, event: TokenEvent) -> None:
-        self.running = not event.finished
+    def start(self, num_choices: int, num_prompt_tokens: int) -> None:
+        self.engine_ids = [self.engine_id] if num_choices == 1 else \
+            [f"{self.engine_id}-{index}" for index in range(num_choices)]
+        self.finished, self.num_output_tokens = [False] * num_choices, [0] * num_choices
+        self.num_cached_tokens = [0] * num_choices
+        self.running, self.num_prompt_tokens = True, num_prompt_tokens
+
+    def record(self, choice: int, event: TokenEvent) -> None:
+        self.finished[choice] = event.finished
+        self.running = not all(self.finished)
         self.num_prompt_tokens = event.num_prompt_tokens
-        self.num_output_tokens = event.index + len(event.token_ids)
+        self.num_output_tokens[choice] = event.index + len(event.token_ids)
+        self.num_cached_tokens[choice] = max(self.num_cached_tokens[choice], event.num_cached_tokens)
+
+    def unfinished(self) -> list[str]:
+        """The engine requests that may still hold blocks."""
+        return [engine_id for engine_id, done in zip(self.engine_ids, self.finished, strict=True) if not done]
+
+    def usage(self, choice: int) -> pb.Usage:
+        completion = self.num_output_tokens[choice] if self.num_output_tokens else 0
+        cached = self.num_cached_tokens[choice] if self.num_cached_tokens else 0
+        return pb.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                        total_tokens=self.num_prompt_tokens + completion, cached_tokens=cached)
 
     def cut_off(self, write_timeout_s: float) -> None:
         """The client read nothing for `write_timeout_s`: end the call (the request is aborted)."""
         log.warning("request %s (%s): the client read nothing for %.0f s: cancelling the call after %d tokens",
-                    self.engine_id, self.request_id, write_timeout_s, self.num_output_tokens)
+                    self.engine_id, self.request_id, write_timeout_s, sum(self.num_output_tokens))
         if self.task is not None:
             self.task.cancel()
 
-    def aborted_response(self) -> pb.GenerateResponse:
-        total = self.num_prompt_tokens + self.num_output_tokens
-        usage = pb.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
-                         total_tokens=total)
-        return pb.GenerateResponse(request_id=self.request_id, index=self.num_output_tokens, finished=True,
-                                   finish_reason=pb.FINISH_REASON_ABORT, usage=usage)
+    def aborted_responses(self) -> list[pb.GenerateResponse]:
+        """A last "abort" message for each choice not finished (the first, before any started)."""
+        choices = [index for index, done in enumerate(self.finished) if not done] if self.engine_ids else [0]
+        return [pb.GenerateResponse(request_id=self.request_id, choice=index, finished=True,
+                                    index=self.num_output_tokens[index] if self.num_output_tokens else 0,
+                                    finish_reason=pb.FINISH_REASON_ABORT, usage=self.usage(index))
+                for index in choices]
 
 
 class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
@@ -237,9 +272,12 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
 
     def __init__(self, service: Service, *, api_keys: ApiKeys | None = None, limits: RateLimits | None = None,
                  request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None,
-                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S) -> None:
+                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+                 tools: ToolServing | None = None) -> None:
         self.service = service
         self.stream_write_timeout_s = stream_write_timeout_s
+        self.tools = tools or ToolServing()
+        self.tool_parser = parser_for(service.tokenizer, self.tools.parser, service.model_name)
         self.api_keys = api_keys or ApiKeys()
         self.limits = limits
         self.request_limits = request_limits or RequestLimits()
@@ -259,61 +297,66 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             if key in self.calls:
                 raise _InUse(f"request_id {call.request_id!r} is already in flight for this API key")
             self.calls[key] = call
-            prompt, params = await self._prepare(request, context, tenant)
+            prompt, params, tools = await self._prepare(request, context, tenant)
             if call.aborted:  # an Abort came while the prompt was being prepared
-                yield call.aborted_response()
+                yield call.aborted_responses()[0]  # no choice started: one message, the first choice's
                 return
-            events = self.service.generate(prompt, params, engine_id)
-            call.running, call.num_prompt_tokens = True, len(prompt)
+            call.start(len(params), len(prompt))
+            events = merged([self.service.generate(prompt, choice_params, choice_id)
+                             for choice_params, choice_id in zip(params, call.engine_ids, strict=True)])
+            reader = CallReader(tools, self.tool_parser)
             call.span = tracing.start_request("grpc", engine_id, len(prompt), context.invocation_metadata())
             with tracing.current(call.span):
-                async with contextlib.aclosing(events):  # type: ignore[type-var]  # services return async generators
-                    async for response in _responses(call, events, self.stream_write_timeout_s):
+                async with contextlib.aclosing(events):
+                    async for response in _responses(call, events, self.stream_write_timeout_s, reader):
                         yield response
         except asyncio.CancelledError:
             if not call.aborted:
                 raise  # the client cancelled, its deadline passed, or the server is stopping
             call.task.uncancel()  # type: ignore[union-attr]  # the cancel was this server's own
-            yield call.aborted_response()
+            for response in call.aborted_responses():
+                yield response
         except _REFUSAL_TYPES as error:
             call.running = False
-            if isinstance(error, RateLimited):
-                context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(error.retry_after_s)))),))
-            await context.abort(_status_of(error), str(error))
+            await _refuse(context, error)
         except Exception:
             log.exception("request %s (%s) failed", engine_id, call.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"request {call.request_id} failed on the server")
         finally:
-            tracing.end_request(call.span, call.num_output_tokens, "abort" if call.aborted or call.running else "")
+            tracing.end_request(call.span, sum(call.num_output_tokens), "abort" if call.aborted or call.running else "")
             if self.calls.get(key) is call:
                 del self.calls[key]
             if call.running:
                 # Shielded: the call's own cancellation must not cancel the abort that frees the blocks.
-                await asyncio.shield(self.service.abort(engine_id))
+                await asyncio.shield(self._abort(call))
+
+    async def _abort(self, call: _Call) -> None:
+        for engine_id in call.unfinished() or [call.engine_id]:
+            await self.service.abort(engine_id)
 
     async def _prepare(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                       tenant: Tenant | None) -> tuple[list[int], SamplingParams]:
-        """The request checked (model, limits, rate limits) and its prompt's token ids; raises a refusal."""
+                       tenant: Tenant | None) -> tuple[list[int], list[SamplingParams], ToolChoice | None]:
+        """The request checked (model, limits, rate limits), its prompt's token ids, each choice's
+        sampling and the tools its chat offers; raises a refusal."""
         if request.model and request.model != self.service.model_name:
             raise ModelNotFound(f"this server serves {self.service.model_name!r}, not {request.model!r}")
-        params = _params_of(request.sampling)
-        self._check_limits(request, params)  # before any work: a 4 MB prompt is not tokenized
+        n = _n_of(request.sampling)
+        tools = tool_choice_of(request.chat) if request.WhichOneof("prompt") == "chat" else None
+        params = _with_tools(_params_of(request.sampling), tools)
+        self._check_limits(request, params, n)  # before any work: a 4 MB prompt is not tokenized
         prompt = await self.off_loop.run(self._prompt_of, request)
         _check_min_tokens(len(prompt), params, self.service.max_model_len)
         await self.off_loop.run(check_structured, self.service.tokenizer, params)
         limits = self.limits.for_tenant(tenant) if self.limits is not None else None
         if limits is not None and limits.enabled:
-            await limits.check(_bucket_of(context, tenant), len(prompt) + params.max_tokens)
-        return prompt, params
+            await limits.check(_bucket_of(context, tenant), len(prompt) + n * params.max_tokens)
+        return prompt, _choice_params(params, n), tools
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
         responses = [response async for response in self.Generate(request, context)]
-        last = responses[-1]
-        return pb.CompleteResponse(
-            request_id=last.request_id, token_ids=[token for r in responses for token in r.token_ids],
-            text="".join(r.text for r in responses), finish_reason=last.finish_reason,
-            logprobs=[entry for r in responses for entry in r.logprobs], usage=last.usage,
-            prompt_logprobs=[entry for r in responses for entry in r.prompt_logprobs])
+        completion = completion_of(responses, max(response.choice for response in responses) + 1)
+        completion.prompt_logprobs.extend(entry for r in responses for entry in r.prompt_logprobs)
+        return completion
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """End the caller's own request of that id (sent with the same API key); any other id is a no-op."""
@@ -328,7 +371,7 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         # deadline. Elsewhere the call sees `aborted` at its next step.
         if call.waiting and call.task is not None:
             call.task.cancel()
-        await self.service.abort(call.engine_id)
+        await self._abort(call)
         return pb.AbortResponse()
 
     def _tenant_of(self, context: grpc.aio.ServicerContext) -> Tenant | None:
@@ -348,12 +391,12 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         model = pb.Model(name=self.service.model_name, max_model_len=self.service.max_model_len)
         return pb.ListModelsResponse(models=[model])
 
-    def _check_limits(self, request: pb.GenerateRequest, params: SamplingParams) -> None:
+    def _check_limits(self, request: pb.GenerateRequest, params: SamplingParams, n: int) -> None:
         texts = [request.text] if request.WhichOneof("prompt") == "text" else \
             [message.content for message in request.chat.messages]
         self.request_limits.check_prompt(sum(len(text.encode("utf-8", "surrogatepass")) for text in texts),
                                          len(request.chat.messages))
-        self.request_limits.check_sampling(params.stop, params.stop_token_ids, 1, params.logprobs)
+        self.request_limits.check_sampling(params.stop, params.stop_token_ids, n, params.logprobs)
 
     def _prompt_of(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self.service.tokenizer
@@ -361,10 +404,7 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         if kind == "text":
             return tokenizer.encode(request.text)
         if kind == "chat":
-            if not request.chat.messages:
-                raise ValueError("the chat has no messages")
-            messages = [{"role": message.role, "content": message.content} for message in request.chat.messages]
-            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+            return chat_prompt(tokenizer, request.chat, self.tools.exclude_tools_when_tool_choice_none)
         if kind == "token_ids":
             return list(request.token_ids.ids)  # the engine checks them against its vocabulary
         raise ValueError("the request has no prompt: set text, token_ids or chat")
@@ -381,6 +421,32 @@ def _params_of(message: pb.SamplingParams) -> SamplingParams:
                           ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, priority=message.priority,
                           logit_bias=tuple(sorted(message.logit_bias.items())),
                           include_stop_str_in_output=message.include_stop_str_in_output, structured=structured)
+
+
+def _n_of(message: pb.SamplingParams) -> int:
+    n = message.n if message.HasField("n") else 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise ValueError(f"n is {n}: it must be from 1 to {MAX_CHOICES}")
+    return n
+
+
+def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One `SamplingParams` per choice; with a seed, choice i samples with `seed + i` (as the HTTP
+    door): the same seed for all would make the n choices identical."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + index) for index in range(n)]
+
+
+def _with_tools(params: SamplingParams, tools: ToolChoice | None) -> SamplingParams:
+    """Under tool_choice required or a named function, the output is held to calls by their schema."""
+    structured = tools.structured_output() if tools is not None else None
+    if structured is None:
+        return params
+    if params.structured is not None:
+        raise ValueError("chat.tool_choice (required or a function) and sampling.structured both constrain the "
+                         "answer: send one of them")
+    return dataclasses.replace(params, structured=structured)
 
 
 def _structured_of(message: pb.StructuredOutput) -> StructuredOutput:
@@ -423,8 +489,8 @@ def _check_request_id(request_id: str) -> None:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LENGTH} printable characters")
 
 
-async def _responses(call: _Call, events: AsyncIterator[TokenEvent],
-                     write_timeout_s: float) -> AsyncIterator[pb.GenerateResponse]:
+async def _responses(call: _Call, events: ChoiceEvents, write_timeout_s: float,
+                     reader: CallReader) -> AsyncIterator[pb.GenerateResponse]:
     """The call's responses, one per event. `call.waiting` marks where an Abort may cancel the task
     (awaiting the next event); an Abort that comes while a response is being sent ends the stream
     at the next step instead.
@@ -436,39 +502,45 @@ async def _responses(call: _Call, events: AsyncIterator[TokenEvent],
     while True:
         call.waiting = True
         try:
-            event = await anext(events)
+            choice, event = await anext(events)
         except StopAsyncIteration:
             return
         finally:
             call.waiting = False
-        call.record(event)
+        call.record(choice, event)
+        response = _response_of(call, choice, event)
+        reader.annotate(choice, response)
         unsent = loop.call_later(write_timeout_s, call.cut_off, write_timeout_s)
         try:
-            yield _response_of(event, call.request_id)
+            yield response
         finally:
             unsent.cancel()
         if call.aborted and call.running:
-            yield call.aborted_response()
+            for aborted in call.aborted_responses():
+                yield aborted
             return
 
 
-def _response_of(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
+def _response_of(call: _Call, choice: int, event: TokenEvent) -> pb.GenerateResponse:
     finish_reason = _FINISH_REASONS.get(str(event.finish_reason), pb.FINISH_REASON_UNSPECIFIED)
     response = pb.GenerateResponse(
-        request_id=request_id, index=event.index, token_ids=event.token_ids, text=event.text,
+        request_id=call.request_id, choice=choice, index=event.index, token_ids=event.token_ids, text=event.text,
         finished=event.finished, finish_reason=finish_reason, logprobs=[_logprobs_of(lp) for lp in event.logprobs],
         prompt_logprobs=[_logprobs_of(lp) for lp in event.prompt_logprobs or [] if lp is not None])
     if event.finished:
-        completion_tokens = event.index + len(event.token_ids)
-        response.usage.CopyFrom(pb.Usage(
-            prompt_tokens=event.num_prompt_tokens, completion_tokens=completion_tokens,
-            total_tokens=event.num_prompt_tokens + completion_tokens, cached_tokens=event.num_cached_tokens))
+        response.usage.CopyFrom(call.usage(choice))
     return response
 
 
 def _logprobs_of(entry: TokenLogprobs) -> pb.TokenLogprobs:
     top = [pb.TopLogprob(token_id=token, logprob=logprob) for token, logprob in entry.top]
     return pb.TokenLogprobs(token_id=entry.token_id, logprob=entry.logprob, top=top)
+
+
+async def _refuse(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    if isinstance(error, RateLimited):
+        context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(error.retry_after_s)))),))
+    await context.abort(_status_of(error), str(error))
 
 
 def _status_of(error: Exception) -> grpc.StatusCode:

@@ -73,7 +73,7 @@ from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import LimitExceeded, RequestLimits
 from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service, check_structured
-from cluster.serving.tools.parsers import CallFormat, detect_parser, parser_named
+from cluster.serving.tools.template import parser_for
 
 log = logging.getLogger(__name__)
 
@@ -372,9 +372,10 @@ class Gateway:
     def __init__(self, service: Service, limits: RateLimits | None = None,
                  request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None,
                  stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-                 tool_call_parser: str = "auto") -> None:
+                 tool_call_parser: str = "auto", exclude_tools_when_tool_choice_none: bool = False) -> None:
         self.service = service
-        self.tool_parser = _tool_parser(service, tool_call_parser)
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        self.tool_parser = parser_for(service.tokenizer, tool_call_parser, service.model_name)
         self.stream_write_timeout_s = stream_write_timeout_s
         self.limits = limits
         self.request_limits = request_limits or RequestLimits()
@@ -398,6 +399,20 @@ class Gateway:
         while self.runs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return not self.runs
+
+    async def count_request(self, request: Request) -> None:
+        """Count a request that generates nothing (/tokenize, /detokenize) against its caller's
+        requests per second, as any other; it takes no tokens. Raises RateLimited."""
+        tenant = getattr(request.state, "tenant", None)
+        if self.limits is not None:
+            await self.limits.for_tenant(tenant).check_request(_bucket_of(request, tenant))
+
+    def shown_tools(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
+        """`body` with the tools its prompt shows: none under tool_choice none when the server
+        excludes them then (vLLM's `--exclude-tools-when-tool-choice-none`), else all it offers."""
+        if self.exclude_tools_when_tool_choice_none and body.tool_choice == "none":
+            return body.model_copy(update={"tools": None})
+        return body
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.service.model_name:
@@ -444,18 +459,6 @@ class Gateway:
         finally:
             if not streaming:
                 await run.close()
-
-
-def _tool_parser(service: Service, name: str) -> CallFormat:
-    """The parser `name`, or with "auto" the one for the format the model's chat template shows it."""
-    template = service.tokenizer.chat_template
-    if name == "auto":
-        name = detect_parser(template)
-    if template and not service.tokenizer.chat_template_reads("tools"):
-        log.warning("the chat template of %s does not render tools: under tool_choice auto the model is not "
-                    "shown them (required and named tool choices still hold it to calls)", service.model_name)
-    log.info("tool calls under tool_choice auto are read in the %s format", name)
-    return parser_named(name)
 
 
 def _client_left(run: ChoiceStreams) -> Response:
@@ -508,6 +511,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         **ERROR_RESPONSES, 200: {"content": EVENT_STREAM, "description": "a chat completion, or its chunks as events"}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gateway.admit(body.model)
+        body = gateway.shown_tools(body)
         response_format = ChatFormat(request.state.public_id, service.model_name, service.tokenizer,
                                      logprobs=body.logprobs, tools=body.chosen_tools(), parser=gateway.tool_parser)
         return await gateway.respond(request, body, response_format)
@@ -516,6 +520,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         gateway.admit(body.model)
         with service_errors(request.state.request_id):
+            await gateway.count_request(request)
             return await gateway.off_loop.run(tokenize, body, service.tokenizer, gateway.request_limits,
                                               service.max_model_len)
 
@@ -523,6 +528,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         gateway.admit(body.model)
         with service_errors(request.state.request_id):
+            await gateway.count_request(request)
             return DetokenizeResponse(prompt=await gateway.off_loop.run(body.text, service.tokenizer))
 
 
@@ -639,18 +645,22 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def build_app(service: Service, *, api_key: str | ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+def build_app(  # noqa: PLR0913
+        service: Service, *, api_key: str | ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
               off_loop: OffLoop | None = None, stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-              tool_call_parser: str = "auto") -> FastAPI:
+              tool_call_parser: str = "auto",
+              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     """The gateway app. `api_key`: one key, or the `ApiKeys` of several tenants (None reads
     `$PDSERVE_API_KEY`); no key at all leaves the API open. `tool_call_parser`: the format of the
-    model's tool calls (`cluster.serving.tools.parsers`; "auto": from its chat template). The
+    model's tool calls (`cluster.serving.tools.parsers`; "auto": from its chat template);
+    `exclude_tools_when_tool_choice_none`: vLLM's flag, tools left out of the prompt under tool_choice none. The
     `Gateway` (draining) is `gateway_of(app)`."""
     api_keys = api_key if isinstance(api_key, ApiKeys) else \
         ApiKeys.of(api_key if api_key is not None else os.environ.get(env.API_KEY) or None)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
-    gateway = Gateway(service, limits, request_limits, off_loop, stream_write_timeout_s, tool_call_parser)
+    gateway = Gateway(service, limits, request_limits, off_loop, stream_write_timeout_s, tool_call_parser,
+                      exclude_tools_when_tool_choice_none)
     app.state.gateway = gateway
     _add_routes(app, gateway)
     app.add_exception_handler(ApiError, _api_error)

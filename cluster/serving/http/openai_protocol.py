@@ -19,9 +19,7 @@ a value out of range is refused naming its field; what one field cannot say (`mi
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, cast
@@ -32,15 +30,19 @@ from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from cluster.serving.http.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, refused_field
 from cluster.serving.http.structured_outputs import StructuredOutputFields
-from cluster.serving.request_limits import RequestLimits
-from cluster.serving.tools.calls import CallDelta, Item, Reply
+from cluster.serving.request_limits import MAX_CHOICES, RequestLimits
+from cluster.serving.tools.calls import CallDelta, Item, Reply, new_call_id
 from cluster.serving.tools.choice import ToolChoice
 from cluster.serving.tools.parsers import DEFAULT_PARSER, CallFormat, parser_named
 from cluster.serving.tools.stream import CallStream, parse
+from cluster.serving.tools.template import (
+    arguments_for_template,
+    check_tool_choice,
+    checked_text,
+    render_chat,
+)
 from cluster.weights.tokenizer import Tokenizer
 
-# Each choice is an engine request of its own: `n` multiplies the load one HTTP request can add.
-MAX_CHOICES = 16
 MAX_LOGPROBS = 20  # as vLLM (OpenAI allows 5 for completions, 20 for chat)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, kept by vLLM
 # torch seeds a generator from 64 bits and the engine seeds one per request as it samples: a larger
@@ -162,7 +164,7 @@ class CompletionRequest(SamplingRequest):
         """The prompt's token ids: text is encoded with the tokenizer's special tokens (BOS), as vLLM does."""
         prompt = self._one_prompt()
         if isinstance(prompt, str):
-            return tokenizer.encode(_checked_text(prompt), add_special_tokens=self.add_special_tokens)
+            return tokenizer.encode(checked_text(prompt), add_special_tokens=self.add_special_tokens)
         return prompt
 
     def _one_prompt(self) -> str | list[int]:
@@ -240,13 +242,7 @@ class MessageToolCall(BaseModel):
         """As chat templates take it: the arguments as an object (transformers' convention; Llama
         and Mistral templates write `arguments | tojson`). Text that is no JSON object stays text."""
         call = self.model_dump(exclude_none=True)
-        arguments = self.function.arguments
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                parsed = arguments
-            call["function"]["arguments"] = parsed if isinstance(parsed, dict) else arguments
+        call["function"]["arguments"] = arguments_for_template(self.function.arguments)
         return call
 
 
@@ -292,12 +288,10 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check_tool_choice(self) -> ChatCompletionRequest:
         names = [tool.function.name for tool in self.tools or ()]
-        if len(set(names)) < len(names):
-            raise ValueError("tools: two tools have the same name")
-        if not names and self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice needs tools: the request offers none")
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            check_tool_choice(names, None, self.tool_choice.function.name)
+        else:
+            check_tool_choice(names, self.tool_choice, None)
         return self
 
     def prompt_bytes(self) -> int:
@@ -310,19 +304,14 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
-        """The rendered chat template, encoded without special tokens: the template already has them
-        (as `LLMEngine.chat_prompt`). Raises ValueError, or jinja2's TemplateError from the template."""
+        """The rendered chat template (`cluster.serving.tools.template`, as the gRPC door renders it).
+        Raises ValueError, or jinja2's TemplateError from the template."""
         messages = [message.for_template() for message in self.messages]
-        # Offered tools are rendered even with tool_choice "none", as vLLM does by default.
+        # Offered tools are rendered even with tool_choice "none", as vLLM does by default (the
+        # gateway drops them first when the server excludes them).
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
-                                                 tools=tools, **self.template_variables())
-        except TypeError as error:
-            # The template met a value of a type it cannot use (a number where it adds strings, say):
-            # the client's messages or variables are at fault, as vLLM answers too.
-            raise ValueError(f"the chat template cannot render this request: {error}") from error
-        return tokenizer.encode(_checked_text(text), add_special_tokens=self.add_special_tokens)
+        return render_chat(tokenizer, messages, tools, add_generation_prompt=self.add_generation_prompt,
+                           add_special_tokens=self.add_special_tokens, variables=self.template_variables())
 
     def template_variables(self) -> dict[str, Any]:
         variables = self.chat_template_kwargs or {}
@@ -367,17 +356,6 @@ def fit_max_tokens(requested: int | None, default: int | None, num_prompt_tokens
         raise ValueError(f"max_tokens is {requested}, but the prompt has {num_prompt_tokens} tokens and the "
                          f"context is {max_model_len}: at most {room} tokens can be generated")
     return requested
-
-
-def _checked_text(text: str) -> str:
-    """`text`, if it is Unicode a tokenizer can take. A JSON string may hold half of a UTF-16 surrogate
-    pair ("\\ud800"), which Python reads into a str that has no UTF-8 form: refuse it as a bad request."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"the prompt is not valid Unicode: it holds an unpaired UTF-16 surrogate "
-                         f"({text[error.start]!r})") from None
-    return text
 
 
 def _utf8_length(text: str) -> int:
@@ -800,10 +778,6 @@ class ChatFormat(_Format):
     def _wrap(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=choices,
                                    usage=usage)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _call_delta(item: CallDelta, **fields: Any) -> ChatDelta:

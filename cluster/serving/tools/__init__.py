@@ -10,6 +10,8 @@ A chat request with tools goes through three steps here:
 3. `parsers`: under `auto` the text is in the model's own format (Hermes/Qwen `<tool_call>`, Llama 3
    JSON, Mistral `[TOOL_CALLS]`), chosen per server by name.
 
-The HTTP gateway turns the resulting `calls` into OpenAI's `tool_calls` and their stream deltas.
-Nothing here imports pydantic, HTTP or the engine.
+`template` renders a conversation with tools through the model's chat template, the same for both
+front doors. The HTTP gateway turns the resulting `calls` into OpenAI's `tool_calls` and their stream
+deltas, the gRPC server into `ToolCall` and `ToolCallDelta` messages. Nothing here imports pydantic,
+HTTP, gRPC or the engine.
 """

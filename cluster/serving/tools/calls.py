@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -50,3 +51,8 @@ def assemble(items: Iterable[Item]) -> Reply:
     calls = tuple(ToolCall(name, "".join(parts)) for name, parts in zip(names, arguments, strict=True))
     text = "".join(content)
     return Reply(text if text or not calls else None, calls)
+
+
+def new_call_id() -> str:
+    """A call's id, as OpenAI's look ("call_" and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"

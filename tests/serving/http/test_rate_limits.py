@@ -120,3 +120,33 @@ def test_without_keys_the_bucket_is_the_address_whatever_the_client_sends(checkp
         assert statuses == ([200, 200] if trusted else [200, 429])
 
     asyncio.run(main())
+
+
+def test_tokenize_and_detokenize_count_against_requests_but_take_no_tokens(checkpoint: Path) -> None:
+    async def main() -> None:
+        service, (server,) = await gateways(checkpoint, "", 1, TENANTS, requests_per_s=0.2)
+        quota_service, (quota_server,) = await gateways(checkpoint, "", 1, tokens_per_min=30)
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                key = {"Authorization": "Bearer key-a"}
+                assert (await client.post("/tokenize", json={"prompt": "Hello"}, headers=key)).status_code == 200
+                refused = await client.post("/detokenize", json={"tokens": [5, 17]}, headers=key)
+                assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+                assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+                # One bucket for all the key's requests: the tokenize took this second's request.
+                assert (await client.post("/v1/completions", json=body(service.model_name), headers=key)
+                        ).status_code == 429
+                other = {"Authorization": "Bearer key-b"}
+                assert (await client.post("/detokenize", json={"tokens": [5]}, headers=other)).status_code == 200
+            async with httpx.AsyncClient(base_url=quota_server.url, timeout=60) as client:
+                long_prompt = {"prompt": "tokens " * 40}  # more tokens than the quota: it is not taken
+                statuses = [(await client.post("/tokenize", json=long_prompt)).status_code for _ in range(3)]
+                assert statuses == [200] * 3
+                assert (await client.post("/v1/completions", json=body(service.model_name))).status_code == 200
+        finally:
+            await server.stop()
+            await quota_server.stop()
+            await service.stop()
+            await quota_service.stop()
+
+    asyncio.run(main())

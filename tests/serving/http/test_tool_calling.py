@@ -263,7 +263,7 @@ def test_the_default_parser_is_the_one_the_chat_template_shows(gateway: LiveGate
     assert gateway_of(gateway.app).tool_parser is PARSERS["hermes"]  # the template writes <tool_call>
     chatml = SimpleNamespace(model_name="chatml", tokenizer=SimpleNamespace(
         chat_template="[TOOL_CALLS] {{ messages }}", chat_template_reads=lambda name: False))
-    with caplog.at_level(logging.WARNING, logger="cluster.serving.http.gateway"):
+    with caplog.at_level(logging.WARNING, logger="cluster.serving.tools.template"):
         app = build_app(chatml, api_key=None)  # type: ignore[arg-type]
     assert gateway_of(app).tool_parser is PARSERS["mistral"]
     assert "does not render tools" in caplog.text
