@@ -15,7 +15,6 @@ import torch
 from tests.serving.http.conftest import LiveGateway
 
 PROMPT_IDS = [5, 17, 33, 9, 81, 120, 7, 7, 64, 11]
-MODEL = "tiny-llama0"  # the checkpoint directory's name (`tiny_checkpoint`)
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
 
 
@@ -35,9 +34,14 @@ def oracle(tiny_checkpoint: Path) -> torch.Tensor:
         return model(torch.tensor([PROMPT_IDS])).logits[0].float().log_softmax(dim=-1)
 
 
+def served(client: openai.OpenAI) -> str:
+    """The served model's name (the tiny checkpoint directory's, numbered by the session's temp dirs)."""
+    return client.models.list().data[0].id
+
+
 def completion(client: openai.OpenAI, prompt: Any, **fields: Any) -> Any:
     body = {**GREEDY, **fields, "extra_body": {**GREEDY["extra_body"], **fields.get("extra_body", {})}}
-    return client.completions.create(model=MODEL, prompt=prompt, **body)
+    return client.completions.create(model=served(client), prompt=prompt, **body)
 
 
 def streamed(client: openai.OpenAI, prompt: Any, **fields: Any) -> list[Any]:
@@ -62,7 +66,7 @@ def test_prompt_logprobs_in_completions_and_chat_match_transformers(client: open
     plain = completion(client, PROMPT_IDS)
     assert "prompt_logprobs" not in plain.choices[0].model_extra  # only when asked
     assert answer.choices[0].text == plain.choices[0].text
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi there"}],
+    chat = client.chat.completions.create(model=served(client), messages=[{"role": "user", "content": "hi there"}],
                                           max_tokens=2, extra_body={"prompt_logprobs": 0})
     entries = chat.model_extra["prompt_logprobs"]
     assert len(entries) == chat.usage.prompt_tokens and entries[0] is None
@@ -117,14 +121,15 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI)
     assert (answer.text, answer.finish_reason) == (kept, "stop")
     chunks = streamed(client, PROMPT_IDS, max_tokens=16, stop=[stop], extra_body=include)
     assert "".join(c.text for c in chunks) == kept
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
+    hi = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=served(client), messages=hi, temperature=0,
                                           max_tokens=16, extra_body={"ignore_eos": True})
     content = chat.choices[0].message.content or ""
     chat_stop = next((content[i:i + 2] for i in range(len(content) - 1) if content[i:i + 2].strip()), None)
     if chat_stop is not None:
         kept_chat = content[:content.index(chat_stop) + len(chat_stop)]
         with_stop = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0, max_tokens=16, stop=[chat_stop],
+            model=served(client), messages=hi, temperature=0, max_tokens=16, stop=[chat_stop],
             extra_body={"ignore_eos": True, **include})
         assert with_stop.choices[0].message.content == kept_chat
 
