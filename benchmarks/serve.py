@@ -70,8 +70,11 @@ class ServerSettings:
 def running_server(settings: ServerSettings) -> Iterator[str]:
     """`pdserve serve` in a subprocess, logging to a temporary file; yields its URL once it listens
     (the benchmark then waits for /ready); SIGTERM at the end."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads),
-           "PDSERVE_API_KEY": ""}
+    env = {**os.environ, "PDSERVE_API_KEY": ""}
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # threads 0: the workers' own choice (they follow the load)
+        env.pop(name, None)
+        if settings.threads > 0:
+            env[name] = str(settings.threads)
     with tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-", suffix=".log") as log:
         process = subprocess.Popen(settings.command(), stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         try:

@@ -2,8 +2,8 @@
 
 ```yaml
 mode: disaggregated        # or colocated: every worker runs both phases (the baseline)
-prefill: {replicas: 1, num_cpus: 0.25, resources: {}}
-decode:  {replicas: 1, num_cpus: 0.25, resources: {}}
+prefill: {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0}  # threads 0: every core no busy worker holds
+decode:  {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0}
 transport: ucx             # how KV blocks travel between prefill and decode workers
 kv_overlap: true           # send KV blocks while the rest of the prompt computes
 kv_lease_s: 30             # a decode worker's reservation waits this long for its KV
@@ -59,10 +59,16 @@ class PoolConfig:
     # Calls a worker runs at once, its streams included (Ray's max_concurrency of an async actor);
     # aborts and load polls run apart from them (the "control" group), so they never queue behind.
     max_concurrency: int = 1000
+    # torch threads of each worker. 0: they follow the load, every core of its host that no other busy
+    # worker holds, at least its num_cpus (`cluster.worker.node_cores`); N: N threads, fixed (a host
+    # shared with other programs, whose load the workers cannot see).
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: follow the load), got {self.threads}")
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         if self.num_cpus < 0:

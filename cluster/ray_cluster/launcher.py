@@ -78,6 +78,13 @@ def shutdown_ray() -> None:
     ray.shutdown()
 
 
+def pool_threads(pool: PoolConfig) -> int:
+    """The pool's threads per worker; 0 (follow the load) unless the operator fixed OMP_NUM_THREADS
+    for the gateway, whose environment the workers of an embedded Ray inherit."""
+    fixed = os.environ.get("OMP_NUM_THREADS", "")
+    return pool.threads or (int(fixed) if fixed.isdigit() and int(fixed) > 0 else 0)
+
+
 class Cluster:
     """The launcher: starts (or attaches to) the worker pools and the router replicas on Ray.
 
@@ -217,7 +224,7 @@ class Cluster:
         # All that makes a worker what it is: a named worker left running with the same is taken over.
         spec = (role, self.config.engine, self.config.redis_url, self.config.kv_overlap, pool.kv_interface,
                 self.config.ucx_transports, pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency,
-                self.config.worker_max_restarts)
+                self.config.worker_max_restarts, pool.threads)
         workers = []
         for index in range(pool.replicas):
             name = self._actor_name(role, index)
@@ -235,7 +242,7 @@ class Cluster:
             workers.append(options.remote(f"{role}-{index}", role, self.config.engine, redis_url=self.config.redis_url,
                                           overlap_transfer=self.config.kv_overlap, address=name,
                                           kv_interface=pool.kv_interface, ucx_transports=self.config.ucx_transports,
-                                          spec=spec, traces=self.config.tracing))
+                                          spec=spec, traces=self.config.tracing, threads=pool_threads(pool)))
         return workers
 
     def _running_worker(self, name: str, spec: tuple[Any, ...]) -> Any | None:

@@ -21,6 +21,7 @@ from cluster.observability import tracing
 from cluster.state.connect import connect_state
 from cluster.state.interface import WorkerInfo
 from cluster.transfer.addresses import interface_address
+from cluster.worker.node_cores import NodeCores, host_cores
 from cluster.worker.worker import Worker, event_of
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,22 @@ def kv_host(interface: str = "") -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def node_cores(threads: int) -> NodeCores | None:
+    """How many threads this worker's engine computes on: `threads` fixed, or (0) every core of its
+    node that no other busy worker holds, at least its own share of Ray's CPUs."""
+    import ray
+
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+        return None
+    context = ray.get_runtime_context()
+    node: dict[str, Any] = next((n for n in ray.nodes() if n["NodeID"] == context.get_node_id()), {})
+    own = int(context.get_assigned_resources().get("CPU", 1))  # Ray's OMP_NUM_THREADS: its share, at least 1
+    return NodeCores(host_cores(node.get("Resources", {}).get("CPU", 1)), own)
+
+
 class WorkerActor:
     """The Ray face of `Worker`: builds the engine and the UCX connector inside the actor process.
 
@@ -76,7 +93,8 @@ class WorkerActor:
 
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, kv_interface: str = "",  # noqa: PLR0913
                  overlap_transfer: bool = True, redis_url: str = "", address: str = "",
-                 ucx_transports: str = "", spec: Any = None, traces: tracing.TracingConfig | None = None) -> None:
+                 ucx_transports: str = "", spec: Any = None, traces: tracing.TracingConfig | None = None,
+                 threads: int = 0) -> None:
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
@@ -97,7 +115,8 @@ class WorkerActor:
                              {"namespace": RAY_NAMESPACE, "model": engine.model_name, "host": host,
                               "actor_id": ray.get_runtime_context().get_actor_id() or ""})
         self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
-                             overlap_transfer=overlap_transfer, state=state, listing=listing, on_fatal=_end_process)
+                             overlap_transfer=overlap_transfer, state=state, listing=listing, on_fatal=_end_process,
+                             cores=node_cores(threads))
         self.started: asyncio.Task[None] | None = None
         # The event loop the worker lives on: that of Ray's default concurrency group, where the
         # first call of that group starts it. Control calls (`control` group: aborts, load polls)

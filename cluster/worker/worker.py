@@ -40,6 +40,7 @@ from cluster.observability.tracing import WorkerTraces
 from cluster.state.interface import SharedState, WorkerInfo
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender, TransferError
 from cluster.worker.kv_staging import landing_buffer, sends_device_memory, wire_bytes
+from cluster.worker.node_cores import NodeCores
 from cluster.worker.output_stream import OutputStream
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,15 @@ class Worker:
     def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,  # noqa: PLR0913
                  receiver: KVReceiver | None = None, overlap_transfer: bool = True,
                  state: SharedState | None = None, listing: WorkerInfo | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, cores: NodeCores | None = None) -> None:
         if role not in tuple(Role):
             raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
         self.worker_id, self.role, self.engine = worker_id, Role(role), engine
         self.sender, self.receiver = sender, receiver
+        # The host's cores shared with the other workers on it: each step runs on as many threads as
+        # cores no other busy worker holds (None: torch's own thread count, fixed).
+        self.cores = cores
+        self.claiming = False  # whether this worker holds a claim on cores now
         # Send a prefill's blocks as they are computed (else all at once at its end: the baseline).
         self.overlap_transfer = overlap_transfer
         # Where this worker publishes the blocks its prefix cache stores and evicts (KV-aware routing).
@@ -193,6 +198,8 @@ class Worker:
         self.wake.set()
         if self.thread is not None:
             await asyncio.to_thread(self.thread.join, 10)
+        if self.cores is not None:
+            self.cores.idle()
         for connector in (self.sender, self.receiver):
             if connector is not None:
                 await connector.close()
@@ -232,6 +239,9 @@ class Worker:
             while not self.commands.empty():
                 self.commands.get()()
             if self.engine.has_unfinished_requests():
+                if self.cores is not None:
+                    self.cores.busy()
+                    self.claiming = True
                 started = time.perf_counter()
                 try:
                     outputs = self.engine.step()
@@ -248,6 +258,9 @@ class Worker:
                 if self.overlap_transfer:
                     self._export_computed_blocks()
             if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
+                if self.claiming:  # nothing to compute until woken: the cores go to whoever has work
+                    self.cores.idle()  # type: ignore[union-attr]
+                    self.claiming = False
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
 

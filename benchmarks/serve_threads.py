@@ -1,0 +1,87 @@
+"""Serving against the engine alone, and the workers' threads (issue 21, items 2 and 3).
+
+    python -m benchmarks.serve_threads                   # 64 requests at once, 2 repeats, ~10 minutes
+    python -m benchmarks.serve_threads --requests 32 --repeats 1
+
+Three arms on one workload (prompts ~128 tokens, outputs 64 tokens, EOS ignored, all sent at once),
+run in alternating order so the machine's drift hits each alike:
+- `engine alone`: one `LLMEngine` in this process, stepped until done (torch's threads: all cores);
+- `cluster, 1 thread each`: `pdserve serve` (1 prefill + 1 decode worker on Ray) over HTTP with
+  OMP_NUM_THREADS=1, what each worker computed on before the threads followed the load;
+- `cluster, threads follow the load`: the same, without OMP_NUM_THREADS: a busy worker computes on
+  every core no other busy worker holds (`cluster.worker.node_cores`).
+Every arm uses dtype auto. Output tokens per second of each, and each cluster arm over the engine
+alone, go to benchmarks/results/serve-threads.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import machine, print_table, save
+from benchmarks.serve import ServerSettings, measure, running_server
+from cluster.bench.serving import LoadConfig
+from cluster.bench.workloads import WorkloadConfig, build_workload
+
+ARMS = ("engine alone", "cluster, 1 thread each", "cluster, threads follow the load")
+
+
+def engine_alone(workload: WorkloadConfig) -> float:
+    """Output tokens per second of one engine given every request at once."""
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.config import CacheConfig, EngineConfig
+    from cluster.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_gb=1.0)))
+    requests = [conversation.turns[0] for conversation in build_workload(workload)]
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm-up, as the workers' own
+    started = time.perf_counter()
+    for request in requests:
+        engine.add_request(request.prompt, SamplingParams(max_tokens=request.max_tokens, temperature=0,  # type: ignore[arg-type]
+                                                          ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return sum(request.max_tokens for request in requests) / (time.perf_counter() - started)
+
+
+def cluster(workload: WorkloadConfig, threads: int) -> float:
+    with running_server(ServerSettings(cluster=True, threads=threads)) as url:
+        return float(measure(url, workload, LoadConfig(warmup=1))["output_throughput"])
+
+
+def run_arm(arm: str, workload: WorkloadConfig) -> float:
+    if arm == ARMS[0]:
+        return engine_alone(workload)
+    return cluster(workload, 1 if arm == ARMS[1] else 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    info = machine("benchmarks.serve_threads")
+    workload = WorkloadConfig(num_requests=args.requests, input_len=128, output_len=args.output_len,
+                              output_sigma=0.0)
+    runs: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for repeat in range(args.repeats):
+        for arm in ARMS if repeat % 2 == 0 else tuple(reversed(ARMS)):
+            runs[arm].append(run_arm(arm, workload))
+            print(f"{arm}: {runs[arm][-1]:.1f} output tokens/s")
+    medians = {arm: statistics.median(values) for arm, values in runs.items()}
+    alone = medians[ARMS[0]]
+    rows = [[arm, value, value / alone] for arm, value in medians.items()]
+    print_table(f"{args.requests} requests at once, {args.output_len} output tokens each (medians of {args.repeats})",
+                ["arm", "output tok/s", "/ engine alone"], rows)
+    data: dict[str, Any] = {"workload": {"requests": args.requests, "input_len": 128, "output_len": args.output_len},
+                            "runs": runs, "median_tokens_per_s": medians,
+                            "ratio_to_engine_alone": {arm: value / alone for arm, value in medians.items()}}
+    save("serve-threads", data, info)
+
+
+if __name__ == "__main__":
+    main()
