@@ -111,3 +111,4 @@ class WorkerLoad:
     swap_enabled: bool = False  # preemption by swap is on (else preempted requests are recomputed)
     cache_config: dict[str, str] = field(default_factory=dict)  # the engine's CacheConfig, for cache_config_info
     dtype: str = ""  # its weights' and KV cache's dtype ("auto" resolved on its own hardware)
+    threads: int = 0  # torch threads its engine computed its last step on (they follow the host's load)

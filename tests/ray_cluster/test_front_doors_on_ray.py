@@ -283,3 +283,20 @@ def test_grpc_reports_the_prompt_tokens_the_prefill_worker_found_cached(cluster:
         assert second.usage.cached_tokens == answer["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     asyncio.run(main())
+
+
+def test_a_decode_worker_alone_computes_on_every_core_of_its_host(cluster: Cluster) -> None:
+    """Threads follow the load (cluster/worker/node_cores.py): Ray's share of a 0.1-CPU worker is one
+    thread, but while the prefill worker has no prompt the decode worker's steps take its core too."""
+    import ray
+
+    from cluster.worker.node_cores import host_cores
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def run() -> list[TokenEvent]:
+        return [event async for event in ClusterService(cluster).generate(PROMPTS[0], params, "threads")]
+
+    assert sum(len(event.token_ids) for event in asyncio.run(run())) == 24
+    load = ray.get(cluster.decode[0].load.remote(), timeout=30)
+    assert load.threads == host_cores(ray.cluster_resources()["CPU"])

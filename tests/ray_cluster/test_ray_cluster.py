@@ -263,7 +263,8 @@ def wait_until_rejoined(cluster: Cluster, count: int) -> None:
 @pytest.mark.slow
 def test_default_model_through_the_disaggregated_path(default_prompts: list[list[int]],
                                                       transformers_greedy: list[list[int]]) -> None:
-    config = ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
+    # One worker per pool: each loads the default model (a second pair cost the suite ~10 s).
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
                            engine=engine_config_from({"dtype": "float32", "kv_cache_memory_gb": 0.25}))
     cluster = Cluster(config).start()
     try:
