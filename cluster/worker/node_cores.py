@@ -95,6 +95,7 @@ def _alive(pid: int) -> bool:
 
 
 def _set_torch_threads(threads: int) -> None:
+    """torch's threads for the calling thread's ops (OpenMP's count is per thread: call it on the engine's)."""
     import torch
 
     torch.set_num_threads(threads)

@@ -80,6 +80,8 @@ class Worker:
         # cores no other busy worker holds (None: torch's own thread count, fixed).
         self.cores = cores
         self.claiming = False  # whether this worker holds a claim on cores now
+        # The engine thread's torch threads (torch's thread count is per thread: another one's says nothing).
+        self.threads = 0
         # Send a prefill's blocks as they are computed (else all at once at its end: the baseline).
         self.overlap_transfer = overlap_transfer
         # Where this worker publishes the blocks its prefix cache stores and evicts (KV-aware routing).
@@ -235,12 +237,13 @@ class Worker:
             _set_exception(future, RuntimeError(f"{self.worker_id}: {self.failure}"))
 
     def _serve(self) -> None:
+        self.threads = torch.get_num_threads()
         while not self.stopped:
             while not self.commands.empty():
                 self.commands.get()()
             if self.engine.has_unfinished_requests():
                 if self.cores is not None:
-                    self.cores.busy()
+                    self.threads = self.cores.busy()
                     self.claiming = True
                 started = time.perf_counter()
                 try:
@@ -369,7 +372,7 @@ class Worker:
                                                                             counts=list(self.transfer_exposed.counts))},
                           stats.num_swapped, self.engine.config.scheduler.preemption_mode == "swap",
                           {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
-                          dtype=self.engine.dtype, threads=torch.get_num_threads())
+                          dtype=self.engine.dtype, threads=self.threads)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
