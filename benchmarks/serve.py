@@ -57,9 +57,12 @@ class ServerSettings:
     cluster: bool = False  # the Ray cluster (1 prefill + 1 decode worker) instead of one local engine
     max_num_batched_tokens: int = 2048
     kv_cache_memory_gb: float = 1.0
+    config: str = ""  # a cluster YAML file (`--config`)
 
     def command(self) -> list[str]:
         backend = ["--num-prefill", "1", "--num-decode", "1"] if self.cluster else ["--local"]
+        if self.config:
+            backend += ["--config", self.config]
         return [sys.executable, "-m", "cluster.cli", "serve", *backend, "--model", self.model,
                 "--host", "127.0.0.1", "--port", "0", "--grpc-port", "-1", "--log-level", "warning",
                 "--drain-s", "2", "--max-num-batched-tokens", str(self.max_num_batched_tokens),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,3 +69,25 @@ def test_paged_attention_matches_dense(sequences: list[tuple[int, int]], heads: 
                                           metadata, scale)
     expected = torch.cat([dense_attention(q, k, v, scale) for q, (k, v) in zip(queries, history, strict=True)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_grouped_matmul_decode_matches_the_reference(dtype: torch.dtype, tolerance: float) -> None:
+    """`kernels.torch_decode` (the torch backend's decode attention in bf16) against the SDPA reference:
+    blocks scattered over the pool, unwritten slots huge (a leak past a sequence's end shows), GQA
+    groups of 3, and a padding row of length 0 that must come out zeros."""
+    from kernels import reference, torch_decode
+
+    generator = torch.Generator().manual_seed(3)
+    kv_cache = torch.full((2, 20, 16, 3, 64), 1e4).to(dtype)
+    block_tables = torch.randperm(20, generator=generator)[:12].view(3, 4)
+    seq_lens = torch.tensor([50, 64, 0], dtype=torch.int32)
+    for row, length in enumerate(seq_lens.tolist()):
+        for position in range(length):
+            block, offset = block_tables[row, position // 16], position % 16
+            kv_cache[:, block, offset] = torch.randn(2, 3, 64, generator=generator).to(dtype)
+    query = torch.randn(3, 9, 64, generator=generator).to(dtype)
+    expected = reference.paged_decode_attention(query, kv_cache, block_tables, seq_lens, 64, 0.125)
+    got = torch_decode.paged_decode_attention(query, kv_cache, block_tables, seq_lens, 64, 0.125)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
