@@ -204,7 +204,7 @@ def test_a_client_that_stops_reading_is_cut_off_on_the_cluster_path(checkpoint: 
             deadline = time.monotonic() + 60
             while True:
                 runs = list(app.state.gateway.runs)
-                held = max([held, *(run.queue.qsize() for run in runs)])
+                held = max([held, *(run.events_held() for run in runs)])
                 if not runs and held:
                     break  # the run was closed: the client was cut off
                 assert time.monotonic() < deadline, "the client that reads nothing was never cut off"

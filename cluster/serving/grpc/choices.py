@@ -2,20 +2,18 @@
 text read into tool calls when the chat offered tools.
 
 Each choice is an engine request of its own (`<id>`, or `<id>-<i>` when n > 1). With one choice its
-stream is relayed as it is; with more, one pump task per choice drains its stream into a shared
-queue (at most `EVENTS_AHEAD` events ahead of the client, so a slow reader holds the engine's
-streams back instead of this process buffering a whole answer), as the HTTP door's `ChoiceStreams`.
+stream is relayed as it is; with more, they are merged (`cluster.serving.merged_streams`, at most
+`EVENTS_AHEAD` events ahead of the client), as the HTTP door's `ChoiceStreams` merges them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 from cluster.common.events import TokenEvent
 from cluster.grpc_stubs import pdserve_pb2 as pb
+from cluster.serving.merged_streams import MergedStreams
 from cluster.serving.tools.calls import CallDelta, new_call_id
 from cluster.serving.tools.choice import ToolChoice
 from cluster.serving.tools.parsers import CallFormat
@@ -35,7 +33,7 @@ class ChoiceEvents(Protocol):
 
 
 def merged(streams: list[AsyncIterator[TokenEvent]]) -> ChoiceEvents:
-    return _One(streams[0]) if len(streams) == 1 else _Merged(streams)
+    return _One(streams[0]) if len(streams) == 1 else MergedStreams(streams, EVENTS_AHEAD)
 
 
 class _One:
@@ -50,45 +48,6 @@ class _One:
 
     async def aclose(self) -> None:
         await self.stream.aclose()  # type: ignore[attr-defined]  # services return async generators
-
-
-class _Merged:
-    def __init__(self, streams: list[AsyncIterator[TokenEvent]]) -> None:
-        self.queue: asyncio.Queue[tuple[int, TokenEvent | Exception | None]] = asyncio.Queue()
-        self.room = asyncio.Semaphore(EVENTS_AHEAD)  # events only: an ending is always delivered
-        self.num_streaming = len(streams)
-        self.tasks = [asyncio.create_task(self._pump(index, stream)) for index, stream in enumerate(streams)]
-
-    def __aiter__(self) -> _Merged:
-        return self
-
-    async def __anext__(self) -> tuple[int, TokenEvent]:
-        while self.num_streaming:
-            index, item = await self.queue.get()
-            if item is None:
-                self.num_streaming -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                self.room.release()
-                return index, item
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:
-        try:
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]  # services return async generators
-                async for event in stream:
-                    await self.room.acquire()
-                    self.queue.put_nowait((index, event))
-        except Exception as error:
-            self.queue.put_nowait((index, error))
-        finally:
-            self.queue.put_nowait((index, None))
 
 
 class CallReader:

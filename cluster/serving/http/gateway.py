@@ -69,6 +69,7 @@ from cluster.serving.http.tokenizing import (
     TokenizeResponse,
     tokenize,
 )
+from cluster.serving.merged_streams import MergedStreams
 from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import LimitExceeded, RequestLimits
@@ -177,13 +178,8 @@ def _describe(problem: Any) -> str:
 
 class ChoiceStreams:
     """The `n` choices of one API request, each an engine request (`<id>`, or `<id>-<i>` when n > 1),
-    merged into one stream of (choice, event) in arrival order.
-
-    One pump task per choice drains its service stream into a shared queue, so a slow consumer of one
-    choice never stalls another, and cancelling the pumps ends the service streams. The queue holds
-    at most `EVENTS_AHEAD` events: a client that reads slowly holds the pumps back, and with them
-    the streams behind (which merge what the engine makes meanwhile), instead of this process
-    buffering a whole answer it cannot send.
+    merged into one stream of (choice, event) in arrival order (`cluster.serving.merged_streams`, at
+    most `EVENTS_AHEAD` events ahead of the client), each event added to its choice as it passes.
     """
 
     def __init__(self, service: Service, request_id: str, prompt: list[int], params: list[SamplingParams],
@@ -191,19 +187,17 @@ class ChoiceStreams:
         self.service, self.request_id, self.prompt, self.params, self.runs = service, request_id, prompt, params, runs
         self.request_ids = [request_id] if len(params) == 1 else [f"{request_id}-{i}" for i in range(len(params))]
         self.choices = [Choice(index) for index in range(len(params))]
-        self.queue: asyncio.Queue[tuple[int, TokenEvent | Exception | None]] = asyncio.Queue()
-        self.room = asyncio.Semaphore(EVENTS_AHEAD)  # events only: an ending is always delivered
-        self.tasks: list[asyncio.Task[None]] = []
+        self.merged: MergedStreams | None = None
         self.buffer: list[tuple[Choice, TokenEvent]] = []  # the first events, taken by `open`
-        self.num_streaming = len(params)
         self.closed = False
         self.span: Any = None  # the request's trace span (`cluster.observability.tracing`), when traced
         runs.add(self)
 
     async def open(self) -> None:
         """Submit every choice and wait for each one's first event; raises what the service raises."""
-        self.tasks = [asyncio.create_task(self._pump(index, self.service.generate(self.prompt, params, request_id)))
-                      for index, (params, request_id) in enumerate(zip(self.params, self.request_ids, strict=True))]
+        self.merged = MergedStreams([self.service.generate(self.prompt, params, request_id)
+                                     for params, request_id in zip(self.params, self.request_ids, strict=True)],
+                                    EVENTS_AHEAD)
         started: set[int] = set()
         while len(started) < len(self.choices) and (item := await self._next()) is not None:
             self.buffer.append(item)
@@ -231,10 +225,9 @@ class ChoiceStreams:
         if self.closed:
             return
         self.closed = True
-        for task in self.tasks:
-            task.cancel()
         with anyio.CancelScope(shield=True):
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            if self.merged is not None:
+                await self.merged.aclose()
             for choice, request_id in zip(self.choices, self.request_ids, strict=True):
                 if not choice.finished:
                     await self.service.abort(request_id)
@@ -246,28 +239,18 @@ class ChoiceStreams:
                  reasons, extra={"request_id": self.request_id, "prompt_tokens": len(self.prompt),
                                  "completion_tokens": completion, "finish_reason": reasons})
 
-    async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:
-        try:
-            async for event in stream:
-                await self.room.acquire()
-                self.queue.put_nowait((index, event))
-        except Exception as error:
-            self.queue.put_nowait((index, error))
-        finally:
-            self.queue.put_nowait((index, None))
+    def events_held(self) -> int:
+        """Events taken from the service streams and not yet sent (at most `EVENTS_AHEAD`, plus endings)."""
+        return self.merged.queue.qsize() if self.merged is not None else 0
 
     async def _next(self) -> tuple[Choice, TokenEvent] | None:
-        while self.num_streaming:
-            index, item = await self.queue.get()
-            if item is None:
-                self.num_streaming -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                self.room.release()
-                self.choices[index].add(item)
-                return self.choices[index], item
-        return None
+        assert self.merged is not None, "open the run first"
+        try:
+            index, event = await anext(self.merged)
+        except StopAsyncIteration:
+            return None
+        self.choices[index].add(event)
+        return self.choices[index], event
 
 
 class EventStream(StreamingResponse):

@@ -74,7 +74,7 @@ class _Held:
 
     def sample(self) -> bool:
         runs = list(self.gateway.app.state.gateway.runs)
-        self.gateway_events = max([self.gateway_events, *(run.queue.qsize() for run in runs)])
+        self.gateway_events = max([self.gateway_events, *(run.events_held() for run in runs)])
         streams = list(self.service.worker.streams.values())
         self.worker_outputs = max([self.worker_outputs, *(len(stream) for stream in streams)])
         return True
