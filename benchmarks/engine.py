@@ -6,6 +6,7 @@
     python -m benchmarks.engine vs-transformers
     python -m benchmarks.engine preemption
     python -m benchmarks.engine threads        # how much the machine's noise costs 2 threads vs 1
+    python -m benchmarks.engine prefill-vs-linear --lengths 512 2048
 
 The default model (SmolLM2-135M-Instruct) is loaded from the local cache; nothing is downloaded.
 """
@@ -116,6 +117,19 @@ def cmd_preemption(args: argparse.Namespace) -> None:
     plots.timelines("preemption", arms, f"{args.num_requests} requests, pool for ~{args.pool_fraction:.0%} of them")
 
 
+def cmd_prefill_vs_linear(args: argparse.Namespace) -> None:
+    info = machine()
+    runs = [micro.prefill_vs_linear_one(dtype, length, args.iterations)
+            for dtype in args.dtypes for length in args.lengths]
+    print_table(f"one prompt in one step vs the linear layers alone on as many rows (medians of {args.iterations})",
+                ["dtype", "tokens", "prefill ms", "linear ms", "prompt tok/s", "fraction of limit",
+                 "target >= 50%"],
+                [[r["dtype"], r["prompt_len"], r["prefill_median_s"] * MS, r["linear_median_s"] * MS,
+                  r["prompt_tokens_per_s"], r["fraction_of_linear_limit"], "met" if r["target_met"] else "MISSED"]
+                 for r in runs])
+    save("prefill-vs-linear", {"target": "prefill >= 50% of the linear-layer limit", "runs": runs}, info)
+
+
 def cmd_threads(args: argparse.Namespace) -> None:
     info = machine()
     data = micro.threads_one(args.num_seqs, args.prompt_len, args.counts, args.repeats)
@@ -165,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(commands, "preemption", cmd_preemption, "recompute vs swap under an undersized KV pool")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--pool-fraction", type=float, default=0.5)
+    p = add(commands, "prefill-vs-linear", cmd_prefill_vs_linear, "a prompt's prefill vs the linear layers alone")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--iterations", type=int, default=3)
     p = add(commands, "threads", cmd_threads, "the same step under 1 and 2 intra-op threads (machine noise)")
     p.add_argument("--num-seqs", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)

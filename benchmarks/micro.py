@@ -259,3 +259,32 @@ def threads_one(num_seqs: int, prompt_len: int, thread_counts: list[int], repeat
     return {"num_seqs": num_seqs, "prompt_len": prompt_len,
             "runs": [{"threads": n, "step_median_s": median(steps[n]), "mul_1m_median_s": median(muls[n]),
                       "step_s": steps[n], "mul_1m_s": muls[n]} for n in thread_counts]}
+
+
+def prefill_vs_linear_one(dtype: str, prompt_len: int, iterations: int, seed: int = 0) -> dict[str, Any]:
+    """One prompt of `prompt_len` tokens computed in one step (a fresh random prompt each time: no
+    cache hit), against the model's linear layers alone on `prompt_len` rows. The lm_head is left out
+    of the limit: a prefill runs it on the last position only."""
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(dtype=dtype), cache=CacheConfig(num_blocks=blocks_for(1, prompt_len + 16)),
+        scheduler=SchedulerConfig(max_num_batched_tokens=prompt_len)))
+    model = engine.runner.model
+    pairs = [(layer, x) for layer, x in linear_inputs(model, prompt_len, engine.runner.dtype)
+             if layer is not model.lm_head]
+    rng = np.random.default_rng(seed)
+    prefills, linears = [], []
+    for index in range(iterations + 1):  # the first of each is a warm-up
+        engine.add_request(fake_tokens(prompt_len, rng), SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        engine.step()
+        took = time.perf_counter() - start
+        assert not engine.has_unfinished_requests(), "the prompt should compute in one step"
+        linear = linear_pass(pairs)
+        if index:
+            prefills.append(took)
+            linears.append(linear)
+    prefill_med, linear_med = median(prefills), median(linears)
+    return {"dtype": dtype, "prompt_len": prompt_len, "prefill_s": prefills, "linear_s": linears,
+            "prefill_median_s": prefill_med, "linear_median_s": linear_med,
+            "prompt_tokens_per_s": prompt_len / prefill_med, "linear_limit_tokens_per_s": prompt_len / linear_med,
+            "fraction_of_linear_limit": linear_med / prefill_med, "target_met": linear_med / prefill_med >= 0.5}
