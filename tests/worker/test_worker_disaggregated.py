@@ -66,10 +66,11 @@ def assert_whole(*workers: Worker) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_pair(path: Path) -> AsyncIterator[tuple[Worker, Worker, LoopbackHub]]:
+async def running_pair(path: Path, prefill_engine: LLMEngine | None = None,
+                       ) -> AsyncIterator[tuple[Worker, Worker, LoopbackHub]]:
     """A started prefill and decode worker joined by a loopback hub; stopped on the way out."""
     hub = LoopbackHub()
-    prefill = Worker("prefill-0", "prefill", make_engine(path, budget=6), sender=LoopbackSender(hub))
+    prefill = Worker("prefill-0", "prefill", prefill_engine or make_engine(path, budget=6), sender=LoopbackSender(hub))
     decode = Worker("decode-0", "decode", make_engine(path), receiver=LoopbackReceiver(hub, "decode-0"))
     await prefill.start()
     await decode.start()
@@ -370,22 +371,14 @@ def test_kv_from_a_prefill_worker_in_another_dtype_lands_without_a_recompute(che
     decode worker (AVX2) in one cluster. The prefill sends its KV in the dtype the ticket names, so the
     decode worker's blocks take it as they are; before, every such transfer failed and was recomputed."""
     async def main() -> None:
-        hub = LoopbackHub()
         bf16 = LLMEngine(EngineConfig(model=replace(fp32_model(checkpoint), dtype="bfloat16"),
                                       cache=CacheConfig(block_size=4, num_blocks=128)))
-        prefill = Worker("prefill-0", "prefill", bf16, sender=LoopbackSender(hub))
-        decode = Worker("decode-0", "decode", make_engine(checkpoint), receiver=LoopbackReceiver(hub, "decode-0"))
-        await prefill.start()
-        await decode.start()
-        try:
+        async with running_pair(checkpoint, prefill_engine=bf16) as (prefill, decode, _):
             got = await asyncio.gather(*(serve(prefill, decode, f"d{i}", p) for i, p in enumerate(PROMPTS)))
             assert [len(tokens) for tokens in got] == [GREEDY.max_tokens] * len(PROMPTS)
             assert (await decode.load()).kv_recomputes == 0
             assert len(prefill.transfers) == len(PROMPTS) and prefill.transfer_failures == 0
             await asyncio.sleep(0.1)
             assert_whole(prefill, decode)
-        finally:
-            await prefill.stop()
-            await decode.stop()
 
     asyncio.run(main())
