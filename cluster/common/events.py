@@ -42,3 +42,21 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token in `token_ids`, if asked
     # With the first token, if asked: one per prompt token, None for the first (it has no context).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+def joined(events: list[TokenEvent]) -> TokenEvent:
+    """Consecutive events of one request as one (a reader that lagged reads them at once): the news
+    of all, the state of the last; prompt logprobs come with the first token only."""
+    first, last = events[0], events[-1]
+    if len(events) == 1:
+        return first
+    return TokenEvent(last.request_id, first.index, [token for event in events for token in event.token_ids],
+                      "".join(event.text for event in events), last.finished, last.finish_reason,
+                      last.num_prompt_tokens, last.worker_id, max(event.num_cached_tokens for event in events),
+                      [logprobs for event in events for logprobs in event.logprobs], first.prompt_logprobs)
+
+
+def follows(event: TokenEvent, before: TokenEvent) -> bool:
+    """`event` goes on where `before` ended (so the two can be joined): same request, next index."""
+    return (not before.finished and event.request_id == before.request_id
+            and event.index == before.index + len(before.token_ids))

@@ -28,8 +28,9 @@ from cluster.common.loads import WorkerLoad
 from cluster.common.roles import Mode, Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.observability import tracing
+from cluster.ray_cluster.channels import Inboxes
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
-from cluster.ray_cluster.router import Router, RouterConfig, relay
+from cluster.ray_cluster.router import Router, RouterConfig
 from cluster.ray_cluster.worker_actor import CONCURRENCY_GROUPS, RAY_NAMESPACE, control, worker_actor_class
 from cluster.state.connect import connect_state, redacted_url
 from cluster.weights.default_model import resolve_model_path
@@ -103,6 +104,7 @@ class Cluster:
         self.routers_down: dict[int, str] = {}  # router index -> why (`watch_routers` keeps it)
         self.ids = itertools.count()
         self.turn = itertools.count()
+        self.channels = Inboxes()  # one channel to each router replica, all requests' tokens on it
         # Several clusters may share one Ray (benchmarks, tests): unnamed ones name their actors apart.
         self.uid = config.name or uuid.uuid4().hex[:8]
         self.taken_over: list[str] = []  # the named workers this cluster found running and kept
@@ -285,7 +287,7 @@ class Cluster:
         for index in up[start % len(up):] + up[:start % len(up)] if up else []:
             started = False
             try:
-                async for event in relay(self.routers[index].generate, request_id, prompt, params,
+                async for event in self.channels.stream(self.routers[index], "generate", request_id, prompt, params,
                                          tracing.current_traceparent()):
                     started = True
                     yield event

@@ -10,7 +10,7 @@ One request's path in disaggregated mode (see docs/ray_cluster.md):
    a refusal or a decode worker lost before its first token sends the request to the next one.
 
 Across the process boundary a request's tokens travel as small `TokenEvent`s (diffs), never the
-whole output again.
+whole output again, and all requests' events of a step in one message per hop (`channels`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from cluster.common.loads import KVTicket, WorkerLoad
 from cluster.common.roles import Mode, Role, RoutingPolicy
 from cluster.common.sampling_params import SamplingParams
 from cluster.observability import tracing
+from cluster.ray_cluster.channels import ChannelHost, Inboxes
 from cluster.ray_cluster.routing_policy import LOAD_POLL_S, POLL_TIMEOUT_S, decode_rank, prefill_cost
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, control
 from cluster.state.connect import connect_state
@@ -39,10 +40,6 @@ from cluster.state.connect import connect_state
 log = logging.getLogger(__name__)
 
 
-# Backpressure on every token stream across Ray (worker to router, router to gateway): a producer
-# runs at most this many events ahead of its consumer, then waits; meanwhile the worker's stream
-# merges the engine's outputs (`OutputStream`), so a slow client holds a bounded number of events.
-STREAM_AHEAD = 8
 WAIT_POLL_S = 0.1  # how often a request waiting for a restarted worker looks
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
 
@@ -51,24 +48,6 @@ def actor_id_of(handle: Any) -> str:
     """A Ray actor handle's actor id (hex); empty for what is not one."""
     actor_id = getattr(handle, "_actor_id", None)
     return actor_id.hex() if actor_id is not None else ""
-
-
-async def relay(method: Any, *args: Any) -> AsyncIterator[Any]:
-    """The items of a streaming actor method, with backpressure. A consumer that stops early cancels
-    the remote generator: held at its backpressure limit it would otherwise wait for good (the
-    router's run of a request whose client left, and the worker's stream under it)."""
-    import ray
-
-    stream = method.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD).remote(*args)
-    ended = False
-    try:
-        async for ref in stream:
-            yield await ref
-        ended = True
-    finally:
-        if not ended:
-            with contextlib.suppress(Exception):  # a dead actor's task needs no cancelling
-                ray.cancel(stream)
 
 
 class _NoRoom(RuntimeError):
@@ -133,7 +112,7 @@ class RouterConfig:
     traces: tracing.TracingConfig = field(default_factory=tracing.TracingConfig)  # where this router's spans go
 
 
-class Router:
+class Router(ChannelHost):
     """Picks workers for each request and relays its tokens; holds no engine of its own.
 
     A Ray actor (async: every method runs on the actor's one event loop). Owns the worker handles it
@@ -143,6 +122,8 @@ class Router:
     several replicas; a background task polls the workers' loads and the registry every
     `LOAD_POLL_S`.
     """
+
+    streams = frozenset({"generate"})  # what a gateway opens on its channel to this router (`channels`)
 
     def __init__(self, prefill: list[tuple[str, str, Any]], decode: list[tuple[str, str, Any]],
                  config: RouterConfig) -> None:
@@ -176,6 +157,7 @@ class Router:
         self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
         self.retired: list[Any] = []  # handles replaced by new actors under the same worker id
         self.turn = 0
+        self.channels = Inboxes()  # one channel to each worker, all requests' tokens on it
 
     def _live(self, handles: list[Any]) -> list[Any]:
         return [handle for handle in handles if id(handle) not in self.dead]
@@ -395,7 +377,7 @@ class Router:
             try:
                 with self._holding(worker):
                     self._route(request_id).chose(worker=self.ids.get(id(worker)))
-                    async for event in self._relay(worker.generate, request_id, prompt, params,
+                    async for event in self.channels.stream(worker, "generate", request_id, prompt, params,
                                                    self._route(request_id).traceparent):
                         streamed = streamed or bool(event.token_ids)
                         yield event
@@ -484,7 +466,8 @@ class Router:
             key = id(prefill)
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
             try:
-                async for item in self._relay(prefill.prefill, request_id, prompt, params, ticket, route.traceparent):
+                async for item in self.channels.stream(prefill, "prefill", request_id, prompt, params, ticket,
+                                                       route.traceparent):
                     if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
                         if item.token_ids and first_token_id is None:
                             first_token_id = item.token_ids[0]
@@ -501,7 +484,7 @@ class Router:
                 self.ahead.pop(request_id, None)  # its prompt is computed (or will not be)
         # The decode worker learns the client's first token, in case the KV is lost after all (its
         # lease ended, it arrived broken): it then recomputes after that token, never a splice.
-        async for event in self._relay(decode.stream, request_id, first_token_id, route.traceparent):
+        async for event in self.channels.stream(decode, "stream", request_id, first_token_id, route.traceparent):
             yield event
 
     def _warn_transfer_failed(self, request_id: str, prefill: Any, decode: Any, address: str, error: Exception) -> None:
@@ -523,11 +506,6 @@ class Router:
             yield
         finally:
             self.in_flight[id(handle)] -= 1
-
-    @staticmethod
-    async def _relay(method: Any, *args: Any) -> AsyncIterator[Any]:
-        async for item in relay(method, *args):
-            yield item
 
     async def abort(self, request_id: str) -> None:
         """End the request on every worker that may hold it, all at once (each frees its blocks

@@ -18,6 +18,7 @@ from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import EngineConfig
 from cluster.observability import tracing
+from cluster.ray_cluster.channels import ChannelHost
 from cluster.state.connect import connect_state
 from cluster.state.interface import WorkerInfo
 from cluster.transfer.addresses import interface_address
@@ -84,12 +85,14 @@ def node_cores(threads: int) -> NodeCores | None:
     return NodeCores(host_cores(node.get("Resources", {}).get("CPU", 1)), own)
 
 
-class WorkerActor:
+class WorkerActor(ChannelHost):
     """The Ray face of `Worker`: builds the engine and the UCX connector inside the actor process.
 
     The worker starts on its first call, whichever it is: when Ray restarts a dead worker (the actor's
     `max_restarts`) it runs `__init__` again and nothing else, and the routers' next load poll brings
     it back into service."""
+
+    streams = frozenset({"generate", "prefill", "stream"})  # what a router opens on its channel here
 
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, kv_interface: str = "",  # noqa: PLR0913
                  overlap_transfer: bool = True, redis_url: str = "", address: str = "",

@@ -54,8 +54,9 @@ class ClusterService:
 
 def _cause_of(error: Exception) -> Exception:
     """Ray wraps an actor's exception in RayTaskError: give callers the original, when it is one of
-    the errors they handle, so `except QueueFullError` works across the process boundary."""
-    cause = getattr(error, "cause", None)
+    the errors they handle, so `except QueueFullError` works across the process boundary. (A
+    request's own errors come back unwrapped on the router's channel: `cluster.ray_cluster.channels`.)"""
+    cause = getattr(error, "cause", None) or error
     if isinstance(cause, (ValueError, QueueFullError, NoCapacityError, ServiceUnavailable)):
         return cause
     return error

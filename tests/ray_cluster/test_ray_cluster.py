@@ -536,9 +536,11 @@ def test_a_router_that_dies_restarts_and_readiness_follows_the_routers(checkpoin
 
 def test_aborts_and_load_polls_never_wait_behind_streams(checkpoint: Path) -> None:
     """A worker runs at most `max_concurrency` calls at once, streams included (Ray's default 1,000);
-    past that, calls queue. Aborts and load polls run in a group of their own: with the decode
-    worker's every slot held by a stream (2 here), a plain call waits, a control call is answered and
-    an abort ends the streams."""
+    past that, calls queue. A router's requests hold one of them together (their channel,
+    `cluster.ray_cluster.channels`), however many stream. Aborts and load polls run in a group of their
+    own: with the decode worker's every slot held by a stream (3 here: the router's channel with two
+    requests on it, and two more channels opened by hand), a plain call waits, a control call is
+    answered and an abort ends the requests."""
     import ray
     from ray.exceptions import GetTimeoutError
 
@@ -546,7 +548,7 @@ def test_aborts_and_load_polls_never_wait_behind_streams(checkpoint: Path) -> No
 
     engine_config = engine_config_for(checkpoint, num_blocks=512)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1),
-                           decode=PoolConfig(replicas=1, num_cpus=0.1, max_concurrency=2), engine=engine_config)
+                           decode=PoolConfig(replicas=1, num_cpus=0.1, max_concurrency=3), engine=engine_config)
     cluster = Cluster(config).start()
     decode = cluster.decode[0]
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)  # 60 s of paced steps
@@ -562,12 +564,17 @@ def test_aborts_and_load_polls_never_wait_behind_streams(checkpoint: Path) -> No
         while min(len(events) for events in received.values()) < 2:
             assert time.monotonic() < deadline and not any(task.done() for task in tasks)
             await asyncio.sleep(0.05)
-        with pytest.raises(GetTimeoutError):  # both slots are streams': a plain call waits its turn
+        # Both requests stream on one slot: a plain call is still answered...
+        assert await asyncio.to_thread(ray.get, decode.info.remote(), timeout=10)
+        idle = [decode.channel.options(num_returns="streaming").remote(f"by-hand-{n}") for n in range(2)]
+        with pytest.raises(GetTimeoutError):  # ...until every slot is a stream's: it waits its turn
             await asyncio.to_thread(ray.get, decode.info.remote(), timeout=2)
         load = await asyncio.wait_for(control(decode.load).remote(), 10)
         assert load.num_running == 2
         await asyncio.wait_for(asyncio.gather(*(cluster.abort(name) for name in received)), 10)
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        for channel in idle:
+            ray.cancel(channel)
 
     try:
         ray.get(decode.__ray_call__.remote(pace_steps(LONG_STEP_S)), timeout=30)
