@@ -49,6 +49,8 @@ import os
 import re
 import secrets
 import socket
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlencode
@@ -65,6 +67,10 @@ SEGMENT_PREFIX = "pdserve-kv-"
 # The sender copies a frame in chunks of this many bytes and yields to the event loop between them,
 # so that a cancelled send stops within one chunk (~1 ms at memory speed) and the loop stays responsive.
 COPY_CHUNK = 8 << 20
+# Idle segments a receiver keeps for reuse, and what a sender keeps mapped, at most.
+POOL_BYTES = 1 << 30
+MAPPED_BYTES = 1 << 30
+MIN_SEGMENT = 1 << 20
 TRANSPORT_SHM = "shm"
 TRANSPORT_UCX = "ucx"
 _NAME = re.compile(r"^[0-9a-f]{1,64}$")
@@ -120,49 +126,89 @@ def segment_path(receiver_id: str, token: str, directory: str = SHM_DIR) -> str:
     return os.path.join(directory, f"{SEGMENT_PREFIX}{receiver_id}-{token}")
 
 
-class Segments:
-    """A receiver's landing segments, one per expected transfer (keyed by its token)."""
+@dataclass(eq=False, slots=True)
+class _Segment:
+    """One /dev/shm file and the receiver's mapping of it, handed out for one transfer at a time."""
 
-    def __init__(self, directory: str = SHM_DIR) -> None:
+    memory: mmap.mmap
+    path: str  # its current name: the transfer's (`segment_path`) while handed out, an idle name between
+    view_alive: bool = False  # the view handed out for the current transfer is still referenced
+    reusable: bool | None = None  # set when the transfer ends: True if it ended DONE (no writer left)
+
+
+class Segments:
+    """A receiver's landing segments, one per expected transfer (keyed by its token), pooled.
+
+    A segment is handed out again only once (a) its transfer ended DONE, so its sender wrote its
+    last byte before its marker and writes no more, and (b) the view handed out is gone (the decode
+    worker imported the KV). One whose transfer failed or was cancelled may still be written by a
+    sender that has not noticed yet: it is unlinked and never handed out again. Reuse is what
+    makes this fast: a fresh segment costs its pages' zeroing here, and each sender maps a segment
+    once (`Mappings`, keyed by inode) instead of once per transfer.
+    """
+
+    def __init__(self, directory: str = SHM_DIR, pool_bytes: int = POOL_BYTES) -> None:
         self.directory = directory
         self.receiver_id = f"{os.getpid()}x{secrets.token_hex(4)}"
-        self._paths: dict[str, str] = {}  # token -> path, until the transfer ends
-        self._spans: dict[str, tuple[int, int]] = {}  # token -> (address, size) of the receiver's mapping
+        self._pool_bytes = pool_bytes
+        self._live: dict[str, _Segment] = {}  # token -> segment, until the transfer ends
+        self._spans: dict[str, tuple[int, int]] = {}  # token -> (address, size) of the view handed out
+        self._idle: list[_Segment] = []
+        self._made = 0  # segments made so far (names the idle ones)
 
     def allocate(self, token: str, nbytes: int) -> memoryview | None:
-        """A writable view of a new segment of `nbytes` for the transfer with `token`, or None when
-        shared memory cannot hold it (no /dev/shm, full: the caller uses ordinary memory)."""
-        if nbytes <= 0 or token in self._paths:
+        """A writable view of `nbytes` in a segment for the transfer with `token`, or None when shared
+        memory cannot hold it (no /dev/shm, full: the caller uses ordinary memory)."""
+        if nbytes <= 0 or token in self._live:
             return None
         path = segment_path(self.receiver_id, token, self.directory)
-        # Made under a temporary name and renamed once whole: a sender never sees a short segment.
-        making = f"{path}.new"
+        segment = self._take_idle(size_class(nbytes)) or self._make(size_class(nbytes))
+        if segment is None:
+            return None
         try:
-            fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.rename(segment.path, path)  # the name senders open: the token's
+        except OSError as error:
+            log.warning("shared-memory landing segment unusable (%s): KV lands in ordinary memory", error)
+            _unlink(segment.path)
+            return None
+        segment.path, segment.view_alive, segment.reusable = path, True, None
+        view = memoryview(segment.memory)[:nbytes]
+        weakref.finalize(view, self._view_gone, segment)
+        self._live[token], self._spans[token] = segment, (address_of(view), nbytes)
+        return view
+
+    def _take_idle(self, size: int) -> _Segment | None:
+        for index, segment in enumerate(self._idle):
+            if len(segment.memory) == size:
+                return self._idle.pop(index)
+        return None
+
+    def _make(self, size: int) -> _Segment | None:
+        self._made += 1
+        path = os.path.join(self.directory, f"{SEGMENT_PREFIX}{self.receiver_id}-idle{self._made}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as error:
             log.warning("no shared-memory landing segment (%s): KV lands in ordinary memory", error)
             return None
         try:
-            os.posix_fallocate(fd, 0, nbytes)  # allocate every page now: no SIGBUS on a full /dev/shm later
-            memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            os.rename(making, path)
+            os.posix_fallocate(fd, 0, size)  # every page allocated now: no SIGBUS on a full /dev/shm later
+            memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError as error:
             with contextlib.suppress(OSError):
-                os.unlink(making)
+                os.unlink(path)
             log.warning("no shared-memory landing segment of %d bytes (%s): KV lands in ordinary memory",
-                        nbytes, error)
+                        size, error)
             return None
         finally:
             os.close(fd)
-        view = memoryview(memory)
-        self._paths[token], self._spans[token] = path, (address_of(view), nbytes)
-        return view
+        return _Segment(memory, path)
 
     def holds(self, token: str) -> bool:
-        return token in self._paths
+        return token in self._live
 
     def covers(self, token: str, buffer: object) -> bool:
-        """Whether `buffer` is exactly the segment allocated for `token` (so that what a sender writes
+        """Whether `buffer` is exactly the view allocated for `token` (so that what a sender writes
         into the segment is what the receiver's caller reads)."""
         span = self._spans.get(token)
         if span is None or is_device_bytes(buffer):
@@ -170,17 +216,42 @@ class Segments:
         view = memoryview(buffer)  # type: ignore[arg-type]
         return view.c_contiguous and (address_of(view), view.nbytes) == span
 
-    def release(self, token: str) -> None:
-        """The transfer ended: unlink its segment's name (the memory goes with its last mapping)."""
-        path = self._paths.pop(token, None)
+    def release(self, token: str, reusable: bool = False) -> None:
+        """The transfer ended (`reusable`: DONE): its token's name goes at once, so no sender opens the
+        segment for it any more; the segment is pooled once its view is gone too, if `reusable`."""
+        segment = self._live.pop(token, None)
         self._spans.pop(token, None)
-        if path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        if segment is None:
+            return
+        segment.reusable = reusable
+        if reusable:
+            idle = segment.path.rpartition("-")[0] + f"-idle{id(segment):x}"
+            os.rename(segment.path, idle)
+            segment.path = idle
+        else:
+            _unlink(segment.path)
+        self._recycle(segment)
+
+    def _view_gone(self, segment: _Segment) -> None:
+        segment.view_alive = False
+        self._recycle(segment)
+
+    def _recycle(self, segment: _Segment) -> None:
+        if segment.view_alive or segment.reusable is None:
+            return  # still in use, by the transfer or by whoever holds the view
+        pooled = sum(len(idle.memory) for idle in self._idle)
+        if segment.reusable and pooled + len(segment.memory) <= self._pool_bytes:
+            self._idle.append(segment)
+            return
+        _unlink(segment.path)  # not reusable, or the pool is full: the memory goes with the last mapping
 
     def close(self) -> None:
-        for token in list(self._paths):
+        """Unlink every segment's name (views handed out stay valid until dropped)."""
+        for token in list(self._live):
             self.release(token)
+        for segment in self._idle:
+            _unlink(segment.path)
+        self._idle.clear()
 
     def remove_orphans(self) -> int:
         """Unlink segments whose owner process is gone (a receiver killed before it unlinked them)."""
@@ -194,6 +265,64 @@ class Segments:
                     os.unlink(os.path.join(self.directory, name))
                     removed += 1
         return removed
+
+
+def size_class(nbytes: int) -> int:
+    """Segments come in powers of two from 1 MiB, so that one serves transfers of different sizes."""
+    return max(MIN_SEGMENT, 1 << (nbytes - 1).bit_length())
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class Mappings:
+    """A sender's mappings of receivers' segments, by inode, so that a pooled segment is mapped (its
+    page tables filled: ~0.2 ms per MiB) once, not for every transfer. Least recently used ones are
+    unmapped beyond `max_bytes` (a mapping keeps its segment's memory alive after the receiver let
+    it go)."""
+
+    def __init__(self, max_bytes: int = MAPPED_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
+
+    @contextlib.contextmanager
+    def window(self, path: str, offset: int, nbytes: int) -> Iterator[memoryview]:
+        """Bytes [offset, offset + nbytes) of the segment at `path`, writable. FileNotFoundError if
+        there is none (gone, or not on this host); TransferError if the range is not inside it
+        (never mapped past the file's end: that would be SIGBUS)."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            status = os.fstat(fd)
+            if offset < 0 or nbytes <= 0 or offset + nbytes > status.st_size:
+                raise TransferError(f"frame of bytes [{offset}, {offset + nbytes}) does not fit the receiver's "
+                                    f"segment of {status.st_size}")
+            key = (status.st_dev, status.st_ino)
+            memory = self._maps.pop(key, None)
+            if memory is None or len(memory) != status.st_size:
+                memory = mmap.mmap(fd, status.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._maps[key] = memory  # most recently used last
+        finally:
+            os.close(fd)
+        self._evict()
+        view = memoryview(memory)[offset:offset + nbytes]
+        try:
+            yield view
+        finally:
+            view.release()
+
+    def _evict(self) -> None:
+        while len(self._maps) > 1 and sum(len(memory) for memory in self._maps.values()) > self._max_bytes:
+            _, memory = self._maps.popitem(last=False)
+            with contextlib.suppress(BufferError):  # a window still open on it: unmapped when it goes
+                memory.close()
+
+    def close(self) -> None:
+        for memory in self._maps.values():
+            with contextlib.suppress(BufferError):
+                memory.close()
+        self._maps.clear()
 
 
 def address_of(view: memoryview) -> int:
@@ -216,31 +345,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process: alive, and not ours to clean up
     return True
-
-
-@contextlib.contextmanager
-def mapped(path: str, offset: int, nbytes: int) -> Iterator[memoryview]:
-    """Bytes [offset, offset + nbytes) of an existing segment, mapped for writing (page tables filled
-    at once: one call instead of a page fault per 4 KiB). FileNotFoundError if the segment is gone
-    (or was never on this host); TransferError if the range is not inside it (never mapped past
-    the file's end: that would be SIGBUS)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        if offset < 0 or nbytes <= 0 or offset + nbytes > size:
-            raise TransferError(f"frame of bytes [{offset}, {offset + nbytes}) does not fit the receiver's "
-                                f"segment of {size}")
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
-        memory = mmap.mmap(fd, offset + nbytes - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           offset=start)
-    finally:
-        os.close(fd)
-    view = memoryview(memory)[offset - start:]
-    try:
-        yield view
-    finally:
-        view.release()  # else `close` refuses: a view is still exported
-        memory.close()
 
 
 async def copy_in_chunks(target: memoryview, payload: memoryview) -> None:

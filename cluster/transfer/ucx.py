@@ -511,14 +511,14 @@ class UCXReceiver:
         if self._segments is not None and self._segments.holds(token):
             if self._segments.covers(token, buffer):
                 self._in_place[request_id] = token
-            future.add_done_callback(lambda _: self._end_segment(request_id, token))
+            future.add_done_callback(lambda done: self._end_segment(request_id, token, done))
         return future
 
-    def _end_segment(self, request_id: str, token: str) -> None:
+    def _end_segment(self, request_id: str, token: str, done: asyncio.Future[KVHeader]) -> None:
         if self._in_place.get(request_id) == token:
             del self._in_place[request_id]
-        if self._segments is not None:
-            self._segments.release(token)
+        if self._segments is not None:  # reused only after a transfer that ended well: no sender writes any more
+            self._segments.release(token, reusable=not done.cancelled() and done.exception() is None)
 
     def state(self, request_id: str) -> TransferState | None:
         return self._table.state(request_id)
@@ -692,6 +692,7 @@ class UCXSender:
         # Receivers on this host get payloads through shared memory (`shm.py`), unless this is off.
         self._host = shm.host_identity() if shared_memory else ""
         self._segment_dir = segment_dir
+        self._mappings = shm.Mappings()
         self._closed = False
 
     @property
@@ -716,7 +717,7 @@ class UCXSender:
         path = self._segment_of(address, header, payload)
         if path is not None:
             try:
-                with shm.mapped(path, header.first_block * header.block_nbytes, header.nbytes) as target:
+                with self._mappings.window(path, header.first_block * header.block_nbytes, header.nbytes) as target:
                     await self.send_raw(address, replace(header, in_place=True).to_bytes(), payload,
                                         write=lambda: shm.copy_in_chunks(target, host_only(payload)))
                 return shm.TRANSPORT_SHM
@@ -830,3 +831,4 @@ class UCXSender:
             link.abort()
         self._busy.clear()
         await asyncio.sleep(0)
+        self._mappings.close()

@@ -80,7 +80,7 @@ async def stall(segment_dir: str, address: str, spec: str) -> int:
     assert same is not None, "the receiver offers no shared memory"
 
     async def write_half_and_hang() -> None:
-        with shm.mapped(shm.segment_path(same.receiver_id, token, segment_dir), 0, first.nbytes) as target:
+        with shm.Mappings().window(shm.segment_path(same.receiver_id, token, segment_dir), 0, first.nbytes) as target:
             target[:first.nbytes // 2] = memoryview(data)[:first.nbytes // 2]
         print("stalled", flush=True)
         await asyncio.Event().wait()

@@ -57,6 +57,11 @@ def shm_pair(loop: asyncio.AbstractEventLoop, segment_dir: Path) -> Iterator[Pai
     loop.run_until_complete(receiver.close())
 
 
+def named_for(token: str, segment_dir: Path) -> list[str]:
+    """The segments named for a transfer's token: there while it runs, gone once it ended."""
+    return [name for name in os.listdir(segment_dir) if name.endswith(f"-{token}")]
+
+
 def kv_frames(request_id: str, data: torch.Tensor, token: str, split: int) -> list[tuple[KVHeader, memoryview]]:
     """`data` (blocks x layers x 2 x block_size x heads x dim) as two frames: blocks [0, split) and the rest."""
     blocks, layers, _, block_size, heads, dim = data.shape
@@ -87,7 +92,7 @@ def test_kv_of_any_dtype_lands_bit_for_bit_through_shared_memory(shm_pair: Pair,
             assert await shm_pair.sender.send(shm_pair.receiver.address, header, view) == shm.TRANSPORT_SHM
         assert (await done).dtype == str(dtype).removeprefix("torch.")
         assert torch.equal(staging.view(torch.uint8).reshape(-1), bits)
-        assert os.listdir(segment_dir) == []  # the segment's name goes with the transfer
+        assert named_for("ab12", segment_dir) == []  # the token's name goes with the transfer
 
     shm_pair.run(body())
 
@@ -250,10 +255,11 @@ def test_kv_from_a_bf16_prefill_lands_in_an_fp32_decode_worker_through_shared_me
                 assert max(stats.frames for stats in prefill.transfers) >= 3  # chunked: several frames in place
                 await asyncio.sleep(0.1)
                 assert_whole(prefill, decode)
-                assert os.listdir(segment_dir) == []
+                assert all("idle" in name for name in os.listdir(segment_dir))  # pooled for the next ones
             finally:
                 await prefill.stop()
                 await decode.stop()
+            assert os.listdir(segment_dir) == []  # a receiver that closes leaves nothing in /dev/shm
 
     loop.run_until_complete(asyncio.wait_for(body(), 60))
 
