@@ -302,3 +302,38 @@ def test_an_abort_mid_transfer_frees_every_block_and_segment(loop: asyncio.Abstr
             await decode.stop()
 
     loop.run_until_complete(asyncio.wait_for(body(), 60))
+
+
+def test_only_the_segment_of_a_transfer_that_landed_is_handed_out_again(shm_pair: Pair, segment_dir: Path) -> None:
+    """A cancelled transfer's sender may still be copying into its segment: that segment is unlinked,
+    never reused. One whose transfer landed (its sender is done) is, once its view is dropped."""
+    nbytes = 3 << 20
+    data = payload(nbytes, seed=4)
+
+    async def land(token: str) -> tuple[int, str]:
+        landing = shm_pair.receiver.landing_memory(token, nbytes)
+        assert landing is not None
+        where = (shm.address_of(landing), named_for(token, segment_dir)[0])
+        done = shm_pair.receiver.expect(f"r-{token}", landing, token)
+        header = frames(f"r-{token}", nbytes, token, count=1)[0]
+        assert await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(data)) == shm.TRANSPORT_SHM
+        await done
+        return where
+
+    async def body() -> None:
+        first, _ = await land("aa01")  # landed; its view dropped on return
+        assert [name for name in os.listdir(segment_dir) if "idle" in name]
+        assert (await land("aa02"))[0] == first  # the same memory again
+        cancelled = shm_pair.receiver.landing_memory("aa03", nbytes)
+        assert cancelled is not None and shm.address_of(cancelled) == first
+        shm_pair.receiver.expect("r-aa03", cancelled, "aa03")
+        shm_pair.receiver.cancel("r-aa03")
+        del cancelled
+        await asyncio.sleep(0)  # the future's done-callbacks
+        assert os.listdir(segment_dir) == []  # unlinked, not pooled
+        again = shm_pair.receiver.landing_memory("aa04", nbytes)
+        assert again is not None and named_for("aa04", segment_dir)
+        # A new segment (the cancelled one may be mapped at the same address again: compare the files).
+        assert len(os.listdir(segment_dir)) == 1
+
+    shm_pair.run(body())
