@@ -117,7 +117,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         for key, choices in (("mode", tuple(map(str, Mode))), ("transport", TRANSPORTS),
-                             ("routing", tuple(map(str, RoutingPolicy)))):
+                             ("routing", tuple(map(str, RoutingPolicy))), ("kv_shared_memory", (True, False))):
             if getattr(self, key) not in choices:
                 raise ValueError(f"{key} must be one of {choices}, got {getattr(self, key)!r}")
         if self.routers < 1:

@@ -9,6 +9,12 @@ Wire format, one transfer on one endpoint (UCX tag messages on the endpoint's ow
                                      into that buffer (no intermediate copy)
     receiver -> sender   1 byte      the ack: 0 = landed, else a `Refusal` code (the sender raises)
 
+Same host (`shm.py`): when the receiver's address names this host's identity and the receiver gave
+the transfer a shared-memory landing segment, the header says `in_place`, the sender then copies
+the payload into the segment and sends a 1-byte marker (`WRITTEN`) where the payload would be; the
+receiver checks the marker and acks as above. Everything else (deadlines, refusals, aborts, a
+dead peer) is the same exchange on the same endpoint. `send` returns the transport used.
+
 A refused frame (id not expected, size differs, header too long or malformed, id already finished,
 cancelled, busy) is logged, its payload drained into a 1-byte scratch buffer (UCX discards the rest
 as a truncated message) and acked with the refusal code: it never touches a registered buffer, and

@@ -181,6 +181,15 @@ def test_the_path_is_chosen_only_for_a_receiver_on_this_host(segment_dir: Path) 
     assert shm.SameHost.of("ucx://h:1?host=../../etc&rid=1x00000000") is None  # names no path outside the dir
 
 
+def test_the_cluster_config_turns_shared_memory_off_and_names_a_bad_value() -> None:
+    from cluster.ray_cluster.config import load_cluster_config
+
+    assert load_cluster_config().kv_shared_memory is True
+    assert load_cluster_config(overrides={"kv_shared_memory": False}).kv_shared_memory is False
+    with pytest.raises(ValueError, match="kv_shared_memory must be one of"):
+        load_cluster_config(overrides={"kv_shared_memory": "yes"})
+
+
 def test_host_identity_tells_network_namespaces_apart() -> None:
     """Two "hosts" made of network namespaces on one kernel (as tests/deploy does) share the boot id
     and may share the hostname: the namespace keeps them apart, so each dials the other over TCP."""
