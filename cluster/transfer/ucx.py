@@ -64,6 +64,7 @@ The listener binds every interface (ucxx takes no bind address): `host` is the a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -721,14 +722,18 @@ class UCXSender:
         """
         payload = checked_payload(header, payload)
         path = self._segment_of(address, header, payload)
-        if path is not None:
+        with contextlib.ExitStack() as mapped:
             try:
-                with self._mappings.window(path, header.first_block * header.block_nbytes, header.nbytes) as target:
-                    await self.send_raw(address, replace(header, in_place=True).to_bytes(), payload,
-                                        write=lambda: shm.copy_in_chunks(target, host_only(payload)))
+                target = None if path is None else mapped.enter_context(
+                    self._mappings.window(path, header.first_block * header.block_nbytes, header.nbytes))
+            except OSError as error:  # none for this transfer (ordinary memory, a GPU buffer), or unusable
+                log.debug("no shared-memory segment for %s at %s (%s): sending it over UCX",
+                          header.request_id, address, error)
+                target = None
+            if target is not None:
+                await self.send_raw(address, replace(header, in_place=True).to_bytes(), payload,
+                                    write=lambda: shm.copy_in_chunks(target, host_only(payload)))
                 return shm.TRANSPORT_SHM
-            except FileNotFoundError:
-                log.info("no shared-memory segment for %s at %s: sending it over UCX", header.request_id, address)
         await self.send_raw(address, header.to_bytes(), payload)
         return shm.TRANSPORT_UCX
 
