@@ -75,7 +75,8 @@ def kv_frames(request_id: str, data: torch.Tensor, token: str, split: int) -> li
     return [(header, flat[header.first_block * block_nbytes:][:header.nbytes]) for header in headers]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn],
+                         ids=lambda dtype: str(dtype).removeprefix("torch."))
 def test_kv_of_any_dtype_lands_bit_for_bit_through_shared_memory(shm_pair: Pair, segment_dir: Path,
                                                                   dtype: torch.dtype) -> None:
     """Random bits (NaNs and infinities included) of a KV-shaped tensor, in two frames written in place."""
