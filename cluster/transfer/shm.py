@@ -7,21 +7,22 @@ dead peer are detected exactly as on the TCP path. Only the payload takes anothe
     decode worker (receiver)                        prefill worker (sender), same host
     landing = receiver.landing_memory(token, n)     (the ticket's address names the receiver's
       a file /dev/shm/pdserve-kv-<rid>-<token>       host identity and id `rid`: `SameHost`)
-      (0600, fallocated, mapped): the staging
-      tensor `import_kv` reads from
+      (0600, fallocated, mapped; pooled): the
+      staging tensor `import_kv` reads from
     expect(request_id, landing, token)
                                     <── header (in_place=True), over UCX
-    admit: RECEIVING                                map the segment, copy the frame's bytes to its
-                                                    offset in chunks (cancellable between chunks)
+    admit: RECEIVING                                map the segment (once: `Mappings`), copy the
+                                                    frame's bytes to its offset in chunks
+                                                    (cancellable between chunks)
                                     <── 1-byte marker, over UCX
     complete; ack ──>                               the send returns
-    (the segment's name is unlinked as soon as the transfer ends, whatever the outcome)
+    (the token's name goes as soon as the transfer ends; the segment is pooled for another
+    transfer if this one ended DONE and its view was dropped, else unlinked: `Segments`)
 
 Why this design (docs/performance.md, "KV transfer between two processes"): UCX's own shared memory
 transports are used only for endpoints made from a worker address with error handling off, where a
 killed peer hangs the sender; here the memory is plain POSIX shared memory and every wait is a UCX
-wait with a deadline on an endpoint that has error handling on. vLLM's and NIXL's same-host paths
-(CUDA IPC handles, UCX sm/cma) likewise separate the bulk copy from a control channel.
+wait with a deadline on an endpoint that has error handling on.
 
 Safety:
 - A receiver killed mid-copy: the sender's copy finishes into memory it mapped (the pages live on
@@ -30,7 +31,8 @@ Safety:
   transfer fails (the decode worker recomputes), as on the TCP path.
 - A cancel on the receiver aborts the endpoint (the sender raises); bytes the sender still copies
   land in that request's own segment only, which nothing reads once the transfer is cancelled and
-  which is never reused (one segment per transfer, its name unlinked at the end).
+  which is never handed out again (only the segments of transfers that ended DONE are reused:
+  their sender wrote its last byte before its marker).
 - No SIGBUS: segments are allocated with `posix_fallocate` before they are mapped (a full /dev/shm
   fails there, cleanly: the receiver falls back to ordinary memory) and never shrink.
 - A segment is opened by name only: the name holds the transfer's secret token, the file is 0600.
