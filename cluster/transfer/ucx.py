@@ -514,7 +514,12 @@ class UCXReceiver:
         """See `KVReceiver.expect`; call from the event loop the receiver started in. A `buffer` that
         is the segment `landing_memory(token, ...)` gave can take in-place frames; the segment's
         name is unlinked when the transfer ends, however it ends."""
-        future = self._table.expect(request_id, buffer, token)
+        try:
+            future = self._table.expect(request_id, buffer, token)
+        except BaseException:
+            if self._segments is not None:
+                self._segments.release(token)  # nothing will land in it
+            raise
         if self._segments is not None and self._segments.holds(token):
             if self._segments.covers(token, buffer):
                 self._in_place[request_id] = token

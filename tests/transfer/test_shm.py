@@ -347,3 +347,16 @@ def test_only_the_segment_of_a_transfer_that_landed_is_handed_out_again(shm_pair
         assert len(os.listdir(segment_dir)) == 1
 
     shm_pair.run(body())
+
+
+def test_a_segment_whose_expect_is_refused_goes_at_once(shm_pair: Pair, segment_dir: Path) -> None:
+    async def body() -> None:
+        shm_pair.receiver.expect("dup", memoryview(bytearray(16)), "ee00")
+        landing = shm_pair.receiver.landing_memory("ee01", 1 << 20)
+        assert landing is not None and named_for("ee01", segment_dir)
+        with pytest.raises(ValueError, match="already expected"):
+            shm_pair.receiver.expect("dup", landing, "ee01")
+        assert named_for("ee01", segment_dir) == []
+        shm_pair.receiver.cancel("dup")
+
+    shm_pair.run(body())
