@@ -155,8 +155,9 @@ class KVSender(Protocol):
         transport the payload took ("shm", "ucx"), or None where the connector has only one."""
         ...
 
-    def transport_to(self, address: str) -> str:
-        """The transport a send to `address` takes (traces, stats): "shm" for a receiver on this host."""
+    def transport_to(self, address: str, token: str = "") -> str:
+        """The transport a send to `address` (for the transfer with `token`) takes (traces, stats):
+        "shm" for a receiver on this host that gave the transfer a shared-memory segment."""
         ...
 
     async def close(self) -> None: ...

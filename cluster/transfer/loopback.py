@@ -399,7 +399,7 @@ class LoopbackSender:
         self._timeout_s = timeout_s
         self._closed = False
 
-    def transport_to(self, address: str) -> str:
+    def transport_to(self, address: str, token: str = "") -> str:
         return "loopback"
 
     async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:

@@ -711,11 +711,20 @@ class UCXSender:
     def carries_device_memory(self) -> bool:
         return ucx_carries_device_memory(self._transports)
 
-    def transport_to(self, address: str) -> str:
+    def transport_to(self, address: str, token: str = "") -> str:
         """"shm" when the receiver at `address` is on this host (its address names this host's
-        identity) and shared memory is on; else "ucx" (UCX's transports: TCP here)."""
+        identity), shared memory is on and (given the transfer's `token`) the receiver made a segment
+        for it; else "ucx" (UCX's transports: TCP here)."""
         same = shm.SameHost.of(address)
-        return shm.TRANSPORT_SHM if self._host and same is not None and same.host == self._host else shm.TRANSPORT_UCX
+        if not self._host or same is None or same.host != self._host:
+            return shm.TRANSPORT_UCX
+        if token:
+            try:
+                path = shm.segment_path(same.receiver_id, token, self._segment_dir)
+            except TransferError:
+                return shm.TRANSPORT_UCX
+            return shm.TRANSPORT_SHM if os.path.exists(path) else shm.TRANSPORT_UCX
+        return shm.TRANSPORT_SHM
 
     async def send(self, address: str, header: KVHeader, payload: KVBytes) -> str:
         """Deliver one frame; returns once the payload landed in the receiver's buffer, with the

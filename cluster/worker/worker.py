@@ -446,9 +446,10 @@ class Worker:
                               head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
                               first_token_id=export.first_token_id or 0, nbytes=data.numel() * data.element_size(),
                               first_block=export.first_block, last=export.last, token=ticket.token)
+            transport = self.sender.transport_to(ticket.address, ticket.token)
             started = time.perf_counter()
             try:
-                with self.traces.kv_send(request_id, header, self.sender.transport_to(ticket.address)) as header:
+                with self.traces.kv_send(request_id, header, transport) as header:
                     stats.transport = await self.sender.send(ticket.address, header,
                                                              wire_bytes(data, self._direct(self.sender))) \
                         or _transport_of(self.sender)

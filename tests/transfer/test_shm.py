@@ -177,6 +177,10 @@ def test_the_path_is_chosen_only_for_a_receiver_on_this_host(segment_dir: Path) 
     assert sender.transport_to("ucx://10.0.0.7:4000" + here.suffix()) == shm.TRANSPORT_SHM
     assert sender.transport_to("ucx://127.0.0.1:4000" + elsewhere.suffix()) == shm.TRANSPORT_UCX  # never by IP
     assert sender.transport_to("ucx://127.0.0.1:4000") == shm.TRANSPORT_UCX  # a receiver that offers none
+    # With the transfer's token: "shm" only if the receiver made a segment for it (else the send falls back).
+    assert sender.transport_to("ucx://10.0.0.7:4000" + here.suffix(), "beef") == shm.TRANSPORT_UCX
+    Path(shm.segment_path(here.receiver_id, "beef", str(segment_dir))).touch()
+    assert sender.transport_to("ucx://10.0.0.7:4000" + here.suffix(), "beef") == shm.TRANSPORT_SHM
     assert UCXSender(shared_memory=False).transport_to("ucx://10.0.0.7:4000" + here.suffix()) == shm.TRANSPORT_UCX
     assert parse_address("ucx://10.0.0.7:4000" + here.suffix()) == ("10.0.0.7", 4000)
     assert shm.SameHost.of("ucx://h:1?host=../../etc&rid=1x00000000") is None  # names no path outside the dir
