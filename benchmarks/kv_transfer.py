@@ -1,6 +1,7 @@
 """KV transfer between two processes: GB/s per payload size over UCX, against a memcpy of the same bytes.
 
-    python -m benchmarks.kv_transfer [--sizes-mib 1 4 16 64] [--repeats 7] [--arms tcp tcp-poll1 sm]
+    python -m benchmarks.kv_transfer [--sizes-mib 1 4 16 64] [--repeats 7] [--arms shm tcp tcp-poll1 sm]
+                                     [--kill-trials 3]
 
 Each arm starts a fresh receiver process and a fresh sender process (UCX reads its settings once per
 process). The sender times `send` (it returns once the receiver acked that the payload landed) for
@@ -9,12 +10,20 @@ measures how long its event loop stalls (the longest gap between 1 ms ticks) whi
 and checks the last payload of each size bit for bit.
 
 Arms:
-- tcp: the connector (`cluster.transfer.ucx`), listener endpoints with error handling: TCP.
+- shm: the connector as workers on one host use it (`cluster.transfer.shm`): each payload written
+  into the receiver's /dev/shm landing segment (one per transfer, allocated before it, as a decode
+  worker does at reservation: `segment_alloc_ms`), control (header, marker, ack) over UCX/TCP.
+- tcp: the connector (`cluster.transfer.ucx`) with shared memory off, listener endpoints with error
+  handling: TCP (what workers on two hosts use).
 - tcp-poll1: the same with UCX_TCP_MAX_POLL=1 (UCX drains a socket less greedily per progress call).
 - sm: raw ucxx with worker-address endpoints, error handling off and UCX_TLS=sm,self (shared memory,
   see docs/performance.md, "UCX's transports here"): the same four messages per transfer as the connector's wire
   format, minus the payload size probe, awaited the same way (`cluster.transfer.ucx.complete`). Not
   part of the connector: a dead peer hangs it, so every operation here runs under a deadline.
+Killed peers (`--kill-trials`, the shm arm): a sender streams 64 MiB transfers to a receiver; the
+receiver process is killed with SIGKILL (the sender must raise TransferError), then, in another
+pair, the sender is (the receiver must fail the transfer it was receiving). Reported: seconds from
+the kill to the survivor's TransferError (CLOCK_MONOTONIC is shared by the processes).
 Results go to benchmarks/results/kv-transfer.json and kv-transfer.png.
 """
 
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import statistics
@@ -38,18 +48,26 @@ from cluster.transfer.connector import KVHeader
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS: dict[str, dict[str, str]] = {
+    "shm": {},
     "tcp": {},
     "tcp-poll1": {"UCX_TCP_MAX_POLL": "1"},
     "sm": {"UCX_TLS": "sm,self"},
 }
 DESCRIPTIONS = {
-    "tcp": "connector, listener endpoints (TCP)",
+    "shm": "connector, same host: /dev/shm segment + UCX/TCP control",
+    "tcp": "connector, shared memory off: listener endpoints (TCP)",
     "tcp-poll1": "connector, TCP, UCX_TCP_MAX_POLL=1",
     "sm": "raw ucxx, worker-address endpoints, UCX_TLS=sm,self",
 }
 TAG_HELLO, TAG_FRAME, TAG_ACK = 1, 2, 3  # worker-level tags of the sm arm
 DEADLINE_S = 60.0
 CHILD_TIMEOUT_S = 600.0
+# Transfers of each size not timed (the first segments of a size are new), and how many transfers
+# a receiver expects ahead (so that the sender never waits for an `expect`).
+WARMUP = LOOKAHEAD = 2
+KILL_NBYTES = 64 << 20
+KILL_TRANSFERS = 50  # more than a trial sends before its kill
+KILL_WAIT_S = 15.0  # a survivor that has not seen the kill by then: reported as not detected
 
 
 # ---- shared by the processes --------------------------------------------------------------------
@@ -64,7 +82,12 @@ def header_for(request_id: str, nbytes: int) -> KVHeader:
     # A plausible KV layout; only nbytes matters to the transfer.
     return KVHeader(request_id=request_id, num_tokens=nbytes // 4096, num_blocks=max(1, nbytes // 65536),
                     block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16",
-                    first_token_id=1, nbytes=nbytes)
+                    first_token_id=1, nbytes=nbytes, token=token_for(request_id))
+
+
+def token_for(request_id: str) -> str:
+    """The transfer's token, known to both processes (a worker's is random; here it needs no exchange)."""
+    return request_id.encode().hex()
 
 
 def request_ids(sizes: list[int], transfers: int) -> list[tuple[str, int]]:
@@ -110,7 +133,7 @@ def receiver_report(sizes: list[int], transfers: int, done_at: dict[str, float],
         stall = ticker.max_gap_ms(previous, done_at[request_id])
         previous = done_at[request_id]
         entry = report.setdefault(str(nbytes), {"max_loop_stall_ms": 0.0, "verified": verified[nbytes]})
-        if not request_id.endswith("-0"):  # the warm-up transfer is not counted
+        if int(request_id.rpartition("-")[2]) >= WARMUP:  # the warm-up transfers are not counted
             entry["max_loop_stall_ms"] = max(entry["max_loop_stall_ms"], stall)
     return report
 
@@ -118,39 +141,91 @@ def receiver_report(sizes: list[int], transfers: int, done_at: dict[str, float],
 # ---- the connector arms (tcp, tcp-poll1) ---------------------------------------------------------
 
 
-async def connector_receiver(sizes: list[int], transfers: int) -> dict[str, Any]:
+async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kill: bool = False) -> dict[str, Any]:
+    """Expect the transfers LOOKAHEAD at a time, as a decode worker reserves them: with `shared`,
+    each in a landing segment allocated (and timed) when it is expected and dropped once it landed
+    (so segments are reused, as in serving); else in one buffer per size. `kill`: print "failed
+    MONOTONIC" at the first transfer that fails, and wait to be killed."""
     from cluster.transfer.ucx import UCXReceiver
 
-    receiver = UCXReceiver(timeout_s=DEADLINE_S)
+    receiver = UCXReceiver(timeout_s=DEADLINE_S, shared_memory=shared)
     await receiver.start()
-    buffers = {nbytes: np.zeros(nbytes, dtype=np.uint8) for nbytes in sizes}
+    plain = {nbytes: np.zeros(nbytes, dtype=np.uint8) for nbytes in sizes} if not shared else {}
+    alloc_ms: dict[str, list[float]] = {}
     done_at: dict[str, float] = {}
-    futures = []
-    for request_id, nbytes in request_ids(sizes, transfers):
-        future = receiver.expect(request_id, memoryview(buffers[nbytes]))
-        future.add_done_callback(lambda _, key=request_id: done_at.__setitem__(key, time.perf_counter()))
-        futures.append(future)
+    verified: dict[int, bool] = {}
+    upcoming = iter(request_ids(sizes, transfers))
+    pending: collections.deque[tuple[str, int, np.ndarray, asyncio.Future[Any]]] = collections.deque()
+
+    def expect_next() -> None:
+        request_id, nbytes = next(upcoming, ("", 0))
+        if not request_id:
+            return
+        started = time.perf_counter()
+        landing = receiver.landing_memory(token_for(request_id), nbytes) if shared else None
+        alloc_ms.setdefault(str(nbytes), []).append(1e3 * (time.perf_counter() - started))
+        buffer = plain[nbytes] if landing is None else np.frombuffer(landing, np.uint8)
+        future = receiver.expect(request_id, memoryview(buffer), token_for(request_id))
+        future.add_done_callback(lambda done, key=request_id: on_landed(done, key, done_at, kill))
+        pending.append((request_id, nbytes, buffer, future))
+
+    for _ in range(LOOKAHEAD):
+        expect_next()
     ticker = LoopTicker()
     ticker.start()
     started = time.perf_counter()
     print("address", receiver.address, flush=True)
-    await asyncio.wait_for(asyncio.gather(*futures), CHILD_TIMEOUT_S)
+    while pending:
+        request_id, nbytes, buffer, future = pending.popleft()
+        try:
+            await asyncio.wait_for(future, CHILD_TIMEOUT_S)
+        except Exception:
+            if kill:
+                await asyncio.Event().wait()  # until killed
+            raise
+        if request_id.endswith(f"-{transfers - 1}"):  # each size's last payload is checked
+            verified[nbytes] = bool(np.array_equal(buffer, payload_for(nbytes)))
+        del buffer, future  # its segment goes back to the pool, as after a decode worker's import
+        expect_next()
     ticker.stop()
-    verified = {nbytes: bool(np.array_equal(buffer, payload_for(nbytes))) for nbytes, buffer in buffers.items()}
     await receiver.close()
-    return receiver_report(sizes, transfers, done_at, started, ticker, verified)
+    report = receiver_report(sizes, transfers, done_at, started, ticker, verified)
+    for nbytes in sizes:
+        report[str(nbytes)]["segment_alloc_ms"] = statistics.median(alloc_ms[str(nbytes)]) if shared else 0.0
+    return report
 
 
-async def connector_sender(address: str, sizes: list[int], transfers: int) -> dict[str, list[float]]:
+def on_landed(done: asyncio.Future[Any], request_id: str, done_at: dict[str, float], kill: bool) -> None:
+    done_at[request_id] = time.perf_counter()
+    if kill and not done.cancelled() and done.exception() is not None and "failed" not in done_at:
+        done_at["failed"] = time.monotonic()
+        print("failed", time.monotonic(), repr(done.exception())[:200], flush=True)
+
+
+async def connector_sender(address: str, sizes: list[int], transfers: int, shared: bool,
+                           kill: bool = False) -> dict[str, list[float]]:
+    """Send every transfer, timed. `kill`: print "sent" after each, and "failed MONOTONIC" at the
+    first TransferError (then stop)."""
+    from cluster.transfer.connector import TransferError
     from cluster.transfer.ucx import UCXSender
 
-    sender = UCXSender(timeout_s=DEADLINE_S)
+    sender = UCXSender(timeout_s=DEADLINE_S, shared_memory=shared)
     seconds: dict[str, list[float]] = {}
     payloads = {nbytes: payload_for(nbytes) for nbytes in sizes}
+    expected = "shm" if shared else "ucx"
     for request_id, nbytes in request_ids(sizes, transfers):
         started = time.perf_counter()
-        await sender.send(address, header_for(request_id, nbytes), memoryview(payloads[nbytes]))
+        try:
+            transport = await sender.send(address, header_for(request_id, nbytes), memoryview(payloads[nbytes]))
+        except TransferError as error:
+            if not kill:
+                raise
+            print("failed", time.monotonic(), repr(error)[:200], flush=True)
+            break
         seconds.setdefault(str(nbytes), []).append(time.perf_counter() - started)
+        assert transport == expected, f"the payload took {transport}, not {expected}"
+        if kill:
+            print("sent", request_id, flush=True)
     await sender.close()
     return seconds
 
@@ -244,14 +319,17 @@ async def sm_sender(address: str, sizes: list[int], transfers: int) -> dict[str,
 # ---- child process entry -------------------------------------------------------------------------
 
 
-def run_child(role: str, arm: str, address: str, sizes: list[int], transfers: int) -> None:
+def run_child(role: str, arm: str, address: str, sizes: list[int], transfers: int, kill: bool) -> None:
     """Run one side of an arm and print its JSON result as the last line (the parent reads it)."""
     from cluster.transfer.ucx import reset_ucx
 
-    if role == "receiver":
-        coroutine = (sm_receiver if arm == "sm" else connector_receiver)(sizes, transfers)
+    coroutine: Any
+    if arm == "sm":
+        coroutine = sm_receiver(sizes, transfers) if role == "receiver" else sm_sender(address, sizes, transfers)
+    elif role == "receiver":
+        coroutine = connector_receiver(sizes, transfers, arm == "shm", kill)
     else:
-        coroutine = (sm_sender if arm == "sm" else connector_sender)(address, sizes, transfers)
+        coroutine = connector_sender(address, sizes, transfers, arm == "shm", kill)
     result = asyncio.run(coroutine)
     print("result", json.dumps(result), flush=True)
     try:
@@ -263,10 +341,14 @@ def run_child(role: str, arm: str, address: str, sizes: list[int], transfers: in
 # ---- the parent: arms, memcpy, table, files -------------------------------------------------------
 
 
-def spawn(role: str, arm: str, sizes: list[int], transfers: int, address: str = "") -> subprocess.Popen[str]:
+def spawn(role: str, arm: str, sizes: list[int], transfers: int, address: str = "",
+          kill: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, **ARMS[arm], "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONPATH": str(ROOT)}
+    if kill:
+        env["UCXX_LOG_LEVEL"] = "FATAL"  # the survivor's "endpoint error" lines are the point, not news
     command = [sys.executable, "-m", "benchmarks.kv_transfer", "--role", role, "--arm", arm,
-               "--address", address, "--transfers", str(transfers), "--sizes-bytes", *map(str, sizes)]
+               "--address", address, "--transfers", str(transfers), "--sizes-bytes", *map(str, sizes),
+               *(["--kill-mode"] if kill else [])]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
 
 
@@ -297,10 +379,48 @@ def run_arm(arm: str, sizes: list[int], transfers: int) -> dict[str, Any]:
     return summarize(sizes, seconds, received)
 
 
+def measure_kill(victim: str, arm: str = "shm") -> dict[str, Any]:
+    """Kill the `victim` ("receiver" or "sender") of a pair streaming 64 MiB transfers, a few
+    transfers in (the sender mid-copy, most likely: the copy is most of a transfer); returns the
+    seconds until the survivor raised TransferError (None: not within KILL_WAIT_S)."""
+    import signal
+    import threading
+
+    receiver = spawn("receiver", arm, [KILL_NBYTES], KILL_TRANSFERS, kill=True)
+    sender: subprocess.Popen[str] | None = None
+    try:
+        address = read_until(receiver, "address ")
+        sender = spawn("sender", arm, [KILL_NBYTES], KILL_TRANSFERS, address, kill=True)
+        read_until(sender, "sent ")
+        read_until(sender, "sent ")
+        before = time.monotonic()
+        read_until(sender, "sent ")
+        time.sleep((time.monotonic() - before) / 2)  # halfway into the next transfer: mid-copy, most likely
+        dead, survivor = (receiver, sender) if victim == "receiver" else (sender, receiver)
+        dead.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        seen: list[str] = []
+        reader = threading.Thread(target=lambda: seen.append(read_until(survivor, "failed ")), daemon=True)
+        reader.start()
+        reader.join(KILL_WAIT_S)
+        detected_s = float(seen[0].split()[0]) - killed_at if seen else None
+        return {"victim": victim, "detected_s": detected_s, "error": seen[0].split(maxsplit=1)[1] if seen else "",
+                "note": "" if seen else f"no TransferError within {KILL_WAIT_S} s (killed between transfers: "
+                                        "the router's recompute covers that case)"}
+    finally:
+        for process in (sender, receiver):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        from cluster.transfer.shm import Segments
+
+        Segments().remove_orphans()  # the killed receivers' segments
+
+
 def summarize(sizes: list[int], seconds: dict[str, list[float]], received: dict[str, Any]) -> dict[str, Any]:
     per_size = {}
     for nbytes in sizes:
-        timed = seconds[str(nbytes)][1:]  # the first transfer of each size is the warm-up
+        timed = seconds[str(nbytes)][WARMUP:]  # not timed: the first segments of a size are new
         median_s = statistics.median(timed)
         per_size[str(nbytes)] = {"seconds": timed, "median_s": median_s, "gbps": nbytes / median_s / 1e9,
                                  **received[str(nbytes)]}
@@ -317,6 +437,14 @@ def measure_memcpy(sizes: list[int], repeats: int) -> dict[str, Any]:
         median_s = statistics.median(timed)
         per_size[str(nbytes)] = {"seconds": timed, "median_s": median_s, "gbps": nbytes / median_s / 1e9}
     return per_size
+
+
+def lscpu_flags() -> str:
+    try:
+        output = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in output.splitlines() if line.startswith("Flags")), "")
 
 
 def timed_call(function: Callable[[], object]) -> float:
@@ -345,8 +473,8 @@ def ucx_version() -> str:
         return "unknown"
 
 
-def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any]) -> None:
-    from benchmarks.common import print_table
+def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], kills: list[dict[str, Any]]) -> None:
+    from benchmarks.common import console, print_table
 
     columns = ["MiB", "memcpy GB/s", *(f"{arm} GB/s" for arm in arms), *(f"{arm} stall ms" for arm in arms)]
     rows = []
@@ -356,6 +484,14 @@ def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any]) -> No
                      *(arms[arm][key]["max_loop_stall_ms"] for arm in arms)])
     print_table("KV transfer between two processes (median; stall = longest receiver event-loop gap)",
                 columns, rows)
+    if "shm" in arms:
+        for nbytes in sizes:
+            key = str(nbytes)
+            console.print(f"shm at {nbytes >> 20} MiB: {arms['shm'][key]['gbps'] / memcpy[key]['gbps']:.0%} of memcpy; "
+                          f"landing segment allocated in {arms['shm'][key]['segment_alloc_ms']:.1f} ms beforehand")
+    for kill in kills:
+        seen = "not seen" if kill["detected_s"] is None else f"{kill['detected_s']:.3f} s"
+        console.print(f"{kill['victim']} killed: the survivor raised TransferError after {seen} {kill['note']}")
 
 
 def plot(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any]) -> None:
@@ -390,12 +526,14 @@ def main_parent(args: argparse.Namespace) -> None:
     arms = {}
     for arm in args.arms:
         console.print(f"arm {arm}: {DESCRIPTIONS[arm]}")
-        arms[arm] = run_arm(arm, sizes, args.repeats + 1)
+        arms[arm] = run_arm(arm, sizes, args.repeats + WARMUP)
     memcpy = measure_memcpy(sizes, args.repeats)
-    report(sizes, arms, memcpy)
-    save("kv-transfer", {"sizes_mib": args.sizes_mib, "repeats": args.repeats, "warmup": 1,
+    kills = [measure_kill(victim) for _ in range(args.kill_trials) for victim in ("receiver", "sender")]
+    report(sizes, arms, memcpy, kills)
+    save("kv-transfer", {"sizes_mib": args.sizes_mib, "repeats": args.repeats, "warmup": WARMUP,
                          "descriptions": {arm: DESCRIPTIONS[arm] for arm in arms},
-                         "environment": {arm: ARMS[arm] for arm in arms}, "arms": arms, "memcpy": memcpy}, info)
+                         "environment": {arm: ARMS[arm] for arm in arms}, "arms": arms, "memcpy": memcpy,
+                         "killed_peer": kills, "lscpu_flags": lscpu_flags()}, info)
     plot(sizes, arms, memcpy)
 
 
@@ -404,19 +542,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=7, help="timed transfers per size (after one warm-up)")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--kill-trials", type=int, default=3,
+                        help="killed-peer trials (shm arm), each killing a receiver and then a sender")
     # The child processes' arguments.
     parser.add_argument("--role", choices=["receiver", "sender"], help=argparse.SUPPRESS)
     parser.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--transfers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sizes-bytes", type=int, nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--kill-mode", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.role is not None:
-        run_child(args.role, args.arm, args.address, args.sizes_bytes, args.transfers)
+        run_child(args.role, args.arm, args.address, args.sizes_bytes, args.transfers, args.kill_mode)
     else:
         main_parent(args)
 

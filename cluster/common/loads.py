@@ -34,6 +34,7 @@ class TransferStats:
     seconds: float
     frames: int = 1
     exposed_s: float = 0.0
+    transport: str = ""  # how the payload travelled: "shm" (same host), "ucx" (UCX's transports), "loopback"
 
     @property
     def gb_per_s(self) -> float:

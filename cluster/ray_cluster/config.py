@@ -5,6 +5,7 @@ mode: disaggregated        # or colocated: every worker runs both phases (the ba
 prefill: {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0}  # threads 0: every core no busy worker holds
 decode:  {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0}
 transport: ucx             # how KV blocks travel between prefill and decode workers
+kv_shared_memory: true     # workers on one host pass KV through shared memory (false: UCX's transports always)
 kv_overlap: true           # send KV blocks while the rest of the prompt computes
 kv_lease_s: 30             # a decode worker's reservation waits this long for its KV
 redis_url: ""              # redis://host:6379/0: workers publish their cached blocks for KV-aware routing
@@ -86,6 +87,7 @@ class ClusterConfig:
     # UCX_TLS for every worker (e.g. "tcp", "rc,sm,self", "tcp,cuda_copy,cuda_ipc"); empty: the workers'
     # environment, else UCX's default. docs/deploy.md says which to pick.
     ucx_transports: str = ""
+    kv_shared_memory: bool = True  # same-host KV through /dev/shm (docs/performance.md); false: UCX/TCP always
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(cache=CacheConfig(kv_cache_memory_gb=1.0)))
     ray_address: str = ""  # empty: start an embedded local Ray
     kv_lease_s: float = 30.0
@@ -115,7 +117,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         for key, choices in (("mode", tuple(map(str, Mode))), ("transport", TRANSPORTS),
-                             ("routing", tuple(map(str, RoutingPolicy)))):
+                             ("routing", tuple(map(str, RoutingPolicy))), ("kv_shared_memory", (True, False))):
             if getattr(self, key) not in choices:
                 raise ValueError(f"{key} must be one of {choices}, got {getattr(self, key)!r}")
         if self.routers < 1:

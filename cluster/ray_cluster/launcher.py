@@ -226,7 +226,7 @@ class Cluster:
         # All that makes a worker what it is: a named worker left running with the same is taken over.
         spec = (role, self.config.engine, self.config.redis_url, self.config.kv_overlap, pool.kv_interface,
                 self.config.ucx_transports, pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency,
-                self.config.worker_max_restarts, pool.threads)
+                self.config.worker_max_restarts, pool.threads, self.config.kv_shared_memory)
         workers = []
         for index in range(pool.replicas):
             name = self._actor_name(role, index)
@@ -244,7 +244,8 @@ class Cluster:
             workers.append(options.remote(f"{role}-{index}", role, self.config.engine, redis_url=self.config.redis_url,
                                           overlap_transfer=self.config.kv_overlap, address=name,
                                           kv_interface=pool.kv_interface, ucx_transports=self.config.ucx_transports,
-                                          spec=spec, traces=self.config.tracing, threads=pool_threads(pool)))
+                                          spec=spec, traces=self.config.tracing, threads=pool_threads(pool),
+                                          kv_shared_memory=self.config.kv_shared_memory))
         return workers
 
     def _running_worker(self, name: str, spec: tuple[Any, ...]) -> Any | None:

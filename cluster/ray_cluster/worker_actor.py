@@ -97,7 +97,7 @@ class WorkerActor(ChannelHost):
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, kv_interface: str = "",  # noqa: PLR0913
                  overlap_transfer: bool = True, redis_url: str = "", address: str = "",
                  ucx_transports: str = "", spec: Any = None, traces: tracing.TracingConfig | None = None,
-                 threads: int = 0) -> None:
+                 threads: int = 0, kv_shared_memory: bool = True) -> None:
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
@@ -105,8 +105,10 @@ class WorkerActor(ChannelHost):
             tracing.configure(traces, f"pdserve-{role}")  # this actor process's own tracer provider
         transports = ucx_transports or None  # UCX_TLS for this worker; None: the environment's, or UCX's default
         host = kv_host(kv_interface)
-        sender = UCXSender(transports=transports) if role == Role.PREFILL else None
-        receiver = UCXReceiver(host=host, transports=transports) if role == Role.DECODE else None
+        # With kv_shared_memory, a prefill and a decode worker on one host pass KV through /dev/shm.
+        sender = UCXSender(transports=transports, shared_memory=kv_shared_memory) if role == Role.PREFILL else None
+        receiver = UCXReceiver(host=host, transports=transports, shared_memory=kv_shared_memory) \
+            if role == Role.DECODE else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
         engine = LLMEngine(engine_config)
         self.made_as = spec  # how the launcher made it: a gateway taking a named worker over compares

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import msgpack
 
 MAX_HEADER_BYTES = 4096
-HEADER_VERSION = 4
+HEADER_VERSION = 5
 MAX_TOKEN_CHARS = 64  # a transfer's token (`KVTicket.token`): 32 hex digits
 MAX_TRACEPARENT_CHARS = 128  # a W3C traceparent has 55; its content is parsed (or ignored) by the tracer
 
@@ -89,6 +89,9 @@ class KVHeader:
     token: str = ""  # the transfer's one-time token, from the decode worker's `KVTicket`
     # The sender's span (W3C traceparent), so the receiver's span joins the request's trace; "" untraced.
     traceparent: str = ""
+    # The payload is not on the wire: the sender wrote it into the receiver's shared-memory segment
+    # (same host, `shm.py`) and sends a 1-byte "written" marker in its place.
+    in_place: bool = False
 
     @property
     def block_nbytes(self) -> int:
@@ -122,7 +125,8 @@ class KVHeader:
         ints = (self.num_tokens, self.num_blocks, self.block_size, self.num_layers, self.num_kv_heads,
                 self.head_dim, self.first_token_id, self.nbytes, self.first_block)
         if not isinstance(self.request_id, str) or not isinstance(self.dtype, str) or \
-                not isinstance(self.last, bool) or not isinstance(self.token, str) or \
+                not isinstance(self.last, bool) or not isinstance(self.in_place, bool) or \
+                not isinstance(self.token, str) or \
                 len(self.token) > MAX_TOKEN_CHARS or not isinstance(self.traceparent, str) or \
                 len(self.traceparent) > MAX_TRACEPARENT_CHARS or \
                 not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in ints):
@@ -146,8 +150,14 @@ class KVSender(Protocol):
         """Whether `send` takes a payload in GPU memory (`DeviceBytes`)."""
         ...
 
-    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:
-        """Deliver header and payload to the receiver at `address`; raises TransferError."""
+    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> str | None:
+        """Deliver header and payload to the receiver at `address`; raises TransferError. Returns the
+        transport the payload took ("shm", "ucx"), or None where the connector has only one."""
+        ...
+
+    def transport_to(self, address: str, token: str = "") -> str:
+        """The transport a send to `address` (for the transfer with `token`) takes (traces, stats):
+        "shm" for a receiver on this host that gave the transfer a shared-memory segment."""
         ...
 
     async def close(self) -> None: ...
@@ -164,6 +174,11 @@ class KVReceiver(Protocol):
         ...
 
     async def start(self) -> None: ...
+
+    def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
+        """Host memory of `nbytes` to pass to `expect` for the transfer with `token`, which a sender on
+        this host can write straight into (shared memory), or None: use ordinary memory."""
+        ...
 
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """Accept one payload for `request_id`, of exactly `buffer.nbytes`, written into `buffer`, in

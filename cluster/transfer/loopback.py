@@ -332,6 +332,9 @@ class LoopbackReceiver:
             self._hub.register(self)
             self._started = True
 
+    def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
+        return None  # in process: the sender copies into whatever buffer `expect` is given
+
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the transfers run in."""
         return self._table.expect(request_id, host_only(buffer), token)
@@ -395,6 +398,9 @@ class LoopbackSender:
         self._hub = hub
         self._timeout_s = timeout_s
         self._closed = False
+
+    def transport_to(self, address: str, token: str = "") -> str:
+        return "loopback"
 
     async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:
         """Deliver one frame; returns once the payload is in the receiver's buffer.

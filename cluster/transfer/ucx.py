@@ -9,6 +9,12 @@ Wire format, one transfer on one endpoint (UCX tag messages on the endpoint's ow
                                      into that buffer (no intermediate copy)
     receiver -> sender   1 byte      the ack: 0 = landed, else a `Refusal` code (the sender raises)
 
+Same host (`shm.py`): when the receiver's address names this host's identity and the receiver gave
+the transfer a shared-memory landing segment, the header says `in_place`, the sender then copies
+the payload into the segment and sends a 1-byte marker (`WRITTEN`) where the payload would be; the
+receiver checks the marker and acks as above. Everything else (deadlines, refusals, aborts, a
+dead peer) is the same exchange on the same endpoint. `send` returns the transport used.
+
 A refused frame (id not expected, size differs, header too long or malformed, id already finished,
 cancelled, busy) is logged, its payload drained into a 1-byte scratch buffer (UCX discards the rest
 as a truncated message) and acked with the refusal code: it never touches a registered buffer, and
@@ -58,21 +64,33 @@ The listener binds every interface (ucxx takes no bind address): `host` is the a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import struct
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
+from cluster.transfer import shm
 from cluster.transfer.connector import MAX_HEADER_BYTES, KVBytes, KVHeader, TransferError, TransferState
-from cluster.transfer.loopback import FrameRefused, ReceiveTable, Refusal, checked_payload, readable_bytes
+from cluster.transfer.loopback import (
+    FrameRefused,
+    ReceiveTable,
+    Refusal,
+    checked_payload,
+    host_only,
+    is_device_bytes,
+    readable_bytes,
+)
 
 log = logging.getLogger(__name__)
 
 UCX_SCHEME = "ucx://"
 PREFIX = struct.Struct("<Q")
+WRITTEN = b"\x01"  # the marker an in-place (shared-memory) frame sends in place of its payload
 # A payload's deadline grows with its size: `timeout_s` plus this rate's worth (slow but alive).
 MIN_BYTES_PER_S = 50e6
 # Waits wake on UCX progress; a watchdog progresses and re-arms this often anyway (a safety net).
@@ -306,10 +324,11 @@ class _Progress:
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """'ucx://host:port' -> (host, port); raises TransferError on anything else."""
+    """'ucx://host:port' (with an optional '?host=...&rid=...', `shm.SameHost`) -> (host, port);
+    raises TransferError on anything else."""
     if not address.startswith(UCX_SCHEME):
         raise TransferError(f"not a UCX address: {address!r}")
-    host, _, port = address[len(UCX_SCHEME):].rpartition(":")
+    host, _, port = address[len(UCX_SCHEME):].partition("?")[0].rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise TransferError(f"malformed UCX address: {address!r}")
     return host.strip("[]"), int(port)
@@ -452,8 +471,8 @@ class UCXReceiver:
     be host bytes or, where `carries_device_memory`, GPU bytes (UCX writes them with CUDA copies)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
-                 transports: str | None = None) -> None:
-        self.address = ""  # "ucx://host:port" once started
+                 transports: str | None = None, shared_memory: bool = True, segment_dir: str = shm.SHM_DIR) -> None:
+        self.address = ""  # "ucx://host:port" once started (plus "?host=...&rid=..." with shared memory)
         self._host = host
         self._port = port
         self._timeout_s = timeout_s
@@ -462,6 +481,9 @@ class UCXReceiver:
         self._listener: Any = None
         self._links: set[_Link] = set()
         self._receiving: dict[str, _Link] = {}  # request id -> link whose payload fills its buffer
+        # Same-host senders write payloads into shared-memory segments (`landing_memory`), if on.
+        self._segments = shm.Segments(segment_dir) if shared_memory else None
+        self._in_place: dict[str, str] = {}  # request id -> token of the segment its buffer is
         self._closed = False
 
     @property
@@ -476,11 +498,39 @@ class UCXReceiver:
         self._listener = ucxx.create_listener(self._serve, self._port)
         _Progress.of(asyncio.get_running_loop())
         self.address = f"{UCX_SCHEME}{self._host}:{self._listener.port}"
+        if self._segments is not None:
+            self.address += shm.SameHost(shm.host_identity(), self._segments.receiver_id).suffix()
+            if removed := self._segments.remove_orphans():
+                log.info("removed %d shared-memory KV segments left by dead receivers", removed)
         log.info("UCX receiver listening at %s", self.address)
 
+    def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
+        """See `KVReceiver.landing_memory`: a shared-memory segment, unless shared memory is off."""
+        if self._segments is None or self._closed:
+            return None
+        return self._segments.allocate(token, nbytes)
+
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
-        """See `KVReceiver.expect`; call from the event loop the receiver started in."""
-        return self._table.expect(request_id, buffer, token)
+        """See `KVReceiver.expect`; call from the event loop the receiver started in. A `buffer` that
+        is the segment `landing_memory(token, ...)` gave can take in-place frames; the segment's
+        name is unlinked when the transfer ends, however it ends."""
+        try:
+            future = self._table.expect(request_id, buffer, token)
+        except BaseException:
+            if self._segments is not None:
+                self._segments.release(token)  # nothing will land in it
+            raise
+        if self._segments is not None and self._segments.holds(token):
+            if self._segments.covers(token, buffer):
+                self._in_place[request_id] = token
+            future.add_done_callback(lambda done: self._end_segment(request_id, token, done))
+        return future
+
+    def _end_segment(self, request_id: str, token: str, done: asyncio.Future[KVHeader]) -> None:
+        if self._in_place.get(request_id) == token:
+            del self._in_place[request_id]
+        if self._segments is not None:  # reused only after a transfer that ended well: no sender writes any more
+            self._segments.release(token, reusable=not done.cancelled() and done.exception() is None)
 
     def state(self, request_id: str) -> TransferState | None:
         return self._table.state(request_id)
@@ -507,6 +557,8 @@ class UCXReceiver:
         self._links.clear()
         self._receiving.clear()
         self._table.close(TransferError(f"receiver {self.address} closed"))
+        if self._segments is not None:
+            self._segments.close()
         if self._listener is not None:
             await self._wait_for_handlers()
             self._listener.close()
@@ -583,21 +635,29 @@ class UCXReceiver:
             pass
 
     async def _land(self, link: _Link, header: KVHeader, buffer: KVBytes) -> Refusal:
-        """Receive the admitted payload straight into `buffer`; returns the ack code.
+        """Receive the admitted payload straight into `buffer` (or, for an in-place frame, the marker
+        saying the sender wrote it into the buffer's segment); returns the ack code.
 
         A transport error or timeout fails the transfer and aborts the endpoint (raised on).
         """
         request_id = header.request_id
         self._receiving[request_id] = link
+        in_place = header.in_place and self._in_place.get(request_id) == header.token
         try:
-            probe = await link.next_message(remove=True, timeout_s=self._timeout_s)
-            if probe.length != buffer.nbytes:
+            # An in-place frame's marker comes once the sender copied the frame: its deadline is a payload's.
+            probe = await link.next_message(remove=True, timeout_s=_payload_timeout(self._timeout_s, header.nbytes)
+                                            if in_place else self._timeout_s)
+            expected = len(WRITTEN) if in_place else buffer.nbytes
+            if probe.length != expected or header.in_place != in_place:
                 await self._discard(link, probe)
-                reason = f"payload of {probe.length} bytes for a buffer of {buffer.nbytes}"
+                reason = (f"payload of {probe.length} bytes for a buffer of {buffer.nbytes}" if not header.in_place
+                          else f"an in-place frame for {request_id!r}, whose buffer is no shared-memory segment"
+                          if not in_place else f"an in-place frame's marker of {probe.length} bytes")
                 self._table.fail(request_id, FrameRefused(Refusal.WRONG_SIZE, reason))
                 log.warning("%s refused a frame: %s", self.address, reason)
                 return Refusal.WRONG_SIZE
-            await link.recv_probed(buffer, probe, _payload_timeout(self._timeout_s, buffer.nbytes))
+            landing = bytearray(len(WRITTEN)) if in_place else buffer
+            await link.recv_probed(landing, probe, _payload_timeout(self._timeout_s, buffer.nbytes))
         except Exception as error:
             self._fail_landing(link, request_id, error)
             raise
@@ -631,7 +691,8 @@ class UCXSender:
     payload may be host bytes or, where `carries_device_memory`, GPU bytes sent with no host copy."""
 
     def __init__(self, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
-                 max_endpoints_per_peer: int = 4, transports: str | None = None) -> None:
+                 max_endpoints_per_peer: int = 4, transports: str | None = None, shared_memory: bool = True,
+                 segment_dir: str = shm.SHM_DIR) -> None:
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._max_endpoints = max_endpoints_per_peer
@@ -640,30 +701,80 @@ class UCXSender:
         self._busy: set[_Link] = set()
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._linked: set[str] = set()  # peers this sender has connected to (logged once each)
+        # Receivers on this host get payloads through shared memory (`shm.py`), unless this is off.
+        self._host = shm.host_identity() if shared_memory else ""
+        self._segment_dir = segment_dir
+        self._mappings = shm.Mappings()
         self._closed = False
 
     @property
     def carries_device_memory(self) -> bool:
         return ucx_carries_device_memory(self._transports)
 
-    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:
-        """Deliver one frame; returns once the payload landed in the receiver's buffer.
+    def transport_to(self, address: str, token: str = "") -> str:
+        """"shm" when the receiver at `address` is on this host (its address names this host's
+        identity), shared memory is on and (given the transfer's `token`) the receiver made a segment
+        for it; else "ucx" (UCX's transports: TCP here)."""
+        same = shm.SameHost.of(address)
+        if not self._host or same is None or same.host != self._host:
+            return shm.TRANSPORT_UCX
+        if token:
+            try:
+                path = shm.segment_path(same.receiver_id, token, self._segment_dir)
+            except TransferError:
+                return shm.TRANSPORT_UCX
+            return shm.TRANSPORT_SHM if os.path.exists(path) else shm.TRANSPORT_UCX
+        return shm.TRANSPORT_SHM
+
+    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> str:
+        """Deliver one frame; returns once the payload landed in the receiver's buffer, with the
+        transport it took: "shm" (written into the receiver's segment on this host) or "ucx".
 
         Raises TransferError if the receiver is unreachable, dies, times out or refuses the frame
         (then `FrameRefused`, with its code); ValueError if `payload` differs from `header.nbytes`.
+        A receiver on this host without a segment for the transfer gets it over UCX.
         """
-        await self.send_raw(address, header.to_bytes(), checked_payload(header, payload))
+        payload = checked_payload(header, payload)
+        path = self._segment_of(address, header, payload)
+        with contextlib.ExitStack() as mapped:
+            try:
+                target = None if path is None else mapped.enter_context(
+                    self._mappings.window(path, header.first_block * header.block_nbytes, header.nbytes))
+            except OSError as error:  # none for this transfer (ordinary memory, a GPU buffer), or unusable
+                log.debug("no shared-memory segment for %s at %s (%s): sending it over UCX",
+                          header.request_id, address, error)
+                target = None
+            if target is not None:
+                await self.send_raw(address, replace(header, in_place=True).to_bytes(), payload,
+                                    write=lambda: shm.copy_in_chunks(target, host_only(payload)))
+                return shm.TRANSPORT_SHM
+        await self.send_raw(address, header.to_bytes(), payload)
+        return shm.TRANSPORT_UCX
+
+    def _segment_of(self, address: str, header: KVHeader, payload: KVBytes) -> str | None:
+        """The receiver's segment for this transfer, if it is on this host and the payload in host memory."""
+        if is_device_bytes(payload) or not header.token or self.transport_to(address) != shm.TRANSPORT_SHM:
+            return None
+        same = shm.SameHost.of(address)
+        assert same is not None
+        try:
+            return shm.segment_path(same.receiver_id, header.token, self._segment_dir)
+        except TransferError:
+            return None  # a token that names no file (not hex): over UCX, where the receiver judges it
 
     async def send_raw(self, address: str, header_bytes: bytes, payload: KVBytes,
-                       declared_length: int | None = None) -> None:
-        """Send a frame with the header bytes (and length prefix) given as is: tests, diagnostics."""
+                       declared_length: int | None = None,
+                       write: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Send a frame with the header bytes (and length prefix) given as is: tests, diagnostics.
+        With `write` (an in-place frame), the payload is not sent: `write()` puts it in place once the
+        header is out, and the `WRITTEN` marker follows."""
         if self._closed:
             raise TransferError("the sender is closed")
         slot = self._slots.setdefault(address, asyncio.Semaphore(self._max_endpoints))
         async with slot:
             link = await self._checkout(address)
             code = await self._exchange(link, address, header_bytes, readable_bytes(payload),
-                                        len(header_bytes) if declared_length is None else declared_length)
+                                        len(header_bytes) if declared_length is None else declared_length, write)
         if code != Refusal.OK:
             raise FrameRefused(_refusal(code), f"by {address} (ack {code})")
 
@@ -707,14 +818,19 @@ class UCXSender:
                 raise TransferError(f"cannot connect to {address}: {error!r}") from error
 
     async def _exchange(self, link: _Link, address: str, header_bytes: bytes, payload: KVBytes,
-                        length: int) -> int:
-        """Send prefix, header and payload, wait for the ack; the endpoint goes back to the pool
-        only if the exchange completed (a broken one is aborted: its stream is out of step)."""
+                        length: int, write: Callable[[], Awaitable[None]] | None = None) -> int:
+        """Send prefix, header and payload (or, in place, write it and send the marker), wait for the
+        ack; the endpoint goes back to the pool only if the exchange completed (a broken one is
+        aborted: its stream is out of step)."""
         ack = bytearray(1)
         try:
             await link.send(bytearray(PREFIX.pack(length)), self._timeout_s)
             await link.send(bytearray(header_bytes), self._timeout_s)
-            await link.send(payload, _payload_timeout(self._timeout_s, payload.nbytes))
+            if write is None:
+                await link.send(payload, _payload_timeout(self._timeout_s, payload.nbytes))
+            else:
+                await write()
+                await link.send(bytearray(WRITTEN), self._timeout_s)
             await link.recv(ack, self._timeout_s)
         except BaseException as error:
             self._busy.discard(link)
@@ -740,3 +856,4 @@ class UCXSender:
             link.abort()
         self._busy.clear()
         await asyncio.sleep(0)
+        self._mappings.close()

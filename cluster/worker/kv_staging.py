@@ -13,7 +13,9 @@ them in a host buffer that `import_kv` copies into the cache. On a GPU there are
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -47,10 +49,16 @@ def to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def landing_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                   direct: bool = False) -> torch.Tensor:
+def landing_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, direct: bool = False,
+                   shared: Callable[[int], memoryview | None] | None = None) -> torch.Tensor:
     """Memory a decode worker receives a prompt's KV into, before `import_kv` writes it into a cache
-    on `device`: on that GPU if `direct`, else host memory (pinned when the cache is on a GPU)."""
+    on `device`: on that GPU if `direct`, else host memory (pinned when the cache is on a GPU). For
+    a CPU cache, `shared(nbytes)` may give the memory: the receiver's shared-memory segment, which a
+    sender on the same host writes straight into."""
     if device.type == "cuda" and direct:
         return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = shared(nbytes) if shared is not None and device.type == "cpu" and nbytes else None
+    if memory is not None:
+        return torch.frombuffer(memory, dtype=dtype).view(shape)
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")

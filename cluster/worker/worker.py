@@ -446,10 +446,13 @@ class Worker:
                               head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
                               first_token_id=export.first_token_id or 0, nbytes=data.numel() * data.element_size(),
                               first_block=export.first_block, last=export.last, token=ticket.token)
+            transport = self.sender.transport_to(ticket.address, ticket.token)
             started = time.perf_counter()
             try:
-                with self.traces.kv_send(request_id, header, _transport_of(self.sender)) as header:
-                    await self.sender.send(ticket.address, header, wire_bytes(data, self._direct(self.sender)))
+                with self.traces.kv_send(request_id, header, transport) as header:
+                    stats.transport = await self.sender.send(ticket.address, header,
+                                                             wire_bytes(data, self._direct(self.sender))) \
+                        or _transport_of(self.sender)
             except Exception as error:
                 self.transfer_failures += 1
                 log.warning("%s (%s): KV of %s to %s failed (%s)", self.worker_id,
@@ -495,9 +498,10 @@ class Worker:
             return None
         runner = self.engine.runner
         direct = self._direct(self.receiver)
-        staging = landing_buffer((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
-                                 runner.dtype, runner.device, direct)
         ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.dtype)
+        staging = landing_buffer((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
+                                 runner.dtype, runner.device, direct,
+                                 lambda nbytes: self.receiver.landing_memory(ticket.token, nbytes))  # type: ignore[union-attr]
         arrived = self.receiver.expect(request_id, wire_bytes(staging, direct), ticket.token)
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
         return ticket

@@ -91,6 +91,8 @@ def test_two_prefill_two_decode_equal_the_engine_alone(checkpoint: Path, mode: s
         if mode == "disaggregated":
             transfers = [t for w in cluster.prefill for t in ray.get(w.transfers.remote(), timeout=30)]
             assert len(transfers) == len(PROMPTS) and all(t.nbytes > 0 for t in transfers)
+            # Workers on one host: the KV went through shared memory (kv_shared_memory, on by default).
+            assert {t.transport for t in transfers} == {"shm"}
     finally:
         cluster.stop()
 

@@ -4,6 +4,10 @@
                                       "failed ID ERROR" each; exit 3 if any failed
     receive ID:NBYTES ...             listen, print "address ADDRESS", expect each id, print
                                       "received ID CRC32" as each lands; serve until killed
+    receive-shm DIR ID:NBYTES:TOKEN   the same, each landing in a shared-memory segment in DIR
+    stall-shm DIR ADDRESS ID:NBYTES:TOKEN:SEED
+                                      send the first half-block frame of the payload in place, copy
+                                      half of it, print "stalled" and hang there until killed
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import zlib
+from dataclasses import replace
 
 import numpy as np
 
+from cluster.transfer import shm
 from cluster.transfer.connector import KVHeader, TransferError
 from cluster.transfer.ucx import UCXReceiver, UCXSender, reset_ucx
 
@@ -26,6 +32,13 @@ def payload(nbytes: int, seed: int) -> np.ndarray:
 def header(request_id: str, nbytes: int) -> KVHeader:
     return KVHeader(request_id=request_id, num_tokens=16, num_blocks=1, block_size=16, num_layers=1,
                     num_kv_heads=1, head_dim=64, dtype="uint8", first_token_id=nbytes % 1000, nbytes=nbytes)
+
+
+def frames(request_id: str, nbytes: int, token: str, count: int = 2) -> list[KVHeader]:
+    """`count` frames of one block each carrying `nbytes` in all (a multiple of `count`)."""
+    return [KVHeader(request_id=request_id, num_tokens=16 * count, num_blocks=1, block_size=16, num_layers=1,
+                     num_kv_heads=1, head_dim=64, dtype="uint8", first_token_id=7, nbytes=nbytes // count,
+                     first_block=index, last=index == count - 1, token=token) for index in range(count)]
 
 
 async def send(address: str, specs: list[str]) -> int:
@@ -45,16 +58,35 @@ async def send(address: str, specs: list[str]) -> int:
     return code
 
 
-async def receive(specs: list[str]) -> int:
-    receiver = UCXReceiver(timeout_s=5.0)
+async def receive(specs: list[str], segment_dir: str = "") -> int:
+    receiver = UCXReceiver(timeout_s=5.0, shared_memory=bool(segment_dir), segment_dir=segment_dir or shm.SHM_DIR)
     await receiver.start()
-    print("address", receiver.address, flush=True)
     for spec in specs:
-        request_id, nbytes = spec.split(":")
-        buffer = np.zeros(int(nbytes), dtype=np.uint8)
-        done = receiver.expect(request_id, memoryview(buffer))
+        request_id, nbytes, *token = spec.split(":")
+        landing = receiver.landing_memory(token[0], int(nbytes)) if token else None
+        buffer = np.frombuffer(landing, dtype=np.uint8) if landing else np.zeros(int(nbytes), dtype=np.uint8)
+        done = receiver.expect(request_id, memoryview(buffer), *token)
         done.add_done_callback(lambda _, i=request_id, b=buffer: print("received", i, zlib.crc32(b), flush=True))
+    print("address", receiver.address, flush=True)  # once every transfer is expected
     await asyncio.Event().wait()  # until killed
+    return 0
+
+
+async def stall(segment_dir: str, address: str, spec: str) -> int:
+    """Send a frame in place and hang halfway through its copy (a sender killed mid-copy)."""
+    request_id, nbytes, token, seed = spec.split(":")
+    data, first = payload(int(nbytes), int(seed)), frames(request_id, int(nbytes), token)[0]
+    same = shm.SameHost.of(address)
+    assert same is not None, "the receiver offers no shared memory"
+
+    async def write_half_and_hang() -> None:
+        with shm.Mappings().window(shm.segment_path(same.receiver_id, token, segment_dir), 0, first.nbytes) as target:
+            target[:first.nbytes // 2] = memoryview(data)[:first.nbytes // 2]
+        print("stalled", flush=True)
+        await asyncio.Event().wait()
+
+    await UCXSender(timeout_s=5.0).send_raw(address, replace(first, in_place=True).to_bytes(),
+                                             memoryview(data)[:first.nbytes], write=write_half_and_hang)
     return 0
 
 
@@ -64,6 +96,10 @@ def main(argv: list[str]) -> int:
         code = asyncio.run(send(rest[0], rest[1:]))
         reset_ucx()
         return code
+    if command == "stall-shm":
+        return asyncio.run(stall(*rest))
+    if command == "receive-shm":
+        return asyncio.run(receive(rest[1:], rest[0]))
     return asyncio.run(receive(rest))
 
 
