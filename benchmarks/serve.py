@@ -55,12 +55,15 @@ class ServerSettings:
     model: str = "default"
     threads: int = 1
     cluster: bool = False  # the Ray cluster (1 prefill + 1 decode worker) instead of one local engine
+    colocated: bool = False  # with `cluster`: one colocated worker instead
     max_num_batched_tokens: int = 2048
     kv_cache_memory_gb: float = 1.0
     config: str = ""  # a cluster YAML file (`--config`)
 
     def command(self) -> list[str]:
         backend = ["--num-prefill", "1", "--num-decode", "1"] if self.cluster else ["--local"]
+        if self.cluster and self.colocated:
+            backend = ["--mode", "colocated", "--num-decode", "1"]
         if self.config:
             backend += ["--config", self.config]
         return [sys.executable, "-m", "cluster.cli", "serve", *backend, "--model", self.model,

@@ -1,17 +1,22 @@
-"""Serving against the engine alone, and the workers' threads (issue 21, items 2 and 3).
+"""Serving against the engine alone: where the throughput goes between them (issue 21, items 2 and 3).
 
-    python -m benchmarks.serve_threads                   # 64 requests at once, 2 repeats, ~10 minutes
-    python -m benchmarks.serve_threads --requests 32 --repeats 1
+    python -m benchmarks.serve_threads                   # 64 requests at once, 2 repeats, ~12 minutes
+    python -m benchmarks.serve_threads --requests 32 --repeats 1 --arms "engine alone" "1 prefill + 1 decode"
 
-Three arms on one workload (prompts ~128 tokens, outputs 64 tokens, EOS ignored, all sent at once),
-run in alternating order so the machine's drift hits each alike:
+Arms on one workload (prompts ~128 tokens, outputs 64 tokens, EOS ignored, all sent at once), run in
+alternating order so the machine's drift hits each alike, each one step further from the engine:
 - `engine alone`: one `LLMEngine` in this process, stepped until done (torch's threads: all cores);
-- `cluster, 1 thread each`: `pdserve serve` (1 prefill + 1 decode worker on Ray) over HTTP with
-  OMP_NUM_THREADS=1, what each worker computed on before the threads followed the load;
-- `cluster, threads follow the load`: the same, without OMP_NUM_THREADS: a busy worker computes on
-  every core no other busy worker holds (`cluster.worker.node_cores`).
-Every arm uses dtype auto. Output tokens per second of each, and each cluster arm over the engine
-alone, go to benchmarks/results/serve-threads.json.
+- `HTTP, engine in the gateway`: `pdserve serve --local` (the same engine behind the HTTP door):
+  what the door, detokenizing and streaming cost;
+- `cluster, 1 colocated worker`: `pdserve serve --mode colocated` with one worker on Ray: what the
+  router and the hops across processes add (the same worker count as the engine alone);
+- `1 prefill + 1 decode`: `make serve`'s layout, threads following the load (a busy worker computes
+  on every core no other busy worker holds, `cluster.worker.node_cores`): what splitting the
+  phases across two workers costs or gains on this machine;
+- `1 prefill + 1 decode, 1 thread each` (only with `--arms`): OMP_NUM_THREADS=1, as before the
+  threads followed the load.
+Every arm uses dtype auto. Output tokens per second of each, and each arm over the engine alone, go
+to benchmarks/results/serve-threads.json.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 from benchmarks.common import machine, print_table, save
@@ -27,7 +33,8 @@ from benchmarks.serve import ServerSettings, measure, running_server
 from cluster.bench.serving import LoadConfig
 from cluster.bench.workloads import WorkloadConfig, build_workload
 
-ARMS = ("engine alone", "cluster, 1 thread each", "cluster, threads follow the load")
+ARMS = ("engine alone", "HTTP, engine in the gateway", "cluster, 1 colocated worker", "1 prefill + 1 decode")
+ALL_ARMS = (*ARMS, "1 prefill + 1 decode, 1 thread each")
 
 
 def engine_alone(workload: WorkloadConfig) -> float:
@@ -48,13 +55,13 @@ def engine_alone(workload: WorkloadConfig) -> float:
     return sum(request.max_tokens for request in requests) / (time.perf_counter() - started)
 
 
-def cluster(workload: WorkloadConfig, threads: int) -> float:
+def served(workload: WorkloadConfig, settings: ServerSettings) -> float:
     """Output tokens per second over HTTP. Admission by expected wait is off: the burst is the load
     measured, and a request refused early (429) would count as throughput not served."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as config:
         config.write("max_prefill_wait_s: 0\nmax_decode_wait_s: 0\n")
         config.flush()
-        with running_server(ServerSettings(cluster=True, threads=threads, config=config.name)) as url:
+        with running_server(replace(settings, config=config.name if settings.cluster else "")) as url:
             point = measure(url, workload, LoadConfig(warmup=1))
     if point["failed"]:
         raise RuntimeError(f"{point['failed']} requests failed: the arms would not compare")
@@ -62,9 +69,13 @@ def cluster(workload: WorkloadConfig, threads: int) -> float:
 
 
 def run_arm(arm: str, workload: WorkloadConfig) -> float:
-    if arm == ARMS[0]:
-        return engine_alone(workload)
-    return cluster(workload, 1 if arm == ARMS[1] else 0)
+    settings = {
+        ARMS[1]: ServerSettings(threads=0),
+        ARMS[2]: ServerSettings(threads=0, cluster=True, colocated=True),
+        ARMS[3]: ServerSettings(threads=0, cluster=True),
+        ALL_ARMS[4]: ServerSettings(threads=1, cluster=True),
+    }
+    return engine_alone(workload) if arm == ARMS[0] else served(workload, settings[arm])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,20 +83,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--arms", nargs="+", choices=ALL_ARMS, default=list(ARMS),
+                        help="the first is the baseline the others are divided by")
     args = parser.parse_args(argv)
     info = machine("benchmarks.serve_threads")
     workload = WorkloadConfig(num_requests=args.requests, input_len=128, output_len=args.output_len,
                               output_sigma=0.0)
-    runs: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    runs: dict[str, list[float]] = {arm: [] for arm in args.arms}
     for repeat in range(args.repeats):
-        for arm in ARMS if repeat % 2 == 0 else tuple(reversed(ARMS)):
+        for arm in args.arms if repeat % 2 == 0 else tuple(reversed(args.arms)):
             runs[arm].append(run_arm(arm, workload))
             print(f"{arm}: {runs[arm][-1]:.1f} output tokens/s")
     medians = {arm: statistics.median(values) for arm, values in runs.items()}
-    alone = medians[ARMS[0]]
+    alone = medians[args.arms[0]]
     rows = [[arm, value, value / alone] for arm, value in medians.items()]
     print_table(f"{args.requests} requests at once, {args.output_len} output tokens each (medians of {args.repeats})",
-                ["arm", "output tok/s", "/ engine alone"], rows)
+                ["arm", "output tok/s", f"/ {args.arms[0]}"], rows)
     data: dict[str, Any] = {"workload": {"requests": args.requests, "input_len": 128, "output_len": args.output_len},
                             "runs": runs, "median_tokens_per_s": medians,
                             "ratio_to_engine_alone": {arm: value / alone for arm, value in medians.items()}}
