@@ -4,7 +4,7 @@ Each look (`ScalingConfig.interval_s`) the controller (`cluster.ray_cluster.scal
 worker's load and turns the loads of one pool into `PoolSignals`, measured over the time since its
 last look from the request-time histograms the workers already count for /metrics:
 
-- queue depth: requests waiting per worker now (every pool);
+- queue depth: requests waiting for a running slot per worker now (every pool; `queued`);
 - TTFT: the p90 of the time a prompt waited plus the time it computed (prefill and colocated pools);
 - ITL: seconds per generated token, decode time over tokens generated (decode and colocated pools).
 
@@ -86,12 +86,18 @@ def quantile(counts: BucketCounts | None, q: float) -> float:
     return counts.bounds[-1]
 
 
+def queued(load: WorkerLoad) -> int:
+    """Requests on a worker that wait for a running slot: its engine's waiting queue or, on a decode
+    worker, those it holds beyond the running ones (reserved, or landed and waiting for a slot)."""
+    return max(load.num_waiting, load.num_held - load.num_running)
+
+
 def pool_signals(role: str, before: dict[str, WorkerLoad], loads: list[WorkerLoad]) -> PoolSignals:
     """The signals of the pool of `role` whose workers' loads are `loads` now and were `before`
     (by worker id) at the last look."""
     if not loads:
         return PoolSignals(0)
-    queue_depth = sum(load.num_waiting for load in loads) / len(loads)
+    queue_depth = sum(queued(load) for load in loads) / len(loads)
     ttft = itl = 0.0
     if role in (Role.PREFILL, Role.COLOCATED):
         ttft = quantile(_summed(QUEUE_TIME, before, loads), TTFT_QUANTILE) + \

@@ -398,7 +398,8 @@ class Worker:
                                                                             counts=list(self.transfer_exposed.counts))},
                           stats.num_swapped, self.engine.config.scheduler.preemption_mode == "swap",
                           {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
-                          dtype=self.engine.dtype, threads=self.threads, draining=self.draining)
+                          dtype=self.engine.dtype, threads=self.threads, num_held=len(self.streams),
+                          draining=self.draining)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""

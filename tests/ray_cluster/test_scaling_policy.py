@@ -27,7 +27,8 @@ CALM = PoolSignals(workers=1, queue_depth=1.0)  # under the target, over its low
 IDLE = PoolSignals(workers=2)
 
 
-def load(worker_id: str, waiting: int = 0, started_at: float = 1.0, **histograms: list[int]) -> WorkerLoad:
+def load(worker_id: str, waiting: int = 0, started_at: float = 1.0, running: int = 0, held: int = 0,
+         **histograms: list[int]) -> WorkerLoad:
     """A decode worker's load whose histograms count `histograms[name]` per bucket (names by keyword)."""
     names = {"queue": QUEUE_TIME, "prefill": PREFILL_TIME, "decode": DECODE_TIME, "tokens": GENERATION_TOKENS}
     counted = {}
@@ -37,7 +38,8 @@ def load(worker_id: str, waiting: int = 0, started_at: float = 1.0, **histograms
             for _ in range(count):
                 bucket.observe(([*BOUNDS, 10.0])[index])
         counted[names[key]] = bucket
-    return WorkerLoad(worker_id, "decode", 0, waiting, 10, 10, 0.0, started_at=started_at, histograms=counted)
+    return WorkerLoad(worker_id, "decode", running, waiting, 10, 10, 0.0, started_at=started_at, histograms=counted,
+                      num_held=held)
 
 
 def test_a_pool_over_its_target_grows_only_once_it_held_for_sustain_s() -> None:
@@ -119,6 +121,12 @@ def test_signals_count_only_what_happened_since_the_last_look() -> None:
     signals = pool_signals("decode", before, [now, load("decode-1", waiting=1)])
     assert signals.workers == 2 and signals.queue_depth == 2.0
     assert signals.itl_s == pytest.approx(2 * 1.0 / 20)
+
+
+def test_a_decode_worker_queues_what_it_holds_beyond_its_running_requests() -> None:
+    """Its engine's waiting queue stays empty: reserved requests and landed ones wait apart."""
+    signals = pool_signals("decode", {}, [load("decode-0", running=2, held=7), load("decode-1", running=1, held=1)])
+    assert signals.queue_depth == 2.5
 
 
 def test_a_restarted_worker_is_counted_from_zero() -> None:
