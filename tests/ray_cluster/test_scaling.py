@@ -82,11 +82,11 @@ def test_a_load_step_adds_a_decode_worker_and_removing_it_drains_every_request(c
         await until(lambda: _is(pools(), "decode", 2), "the controller never added a decode worker")
         added = ray.get_actor(f"pdserve-{cluster.uid}-decode-1", namespace=RAY_NAMESPACE)
         await added.__ray_call__.remote(pace_steps(STEP_S))
-        after = Wave(cluster, "after", prompts, params)  # decode-0 is still busy with the step
+        after = Wave(cluster, "after", prompts[:4], params)  # decode-0 is still busy with the step
         await until(lambda: _streaming_on(after, "decode-1"), "no request went to the new worker")
         removed = await cluster.scaler.scale.remote("decode", "down")  # while it holds requests
         assert removed == "decode-1"
-        assert await step.done() == expected and await after.done() == expected  # every token, nothing twice
+        assert await step.done() == expected and await after.done() == expected[:4]  # every token, none twice
         return step, after
 
     try:
