@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolBounds, PoolConfig, ScalingConfig
@@ -98,7 +99,12 @@ def test_a_load_step_adds_a_decode_worker_and_removing_it_drains_every_request(c
         assert status["last"]["direction"] == "down" and status["last"]["worker"] == "decode-1"
         assert sorted(ray.get(cluster.router.live_workers.remote(), timeout=30)) == ["decode-0", "prefill-0"]
         assert_pools_whole(cluster)
-        scraped = samples(asyncio.run(_scrape(cluster)))
+        text = asyncio.run(_scrape(cluster))
+        documented = (Path(__file__).parents[2] / "docs" / "observability.md").read_text()
+        families = {"pdserve:scaling_decisions", "pdserve:pool_workers"}
+        assert families <= {family.name for family in text_string_to_metric_families(text)}
+        assert all(f"`{name}`" in documented for name in families)
+        scraped = samples(text)
         assert {labels: v for (name, labels), v in scraped.items() if name == "pdserve:scaling_decisions_total"} == {
             (("direction", "down"), ("pool", "decode"), ("reason", "manual")): 1.0,
             (("direction", "up"), ("pool", "decode"), ("reason", "queue_depth")): 1.0}
