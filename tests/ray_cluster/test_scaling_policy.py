@@ -157,3 +157,14 @@ def test_the_scaling_section_is_read_and_checked() -> None:
         ScalingConfig(sustain_s=-1)
     with pytest.raises(ValueError, match="scaling.scale_down_below"):
         ScalingConfig(scale_down_below=1.0)
+
+
+def test_pdserve_status_prints_the_pools_and_the_last_decision() -> None:
+    from cluster.cli import scaling_line
+
+    status = {"pools": {"prefill": 1, "decode": 2}, "last": {"pool": "decode", "direction": "up",
+                                                             "reason": "queue_depth", "detail": "queue_depth 3 > 2",
+                                                             "worker": "decode-1"}}
+    assert scaling_line(status) == "scaling: 2 decode, 1 prefill; last: decode up (queue_depth: queue_depth 3 > 2), " \
+                                   "decode-1"
+    assert scaling_line({"pools": {"decode": 1}, "last": {}}) == "scaling: 1 decode; no decision yet"
