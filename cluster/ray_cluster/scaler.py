@@ -98,6 +98,10 @@ class Scaler:
         worker_id, name = f"{role}-{index}", actor_name(self.uid, role, index)
         handle = make_worker(self.config, self.uid, role, index, self.gpus[role])
         await handle.start.remote()  # its model loaded and warmed up before any request comes
+        failure = (await control(handle.load).remote()).failure
+        if failure:  # routed to, it would fail requests: ended, and the pool stays as it was
+            await self._end(handle)
+            raise RuntimeError(f"scaling: the new worker {worker_id} cannot serve: {failure}")
         self.pools[role].append((worker_id, name, handle))
         await asyncio.gather(*(control(router.add_worker).remote(role, worker_id, name) for router in self.routers))
         log.warning("scaling: %s serves (%d %s workers)", worker_id, len(self.pools[role]), role)
