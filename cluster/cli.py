@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -305,7 +306,18 @@ def command_status(args: argparse.Namespace) -> int:
     for w in status["workers"]:
         if w.get("failure"):
             console.print(f"[red]{w['worker_id']}[/red] ({w.get('device', '?')}): {w['failure']}")
+    if status.get("scaling"):
+        console.print(scaling_line(status["scaling"]))
     return 0
+
+
+def scaling_line(scaling: dict[str, Any]) -> str:
+    """The live controller's pool sizes and its last decision, on one line."""
+    pools = ", ".join(f"{size} {pool}" for pool, size in sorted(scaling.get("pools", {}).items()))
+    last = scaling.get("last") or {}
+    said = (f"last: {last['pool']} {last['direction']} ({last['reason']}: {last['detail']}), {last['worker']}"
+            if last else "no decision yet")
+    return f"scaling: {pools}; {said}"
 
 
 def command_stop_workers(args: argparse.Namespace) -> int:

@@ -113,3 +113,7 @@ class WorkerLoad:
     cache_config: dict[str, str] = field(default_factory=dict)  # the engine's CacheConfig, for cache_config_info
     dtype: str = ""  # its weights' and KV cache's dtype ("auto" resolved on its own hardware)
     threads: int = 0  # torch threads its engine computed its last step on (they follow the host's load)
+    # Requests it holds, whatever their state (running, waiting, reserved for their KV, landed and
+    # waiting for a slot): a decode worker's queue is these beyond its running ones.
+    num_held: int = 0
+    draining: bool = False  # it takes no new requests: it finishes those it holds, then leaves

@@ -137,6 +137,7 @@ class _Snapshot(Collector):
         self.loads: list[WorkerLoad] = []
         self.decisions: dict[str, int] = {}
         self.extra: dict[str, float] = {}
+        self.scaling: dict[str, Any] = {}  # the live controller's `Scaler.status` (empty: it is off)
 
     def collect(self) -> Iterator[Metric]:
         if self.export_workers:
@@ -147,6 +148,21 @@ class _Snapshot(Collector):
         yield decisions
         for name, total in self.extra.items():
             yield CounterMetricFamily(name, "See docs/observability.md.", value=total)
+        if self.scaling:
+            yield from self._scaling_families()
+
+    def _scaling_families(self) -> Iterator[Metric]:
+        """The live controller's decisions and the pools' sizes."""
+        decisions = CounterMetricFamily("pdserve:scaling_decisions", "Pools grown or shrunk by the live controller.",
+                                        labels=["pool", "direction", "reason"])
+        for pool, direction, reason, count in self.scaling.get("decisions", []):
+            decisions.add_metric([pool, direction, reason], count)
+        yield decisions
+        sizes = GaugeMetricFamily("pdserve:pool_workers", "Workers in each pool (the live controller's).",
+                                  labels=["pool"])
+        for pool, size in self.scaling.get("pools", {}).items():
+            sizes.add_metric([pool], size)
+        yield sizes
 
     def _labels(self, load: WorkerLoad) -> list[str]:
         return [self.model_name, load.worker_id, load.role]
@@ -218,5 +234,6 @@ class ClusterMetrics:
             found = await source()
             decisions.update(found.get("decisions", {}))
             extra.update(found.get("counters", {}))
+            self.snapshot.scaling = found.get("scaling", self.snapshot.scaling)
         self.snapshot.decisions, self.snapshot.extra = decisions, extra
         return generate_latest(self.registry)

@@ -16,6 +16,18 @@ worker_wait_s: 60          # with no live worker of a role, a request waits this
 max_prefill_wait_s: 10     # refuse new prompts (429) past this many seconds of prompts queued per prefill worker
 max_decode_wait_s: 10      # and new requests that every decode worker would keep waiting this long for a slot
 tracing: {endpoint: "", sample_ratio: 1.0}  # OTLP/gRPC collector for traces (docs/observability.md, Traces); "": off
+scaling:                   # the live controller (docs/deploy.md, Scaling live); off unless enabled
+  enabled: false
+  prefill: {min_workers: 1, max_workers: 4}
+  decode: {min_workers: 1, max_workers: 4}
+  ttft_s: 2.0              # targets: a prefill pool whose queue + prefill p90 passes this grows
+  itl_s: 0.2               # a decode pool whose seconds per generated token pass this grows
+  queue_depth: 4           # a pool whose workers have more waiting requests each than this grows
+  scale_down_below: 0.3    # a pool under this fraction of every target, nothing waiting, shrinks
+  sustain_s: 10            # a signal must hold this long before acting
+  cooldown_s: 60           # no other decision on a pool this long after one
+  interval_s: 1            # how often the controller looks
+  drain_timeout_s: 120     # a draining worker's requests still there then are handed off (resumed)
 attach: false              # start no workers: route to those listed in redis_url's registry
 name: ""                   # with ray_address: workers outlive the gateway; one started again takes them over
 engine:
@@ -79,6 +91,57 @@ class PoolConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolBounds:
+    """How small and how large the live controller may make one pool."""
+
+    min_workers: int = 1
+    max_workers: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError(f"scaling bounds need 1 <= min_workers <= max_workers, got {self.min_workers} and "
+                             f"{self.max_workers}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingConfig:
+    """The live controller (`cluster.ray_cluster.scaler`): its bounds, targets and hysteresis. A target
+    of 0 is not watched."""
+
+    enabled: bool = False
+    prefill: PoolBounds = field(default_factory=PoolBounds)
+    decode: PoolBounds = field(default_factory=PoolBounds)
+    ttft_s: float = 2.0
+    itl_s: float = 0.2
+    queue_depth: float = 4.0
+    scale_down_below: float = 0.3
+    sustain_s: float = 10.0
+    cooldown_s: float = 60.0
+    interval_s: float = 1.0
+    drain_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for key in ("ttft_s", "itl_s", "queue_depth", "sustain_s", "cooldown_s", "drain_timeout_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"scaling.{key} must be >= 0, got {getattr(self, key)}")
+        if self.interval_s <= 0:
+            raise ValueError(f"scaling.interval_s must be > 0, got {self.interval_s}")
+        if not 0 <= self.scale_down_below < 1:
+            raise ValueError(f"scaling.scale_down_below must be in [0, 1), got {self.scale_down_below}")
+
+    def bounds(self, role: str) -> PoolBounds:
+        """The bounds of the pool of `role` (a colocated pool takes the decode pool's)."""
+        return self.prefill if role == "prefill" else self.decode
+
+
+def scaling_config_from(values: dict[str, Any]) -> ScalingConfig:
+    """The YAML `scaling:` section, its pools' bounds as nested mappings."""
+    pools: dict[str, PoolBounds] = {pool: PoolBounds(**values[pool]) for pool in ("prefill", "decode")
+                                    if pool in values}
+    return ScalingConfig(**{**values, **pools})
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     mode: str = Mode.DISAGGREGATED
     prefill: PoolConfig = field(default_factory=PoolConfig)
@@ -114,6 +177,7 @@ class ClusterConfig:
     # OpenTelemetry traces (docs/observability.md, Traces): every process exports its spans to `endpoint` over OTLP;
     # off (and free) without one.
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)  # the live controller; off by default
 
     def __post_init__(self) -> None:
         for key, choices in (("mode", tuple(map(str, Mode))), ("transport", TRANSPORTS),
@@ -138,6 +202,19 @@ class ClusterConfig:
             raise ValueError("decode.replicas must be >= 1: decode workers serve every request")
         if self.mode == Mode.DISAGGREGATED and self.prefill.replicas < 1:
             raise ValueError("prefill.replicas must be >= 1 in disaggregated mode (or use mode: colocated)")
+        self._check_scaling()
+
+    def _check_scaling(self) -> None:
+        if not self.scaling.enabled:
+            return
+        if self.attach:
+            raise ValueError("scaling and attach exclude each other: an attached gateway starts no workers")
+        pools = [("decode", self.decode)] + ([("prefill", self.prefill)] if self.mode == Mode.DISAGGREGATED else [])
+        for name, pool in pools:
+            bounds = self.scaling.bounds(name)
+            if not bounds.min_workers <= pool.replicas <= bounds.max_workers:
+                raise ValueError(f"{name}.replicas ({pool.replicas}) must lie within scaling.{name}'s min_workers "
+                                 f"({bounds.min_workers}) and max_workers ({bounds.max_workers})")
 
     def _check_name(self) -> None:
         if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", self.name):  # a DNS label, as a Helm release
@@ -198,9 +275,12 @@ def cluster_config_from(values: dict[str, Any]) -> ClusterConfig:
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"unknown cluster config keys {sorted(unknown)}; known: {sorted(known)}")
-    kwargs: dict[str, Any] = {k: v for k, v in values.items() if k not in ("prefill", "decode", "engine", "tracing")}
+    kwargs: dict[str, Any] = {k: v for k, v in values.items()
+                              if k not in ("prefill", "decode", "engine", "tracing", "scaling")}
     if "tracing" in values:
         kwargs["tracing"] = TracingConfig(**values["tracing"])
+    if "scaling" in values:
+        kwargs["scaling"] = scaling_config_from(values["scaling"])
     for pool in ("prefill", "decode"):
         if pool in values:
             kwargs[pool] = PoolConfig(**values[pool])

@@ -31,7 +31,9 @@ from cluster.observability import tracing
 from cluster.ray_cluster.channels import Inboxes
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.router import Router, RouterConfig
-from cluster.ray_cluster.worker_actor import CONCURRENCY_GROUPS, RAY_NAMESPACE, control, worker_actor_class
+from cluster.ray_cluster.scaler import Scaler
+from cluster.ray_cluster.worker_actor import CONCURRENCY_GROUPS, RAY_NAMESPACE, control
+from cluster.ray_cluster.worker_pool import actor_name, make_worker, worker_spec
 from cluster.state.connect import connect_state, redacted_url
 from cluster.weights.default_model import resolve_model_path
 from cluster.weights.tokenizer import Tokenizer
@@ -79,13 +81,6 @@ def shutdown_ray() -> None:
     ray.shutdown()
 
 
-def pool_threads(pool: PoolConfig) -> int:
-    """The pool's threads per worker; 0 (follow the load) unless the operator fixed OMP_NUM_THREADS
-    for the gateway, whose environment the workers of an embedded Ray inherit."""
-    fixed = os.environ.get("OMP_NUM_THREADS", "")
-    return pool.threads or (int(fixed) if fixed.isdigit() and int(fixed) > 0 else 0)
-
-
 class Cluster:
     """The launcher: starts (or attaches to) the worker pools and the router replicas on Ray.
 
@@ -112,6 +107,7 @@ class Cluster:
         self.max_model_len = 0
         self.tokenizer: Tokenizer | None = None
         self.attached: dict[int, tuple[str, str]] = {}  # attach: handle -> (worker id, actor name) listed
+        self.scaler: Any = None  # the live controller (`config.scaling`); it holds the pools' handles then
 
     @property
     def router(self) -> Any:
@@ -154,7 +150,25 @@ class Cluster:
                                             self._named(Role.COLOCATED if colocated else Role.DECODE, self.decode),
                                             router_config)
                         for _ in range(self.config.routers)]
+        if self.config.scaling.enabled:
+            self._start_scaler()
         return self
+
+    def _start_scaler(self) -> None:
+        """The live controller (`cluster.ray_cluster.scaler`): it owns the pools from now on."""
+        import ray
+
+        colocated = self.config.mode == Mode.COLOCATED
+        role = Role.COLOCATED if colocated else Role.DECODE
+        pools = {role: self._named(role, self.decode)}
+        if not colocated:
+            pools[Role.PREFILL] = self._named(Role.PREFILL, self.prefill)
+        gpus = {role: self.gpus_per_worker(self.config.prefill if role == Role.PREFILL else self.config.decode)
+                for role in pools}
+        # max_restarts=0: a controller that died comes back with no memory of the workers it added.
+        self.scaler = ray.remote(num_cpus=0, max_restarts=0)(Scaler).remote(  # type: ignore[call-overload]
+            self.config, self.uid, self.routers, pools, gpus)
+        self.scaler.run.remote()
 
     async def _registered(self) -> tuple[list[Any], list[Any]]:
         """The (prefill, decode) workers listed in the shared registry, once a decode worker is there."""
@@ -189,7 +203,7 @@ class Cluster:
         return [(f"{role}-{index}", self._actor_name(role, index), handle) for index, handle in enumerate(handles)]
 
     def _actor_name(self, role: str, index: int) -> str:
-        return f"pdserve-{self.uid}-{role}-{index}"
+        return actor_name(self.uid, role, index)
 
     def gpus_per_worker(self, pool: PoolConfig) -> float:
         """The Ray GPUs each worker of `pool` asks for (see `PoolConfig.num_gpus`)."""
@@ -220,32 +234,13 @@ class Cluster:
         log.warning("%s: the workers wait until Ray has them (an autoscaler may add GPU nodes)", message)
 
     def _pool(self, role: str, pool: PoolConfig) -> list[Any]:
-
-        actor_class = worker_actor_class()
         num_gpus = self.gpus_per_worker(pool)  # asks Ray once per pool, not once per worker
-        # All that makes a worker what it is: a named worker left running with the same is taken over.
-        spec = (role, self.config.engine, self.config.redis_url, self.config.kv_overlap, pool.kv_interface,
-                self.config.ucx_transports, pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency,
-                self.config.worker_max_restarts, pool.threads, self.config.kv_shared_memory)
+        spec = worker_spec(self.config, role, pool, num_gpus)
         workers = []
         for index in range(pool.replicas):
-            name = self._actor_name(role, index)
-            running = self._running_worker(name, spec) if self.config.name else None
-            if running is not None:
-                workers.append(running)
-                continue
-            # max_task_retries=0: a stream cut by a worker's death is the router's to resume, not Ray's
-            # to replay from its start.
-            options = actor_class.options(num_cpus=pool.num_cpus, num_gpus=num_gpus,
-                                          resources=dict(pool.resources), name=name,
-                                          namespace=RAY_NAMESPACE, max_restarts=self.config.worker_max_restarts,
-                                          max_task_retries=0, max_concurrency=pool.max_concurrency,
-                                          lifetime="detached" if self.config.name else None)
-            workers.append(options.remote(f"{role}-{index}", role, self.config.engine, redis_url=self.config.redis_url,
-                                          overlap_transfer=self.config.kv_overlap, address=name,
-                                          kv_interface=pool.kv_interface, ucx_transports=self.config.ucx_transports,
-                                          spec=spec, traces=self.config.tracing, threads=pool_threads(pool),
-                                          kv_shared_memory=self.config.kv_shared_memory))
+            running = self._running_worker(self._actor_name(role, index), spec) if self.config.name else None
+            workers.append(running if running is not None else make_worker(self.config, self.uid, role, index,
+                                                                           num_gpus))
         return workers
 
     def _running_worker(self, name: str, spec: tuple[Any, ...]) -> Any | None:
@@ -322,19 +317,30 @@ class Cluster:
         await asyncio.gather(*(control(router.abort).remote(request_id) for router in self.routers))
 
     async def router_stats(self) -> dict[str, Any]:
-        """Every router replica's decisions and Redis fallbacks, summed (for /metrics)."""
+        """Every router replica's decisions and Redis fallbacks, summed, and the scaler's (for /metrics)."""
         decisions: dict[str, int] = {}
         fallbacks = 0
         for router in self.routers:
             for decision, count in (await control(router.stats).remote()).items():
                 decisions[decision] = decisions.get(decision, 0) + count
             fallbacks += await control(router.state_fallbacks).remote()
-        return {"decisions": decisions, "counters": {"pdserve:router_redis_fallbacks": fallbacks}}
+        stats = {"decisions": decisions, "counters": {"pdserve:router_redis_fallbacks": fallbacks}}
+        return {**stats, "scaling": await self.scaling()} if self.scaler is not None else stats
+
+    async def scaling(self) -> dict[str, Any]:
+        """The scaler's pool sizes and decisions (`Scaler.status`); empty when scaling is off."""
+        return await self.scaler.status.remote() if self.scaler is not None else {}
+
+    async def _handles(self) -> list[Any]:
+        """The workers now: the scaler's pools when it runs (it adds and removes), else those started."""
+        if self.scaler is not None:
+            return list(await self.scaler.handles.remote())
+        return self.prefill + self.decode
 
     async def workers(self) -> list[WorkerLoad]:
         """Each live worker's load; a dead one is left out."""
         loads = []
-        for worker in self.prefill + self.decode:
+        for worker in await self._handles():
             with contextlib.suppress(Exception):
                 loads.append(await control(worker.load).remote())
         return loads
@@ -346,7 +352,13 @@ class Cluster:
         import ray
 
         keep = self.config.attach or (bool(self.config.name) and not workers)
-        for worker in [] if keep else self.prefill + self.decode:
+        handles = self.prefill + self.decode
+        if self.scaler is not None:  # its pools, the workers it added too
+            with contextlib.suppress(Exception):
+                handles = ray.get(self.scaler.stop.remote(), timeout=30)
+            ray.kill(self.scaler)
+            self.scaler = None
+        for worker in [] if keep else handles:
             with contextlib.suppress(Exception):  # a dead worker needs no stopping
                 ray.get(worker.stop.remote(), timeout=30)
             ray.kill(worker)

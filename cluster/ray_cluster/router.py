@@ -158,12 +158,19 @@ class Router(ChannelHost):
         self.retired: list[Any] = []  # handles replaced by new actors under the same worker id
         self.turn = 0
         self.channels = Inboxes()  # one channel to each worker, all requests' tokens on it
+        # Workers being removed (the scaler drains them, or their load says so): no new requests go
+        # there; those they hold go on. Worker ids.
+        self.draining: set[str] = set()
 
     def _live(self, handles: list[Any]) -> list[Any]:
         return [handle for handle in handles if id(handle) not in self.dead]
 
+    def _open(self, handles: list[Any]) -> list[Any]:
+        """The live workers that take new requests (not draining)."""
+        return [handle for handle in self._live(handles) if self.ids[id(handle)] not in self.draining]
+
     def _decode_order(self) -> list[Any]:
-        return sorted(self._live(self.decode),
+        return sorted(self._open(self.decode),
                       key=lambda h: decode_rank(self.in_flight.get(id(h), 0), self.loads.get(id(h))))
 
     def _decode_wait_s(self, handle: Any) -> float:
@@ -193,7 +200,7 @@ class Router(ChannelHost):
     async def _pick_prefill(self, prompt: list[int], route: tracing.Route = tracing.UNTRACED) -> Any | None:
         """The live prefill worker with the least prompt work before this one (its queue plus the
         part of this prompt it does not hold cached)."""
-        live = self._live(self.prefill)
+        live = self._open(self.prefill)
         if not live:
             return None
         if self.config.policy == RoutingPolicy.ROUND_ROBIN:  # the baselines the benchmark compares against
@@ -232,10 +239,14 @@ class Router(ChannelHost):
             self.loads[id(handle)] = await asyncio.wait_for(control(handle.load).remote(), POLL_TIMEOUT_S)
         except RayActorError:
             self._mark_dead(handle)
+            if self.ids[id(handle)] in self.draining:  # drained and gone: not to be restarted
+                self._forget(self.ids[id(handle)])
             return
         except Exception as error:  # a busy or restarting worker: keep its last load
             log.debug("load poll failed: %r", error)
             return
+        if self.loads[id(handle)].draining:  # told by its load: the scaler of another gateway drains it
+            self.draining.add(self.ids[id(handle)])
         if id(handle) in self.dead:
             self.dead.discard(id(handle))
             log.warning("worker %s answers again: routing to it", self.ids[id(handle)])
@@ -269,6 +280,38 @@ class Router(ChannelHost):
             self.addresses[info.worker_id] = (info.address, actor_id_of(handle))
             pool.append(handle)
             log.info("found %s worker %s in the registry (%s)", info.role, info.worker_id, info.address)
+
+    async def add_worker(self, role: str, worker_id: str, address: str) -> None:
+        """Route to a worker the scaler added (the Ray actor named `address`); with Redis the registry
+        lists it too, and whichever comes first adds it."""
+        import ray
+
+        if worker_id in self.addresses and worker_id not in self.draining:  # known already
+            return
+        self._forget(worker_id)  # a drained worker's id used again: the new actor replaces it
+        handle = ray.get_actor(address, namespace=RAY_NAMESPACE)
+        self.ids[id(handle)] = worker_id
+        self.addresses[worker_id] = (address, actor_id_of(handle))
+        (self.prefill if role == Role.PREFILL else self.decode).append(handle)
+        log.info("added %s worker %s (%s)", role, worker_id, address)
+
+    async def drain_worker(self, worker_id: str) -> None:
+        """Send no new requests to the worker (the scaler removes it); those it holds go on."""
+        self.draining.add(worker_id)
+
+    async def remove_worker(self, worker_id: str) -> None:
+        """Forget a drained worker (the scaler stopped it)."""
+        self._forget(worker_id)
+        log.info("removed worker %s", worker_id)
+
+    def _forget(self, worker_id: str) -> None:
+        for pool in (self.prefill, self.decode):
+            for handle in [h for h in pool if self.ids[id(h)] == worker_id]:
+                pool.remove(handle)
+                self._mark_dead(handle)
+                self.retired.append(handle)  # kept, so that no new handle gets its id() (our dicts' key)
+        self.draining.discard(worker_id)
+        self.addresses.pop(worker_id, None)
 
     def _route(self, request_id: str) -> tracing.Route:
         """The span of a request's run, to record decisions in and pass on (`UNTRACED` when untraced)."""

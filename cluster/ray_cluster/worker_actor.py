@@ -154,6 +154,10 @@ class WorkerActor(ChannelHost):
         if self.started is not None:
             await self.worker.stop()
 
+    async def drain(self, timeout_s: float) -> bool:
+        """See `Worker.drain`."""
+        return await (await self._ready()).drain(timeout_s)
+
     async def load(self) -> WorkerLoad:
         return await self._at_home(lambda worker: worker.load())
 

@@ -146,6 +146,10 @@ class ServiceLauncher:
             return {}
         return await self.cluster.router_stats()
 
+    async def scaling(self) -> dict[str, Any]:
+        """The live controller's pools and last decision, for `pdserve status` (empty when it is off)."""
+        return await self.cluster.scaling() if self.cluster is not None else {}
+
     async def stop(self) -> None:
         """Stop whatever started; safe to call twice."""
         if self.local_service is not None:
@@ -183,7 +187,7 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
                     off_loop=off_loop, stream_write_timeout_s=options.connections.stream_write_timeout_s,
                     tool_call_parser=options.tools.parser,
                     exclude_tools_when_tool_choice_none=options.tools.exclude_tools_when_tool_choice_none)
-    add_status_route(app, metered)
+    add_status_route(app, metered, backend.scaling)
     add_metrics_route(app, metrics, metered)
     tls = (options.tls_cert, options.tls_key) if options.tls_cert else None
     http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s,
@@ -314,13 +318,16 @@ def add_metrics_route(app: Any, metrics: ClusterMetrics, service: Service) -> No
         return Response(await metrics.exposition(await service.workers()), media_type=CONTENT_TYPE)
 
 
-def add_status_route(app: Any, service: Service) -> None:
-    """GET /v1/workers: every worker's load and KV usage (what `pdserve status` shows)."""
+def add_status_route(app: Any, service: Service,
+                     scaling: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
+    """GET /v1/workers: every worker's load and KV usage, and the live controller's pools and last
+    decision when it runs (what `pdserve status` shows)."""
 
     @app.get("/v1/workers")
     async def workers() -> dict[str, Any]:
         loads = await service.workers()
         return {"model": service.model_name, "ready": service.ready, "problem": service.problem,
+                "scaling": await scaling() if scaling is not None else {},
                 "workers": [{"worker_id": w.worker_id, "role": w.role, "running": w.num_running,
                              "waiting": w.num_waiting, "free_blocks": w.num_free_blocks, "blocks": w.num_blocks,
                              "kv_cache_usage": w.kv_cache_usage, "kv_transfers": w.kv_transfers,

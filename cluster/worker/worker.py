@@ -114,6 +114,7 @@ class Worker:
         self.started_at = time.time()  # the engine (and its model) loaded just before
         self.broken = False  # the engine thread failed for good
         self.traces = WorkerTraces(worker_id)  # the spans of traced requests (empty while tracing is off)
+        self.draining = False  # being removed: no new reservations, out of the registry (`drain`)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -205,6 +206,31 @@ class Worker:
         for connector in (self.sender, self.receiver):
             if connector is not None:
                 await connector.close()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new requests and wait, `timeout_s` at most, until those it holds have ended (no
+        stream open, nothing in the engine). True when it emptied in time; then its blocks are all
+        free. It leaves the registry at once, so routers of other gateways stop finding it, and says
+        `draining` in its load, so those that know it stop ranking it. The caller (the scaler) stops
+        it afterwards; requests still here past the timeout are the routers' to resume elsewhere."""
+        self.draining = True
+        if self.publisher is not None:
+            self.publisher.cancel()  # its heartbeat would list it again
+        if self.state is not None:
+            await self.state.deregister(self.worker_id)
+        deadline = time.monotonic() + timeout_s
+        while self.streams or await self._holds_requests():
+            if time.monotonic() >= deadline:
+                log.warning("%s: %d requests still here after draining %.0f s", self.worker_id, len(self.streams),
+                            timeout_s)
+                return False
+            await asyncio.sleep(IDLE_WAIT_S)
+        log.info("%s: drained", self.worker_id)
+        return True
+
+    async def _holds_requests(self) -> bool:
+        stats = await self._call(self.engine.stats)
+        return bool(stats.num_running or stats.num_waiting)
 
     def _direct(self, connector: KVSender | KVReceiver | None) -> bool:
         """Whether KV through `connector` stays in device memory (see `kv_staging`)."""
@@ -372,7 +398,8 @@ class Worker:
                                                                             counts=list(self.transfer_exposed.counts))},
                           stats.num_swapped, self.engine.config.scheduler.preemption_mode == "swap",
                           {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
-                          dtype=self.engine.dtype, threads=self.threads)
+                          dtype=self.engine.dtype, threads=self.threads, num_held=len(self.streams),
+                          draining=self.draining)
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
@@ -482,6 +509,8 @@ class Worker:
         transfer fails or the lease ends first, the prompt is computed here instead.
         """
         assert self.receiver is not None, "a decode worker needs a KV receiver"
+        if self.draining:  # the router asks the next one
+            return None
         self._claim(request_id)
         self.streams[request_id] = OutputStream()
         self.traces.begin(request_id, trace, "pdserve.decode_admission")

@@ -65,6 +65,16 @@ COLOCATED_EXTERNAL = {
 }
 
 
+# The live controller: decode pods 1..3 of 2 workers each, prefill pods 1..2 of one.
+SCALING = {
+    "cluster": {"scaling": {"enabled": True, "queueDepth": 2, "sustainSeconds": 5}},
+    "ray": {"prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
+            "decodeGroups": [{"groupName": "decode", "replicas": 1, "minReplicas": 1, "maxReplicas": 3,
+                              "workersPerPod": 2, "idleTimeoutSeconds": 120, "shmSize": "1Gi",
+                              "resources": {"limits": {"cpu": "4", "memory": "8Gi"}}}]},
+}
+
+
 # Ray's token and Redis's password are on by default; off, the pods run as they did before them.
 AUTH_OFF = {"ray": {"auth": {"enabled": False}}, "redis": {"auth": {"enabled": False}}}
 
@@ -74,7 +84,7 @@ def examples() -> dict[str, dict[str, Any]]:
 
 
 CASES = {"defaults": {}, **examples(), "everything-on": EVERYTHING_ON, "colocated-external-redis": COLOCATED_EXTERNAL,
-         "auth-off": AUTH_OFF}
+         "auth-off": AUTH_OFF, "scaling": SCALING}
 
 
 @pytest.fixture(scope="module")
@@ -682,3 +692,21 @@ def test_the_images_are_multi_stage_non_root_with_the_cache_as_a_volume(name: st
         if line.startswith("COPY ") and "--from" not in line:
             for source in line.split()[1:-1]:
                 assert (ROOT / source).exists(), f"{name}: {source} is missing"
+
+
+def test_live_scaling_turns_rays_autoscaler_on_within_the_groups_bounds() -> None:
+    """The controller's pools may grow to what the worker groups' maxReplicas hold, and Ray's
+    autoscaler brings up the pods for the workers it adds; off, neither is there."""
+    from cluster.ray_cluster.config import PoolBounds, cluster_config_from
+
+    objects = render_case("scaling")
+    cluster = one(objects, "RayCluster")["spec"]
+    assert cluster["enableInTreeAutoscaling"] is True and "autoscalerOptions" in cluster
+    assert [group.get("idleTimeoutSeconds") for group in cluster["workerGroupSpecs"]] == [None, 120]
+    config = cluster_config_from(cluster_yaml(objects))
+    assert config.scaling.enabled and config.scaling.queue_depth == 2 and config.scaling.sustain_s == 5
+    assert config.scaling.prefill == PoolBounds(1, 2) and config.scaling.decode == PoolBounds(2, 6)
+    assert (config.prefill.replicas, config.decode.replicas) == (1, 2)
+    off = render_case("defaults")
+    assert one(off, "RayCluster")["spec"]["enableInTreeAutoscaling"] is False
+    assert "scaling" not in cluster_yaml(off) and not cluster_config_from(cluster_yaml(off)).scaling.enabled

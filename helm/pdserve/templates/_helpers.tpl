@@ -158,6 +158,27 @@ A Secret's value that upgrades keep: the one given in values, else the one alrea
 {{- mul (int .Values.ray.prefill.replicas) (int .Values.ray.prefill.workersPerPod) }}
 {{- end }}
 
+{{/*
+Whether Ray's autoscaler runs: asked for, or needed by pdserve's live controller (its new workers
+wait for pods the autoscaler brings up).
+*/}}
+{{- define "pdserve.autoscaling" -}}
+{{- if or .Values.ray.enableInTreeAutoscaling .Values.cluster.scaling.enabled }}true{{ else }}false{{ end }}
+{{- end }}
+
+{{/*
+A pool's bound for the live controller: the workers its groups hold at `key` (minReplicas or
+maxReplicas, else replicas) pods each, summed; at least 1.
+*/}}
+{{- define "pdserve.poolBound" -}}
+{{- $total := 0 }}
+{{- range .groups }}
+{{- $pods := ternary (get . $.key) .replicas (hasKey . $.key) }}
+{{- $total = add $total (mul (int $pods) (int .workersPerPod)) }}
+{{- end }}
+{{- max 1 $total }}
+{{- end }}
+
 {{- define "pdserve.decodeWorkers" -}}
 {{- $total := 0 }}
 {{- range .Values.ray.decodeGroups }}
@@ -215,7 +236,7 @@ One Ray worker group: `group` is its values, `resource` the custom resource its 
   replicas: {{ int $group.replicas }}
   minReplicas: {{ int $min }}
   maxReplicas: {{ int $max }}
-  {{- if and $group.idleTimeoutSeconds $root.Values.ray.enableInTreeAutoscaling }}
+  {{- if and $group.idleTimeoutSeconds (eq (include "pdserve.autoscaling" $root) "true") }}
   {{- if ne (toString $root.Values.ray.autoscalerOptions.version) "v2" }}
   {{- fail (printf "worker group %s: idleTimeoutSeconds needs the v2 autoscaler (ray.autoscalerOptions.version: v2)" $group.groupName) }}
   {{- end }}
@@ -247,7 +268,7 @@ One Ray worker group: `group` is its values, `resource` the custom resource its 
 {{- define "pdserve.rayPodSpec" -}}
 {{- $root := .root }}
 {{- $group := .group -}}
-{{- if and .head $root.Values.ray.enableInTreeAutoscaling }}
+{{- if and .head (eq (include "pdserve.autoscaling" $root) "true") }}
 {{- /* The autoscaler beside the head scales the RayCluster through the API: KubeRay gives the head an
 account of its own with the rights it needs, and the head mounts its token. */}}
 {{- else }}

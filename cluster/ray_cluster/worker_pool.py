@@ -1,0 +1,45 @@
+"""Making one worker of a pool as a Ray actor: what the launcher does for each worker at start, and
+the scaler for each one it adds while the cluster runs."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from cluster.ray_cluster.config import ClusterConfig, PoolConfig
+from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, worker_actor_class
+
+
+def pool_threads(pool: PoolConfig) -> int:
+    """The pool's threads per worker; 0 (follow the load) unless the operator fixed OMP_NUM_THREADS
+    for the gateway, whose environment the workers of an embedded Ray inherit."""
+    fixed = os.environ.get("OMP_NUM_THREADS", "")
+    return pool.threads or (int(fixed) if fixed.isdigit() and int(fixed) > 0 else 0)
+
+
+def actor_name(uid: str, role: str, index: int) -> str:
+    """The Ray actor name of worker `index` of the pool of `role` in the cluster `uid`."""
+    return f"pdserve-{uid}-{role}-{index}"
+
+
+def worker_spec(config: ClusterConfig, role: str, pool: PoolConfig, num_gpus: float) -> tuple[Any, ...]:
+    """All that makes a worker what it is: a named worker left running with the same is taken over."""
+    return (role, config.engine, config.redis_url, config.kv_overlap, pool.kv_interface, config.ucx_transports,
+            pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency, config.worker_max_restarts, pool.threads,
+            config.kv_shared_memory)
+
+
+def make_worker(config: ClusterConfig, uid: str, role: str, index: int, num_gpus: float) -> Any:
+    """Start worker `index` of the pool of `role` (its actor; it loads its model on its first call)."""
+    pool = config.prefill if role == "prefill" else config.decode
+    name = actor_name(uid, role, index)
+    # max_task_retries=0: a stream cut by a worker's death is the router's to resume, not Ray's
+    # to replay from its start.
+    options = worker_actor_class().options(num_cpus=pool.num_cpus, num_gpus=num_gpus, resources=dict(pool.resources),
+                                           name=name, namespace=RAY_NAMESPACE, max_restarts=config.worker_max_restarts,
+                                           max_task_retries=0, max_concurrency=pool.max_concurrency,
+                                           lifetime="detached" if config.name else None)
+    return options.remote(f"{role}-{index}", role, config.engine, redis_url=config.redis_url,
+                          overlap_transfer=config.kv_overlap, address=name, kv_interface=pool.kv_interface,
+                          ucx_transports=config.ucx_transports, spec=worker_spec(config, role, pool, num_gpus),
+                          traces=config.tracing, threads=pool_threads(pool), kv_shared_memory=config.kv_shared_memory)
