@@ -53,14 +53,21 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                            query_start_loc: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+                            query_start_loc: list[int], seq_lens: list[int], scale: float,
+                            key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length causal attention ([tokens, heads, head_dim]): each sequence's new tokens
-    attend to its cached prefix and to themselves. Sequences are handled one at a time."""
+    attend to its cached prefix and to themselves. Sequences are handled one at a time.
+
+    `key` and `value` ([tokens, kv_heads, head_dim]), the step's new keys and values as written to
+    the cache, spare the gather for a sequence with no cached prefix: all it attends to is in them."""
     out = torch.empty_like(query)
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[index], query_start_loc[index + 1]
         query_len = end - start
-        keys, values = gather_kv(kv_cache, block_tables[index:index + 1], seq_len)
+        if query_len == seq_len and key is not None and value is not None:
+            keys, values = (x[start:end].to(kv_cache.dtype).transpose(0, 1).unsqueeze(0) for x in (key, value))
+        else:
+            keys, values = gather_kv(kv_cache, block_tables[index:index + 1], seq_len)
         q = query[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)
         if query_len == seq_len:
             attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
