@@ -8,17 +8,18 @@ from collections.abc import Callable
 import torch
 
 from cluster.model.attention.backend import AttentionMetadata
-from kernels import cpu_decode, reference, torch_decode
+from kernels import cpu_decode, reference, torch_decode, torch_prefill
 
 
 class TorchAttentionBackend:
     """Batched decodes (the C kernel, else torch ops: `decode_attention`), prefills one sequence at a
-    time (`reference.paged_prefill_attention`, with the step's own keys where a prompt has no cached
-    prefix). `use_c_kernel = False` (on the class or an instance) keeps decodes on torch ops: the
-    benchmarks compare the two in one run."""
+    time (SDPA in fp32, chunked bf16 matmuls otherwise: `kernels/torch_prefill.py`), with the step's
+    own keys where a prompt has no cached prefix. `use_c_kernel` and `use_chunked_prefill` set False
+    (on the class or an instance) give the torch ops and SDPA: the benchmarks compare both in one run."""
 
     name = "torch"
     use_c_kernel = True
+    use_chunked_prefill = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -34,7 +35,9 @@ class TorchAttentionBackend:
                 max(metadata.seq_lens_list[:decodes]), scale)
         first = metadata.query_start_list[decodes]
         starts = [start - first for start in metadata.query_start_list[decodes:]]
-        out[first:] = reference.paged_prefill_attention(
+        chunked = self.use_chunked_prefill and kv_cache.dtype != torch.float32
+        prefill = torch_prefill.paged_prefill_attention if chunked else reference.paged_prefill_attention
+        out[first:] = prefill(
             query[first:], kv_cache, metadata.block_tables[decodes:], starts, metadata.seq_lens_list[decodes:], scale,
             key=key[first:], value=value[first:])
         return out
