@@ -1,12 +1,12 @@
 """Engine benchmarks, one subcommand each (or `all`); results go to benchmarks/results/<name>.json/.png.
 
-    python -m benchmarks.engine step-vs-linear
+    python -m benchmarks.engine step-vs-linear --attention sdpa kernels   # CPU attention before / after
     python -m benchmarks.engine scheduler-cost
     python -m benchmarks.engine static-vs-continuous --num-requests 500
     python -m benchmarks.engine vs-transformers
     python -m benchmarks.engine preemption
     python -m benchmarks.engine threads        # how much the machine's noise costs 2 threads vs 1
-    python -m benchmarks.engine prefill-vs-linear --lengths 512 2048
+    python -m benchmarks.engine prefill-vs-linear --lengths 512 2048 --attention sdpa kernels
 
 The default model (SmolLM2-135M-Instruct) is loaded from the local cache; nothing is downloaded.
 """
