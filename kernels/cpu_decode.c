@@ -3,8 +3,9 @@
  *
  * Layout (kernels/reference.py): cache[0 = key | 1 = value][block][offset][kv_head][head_dim].
  * One task per sequence: every head's score for every cached token (one pass over the keys, each
- * token's row of all KV heads read whole), a softmax, then the weighted sum of the values (one pass). Every key
- * and value is read once per step and layer, and only the sequence's own `seq_len` tokens.
+ * token's row of all KV heads read whole), a softmax, then the weighted sum of the values (one
+ * pass). Every key and value is read once per step and layer, and only the sequence's own `seq_len`
+ * tokens. A sequence of length 0 (a padding row) gives zeros.
  */
 #include <math.h>
 #include <stdint.h>
