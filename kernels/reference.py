@@ -53,14 +53,18 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                            query_start_loc: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+                            query_start_loc: list[int], seq_lens: list[int], scale: float,
+                            key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
     """Variable-length causal attention ([tokens, heads, head_dim]): each sequence's new tokens
-    attend to its cached prefix and to themselves. Sequences are handled one at a time."""
+    attend to its cached prefix and to themselves. Sequences are handled one at a time.
+
+    `key` and `value` ([tokens, kv_heads, head_dim]), the step's new keys and values as written to
+    the cache, spare the gather for a sequence with no cached prefix: all it attends to is in them."""
     out = torch.empty_like(query)
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[index], query_start_loc[index + 1]
         query_len = end - start
-        keys, values = gather_kv(kv_cache, block_tables[index:index + 1], seq_len)
+        keys, values = sequence_kv(kv_cache, block_tables[index], seq_len, start, end, key, value)
         q = query[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)
         if query_len == seq_len:
             attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
@@ -71,3 +75,13 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = attended[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+def sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int, end: int,
+                key: torch.Tensor | None, value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefilling sequence's keys and values, [1, kv_heads, seq_len, head_dim] in the cache's dtype:
+    its new tokens' own (rows start:end of `key`/`value`) where it has no cached prefix, else gathered."""
+    if end - start == seq_len and key is not None and value is not None:
+        keys, values = (x[start:end].to(kv_cache.dtype).transpose(0, 1).unsqueeze(0) for x in (key, value))
+        return keys, values
+    return gather_kv(kv_cache, block_table.unsqueeze(0), seq_len)

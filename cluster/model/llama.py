@@ -100,15 +100,25 @@ class RotaryEmbedding(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
+    def at(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of one step's tokens, looked up once for every layer."""
+        return Rotation(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        rotation = self.at(positions)
+        return rotation.rotate(query), rotation.rotate(key)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+
+@dataclass(frozen=True, slots=True)
+class Rotation:
+    cos: torch.Tensor  # [tokens, 1, head_dim / 2] float32
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] rotated per token, computed in float32, returned in x's dtype."""
         first, second = x.float().chunk(2, dim=-1)
+        cos, sin = self.cos, self.sin
         rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
         return rotated.to(x.dtype)
 
@@ -136,14 +146,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                rotation: Rotation) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(-1, self.num_heads, self.head_dim)
-        key = key.view(-1, self.num_kv_heads, self.head_dim)
-        query, key = rotary(positions, query, key)
-        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        # Queries and keys side by side in each row of qkv: rotated together, in one set of ops.
+        rotated = rotation.rotate(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads, dim))
+        query, key = rotated.split([heads, kv_heads], dim=1)
+        value = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, dim)
         out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -167,9 +177,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata, rotary)
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                rotation: Rotation) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, rotation)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -202,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every token of the step: [tokens, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
+        rotation = self.rotary.at(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary)
+            hidden = layer(hidden, kv_cache, metadata, rotation)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

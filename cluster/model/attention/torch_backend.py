@@ -1,4 +1,5 @@
-"""The torch attention backend over the paged KV cache (the CPU path): torch ops only."""
+"""The torch attention backend over the paged KV cache (the CPU path): torch ops and, where the
+machine has a C compiler, the C decode kernel (`kernels/cpu_decode.c`)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,23 @@ from collections.abc import Callable
 import torch
 
 from cluster.model.attention.backend import AttentionMetadata
-from kernels import reference, torch_decode
+from kernels import cpu_decode, reference, torch_decode, torch_prefill
 
 
 class TorchAttentionBackend:
-    """Batched decodes (SDPA in fp32, grouped matmuls in bf16: `_decode_attention`), prefills one sequence
-    at a time (the reference)."""
+    """Batched decodes (the C kernel, else torch ops: `decode_attention`), prefills one sequence at a
+    time (SDPA in fp32, chunked bf16 matmuls otherwise: `kernels/torch_prefill.py`), with the step's
+    own keys where a prompt has no cached prefix. `use_c_kernel` and `use_chunked_prefill` set False
+    (on the class or an instance) give the torch ops and SDPA: the benchmarks compare both in one run."""
 
     name = "torch"
+    use_c_kernel = True
+    use_chunked_prefill = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        decode = _decode_attention(kv_cache.dtype)
+        decode = decode_attention(kv_cache.dtype, self.use_c_kernel and kv_cache.device.type == "cpu")
         decodes = metadata.num_decodes
         if decodes == len(metadata.seq_lens_list):
             return decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale)
@@ -28,14 +33,20 @@ class TorchAttentionBackend:
             out[:decodes] = decode(
                 query[:decodes], kv_cache, metadata.block_tables[:decodes], metadata.seq_lens[:decodes],
                 max(metadata.seq_lens_list[:decodes]), scale)
-        starts = [start - decodes for start in metadata.query_start_list[decodes:]]
-        out[decodes:] = reference.paged_prefill_attention(
-            query[decodes:], kv_cache, metadata.block_tables[decodes:], starts, metadata.seq_lens_list[decodes:], scale)
+        first = metadata.query_start_list[decodes]
+        starts = [start - first for start in metadata.query_start_list[decodes:]]
+        chunked = self.use_chunked_prefill and kv_cache.dtype != torch.float32
+        prefill = torch_prefill.paged_prefill_attention if chunked else reference.paged_prefill_attention
+        out[first:] = prefill(
+            query[first:], kv_cache, metadata.block_tables[decodes:], starts, metadata.seq_lens_list[decodes:], scale,
+            key=key[first:], value=value[first:])
         return out
 
 
-def _decode_attention(dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """SDPA in fp32; grouped matmuls in bf16 and fp16, where SDPA's masked GQA path on CPUs is slow.
-    A 64-row decode step of the default model, 1 thread, the AVX512-BF16 EPYC: attention 81 ms with
-    SDPA and 113 ms with the matmuls in fp32; 305 ms and 82 ms in bf16 (benchmarks.engine step-vs-linear)."""
+def decode_attention(dtype: torch.dtype, use_c_kernel: bool = True) -> Callable[..., torch.Tensor]:
+    """The C kernel (reads the paged cache in place) where it builds and serves the dtype; else SDPA
+    in fp32 and grouped matmuls in bf16 and fp16, where SDPA's masked GQA path on CPUs is slow.
+    docs/performance.md has the figures."""
+    if use_c_kernel and cpu_decode.available(dtype):
+        return cpu_decode.paged_decode_attention
     return reference.paged_decode_attention if dtype == torch.float32 else torch_decode.paged_decode_attention

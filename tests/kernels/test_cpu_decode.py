@@ -1,0 +1,71 @@
+"""The C decode kernel (`kernels/cpu_decode.c`) against the torch reference, on the paged cache as the
+runner lays it out: blocks scattered over the pool out of order, ragged lengths ending mid-block,
+padding rows of length 0, GQA groups, and every head size the kernel treats apart (64, 128, other)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_decode, reference
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(torch.float32), reason="no C compiler on this machine")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+BLOCK_SIZE = 16
+
+
+def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, kv_cache, block_tables, seq_lens): each sequence's tokens written into randomly chosen
+    blocks; every slot left unwritten holds 1e4, so a read past a sequence's end shows."""
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-length // BLOCK_SIZE) for length in seq_lens) + 1  # one spare column of padding
+    num_blocks = len(seq_lens) * max_blocks + 3
+    kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim), 1e4).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=generator)[:len(seq_lens) * max_blocks]
+    block_tables = block_tables.view(len(seq_lens), max_blocks)
+    for row, length in enumerate(seq_lens):
+        for position in range(length):
+            block, offset = block_tables[row, position // BLOCK_SIZE], position % BLOCK_SIZE
+            kv_cache[:, block, offset] = torch.randn(2, kv_heads, head_dim, generator=generator).to(dtype)
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=generator).to(dtype)
+    return query, kv_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64)])
+def test_decode_kernel_matches_the_reference(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    seq_lens = [50, 1, 16, 0, 142, 33, 17]  # mid-block, one token, one exact block, padding, longer, ...
+    query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=head_dim)
+    scale = head_dim ** -0.5
+    expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
+    assert got.dtype == dtype and got.shape == query.shape
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
+
+
+def test_decode_kernel_threads_agree() -> None:
+    """Rows are spread over torch's intra-op threads: two threads give what one gives, bit for bit."""
+    query, kv_cache, block_tables, lens = paged_case([70, 3, 129, 64, 5], 9, 3, 64, torch.bfloat16, seed=7)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 129, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 129, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_decode_kernel_refuses_what_it_cannot_read() -> None:
+    query, kv_cache, block_tables, lens = paged_case([20, 5], 9, 3, 64, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        cpu_decode.paged_decode_attention(query, kv_cache, block_tables[:, :1], lens, 20, 0.125)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_decode.paged_decode_attention(query, kv_cache, block_tables.int(), lens, 20, 0.125)
+    with pytest.raises(ValueError, match="KV heads"):
+        cpu_decode.paged_decode_attention(query[:, :8], kv_cache, block_tables, lens, 20, 0.125)

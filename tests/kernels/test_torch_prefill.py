@@ -1,0 +1,53 @@
+"""The chunked prefill attention (`kernels/torch_prefill.py`, the torch backend's prefill in bf16)
+against the SDPA reference: prompts longer than a chunk, cached prefixes (chunked prefill), GQA, and
+the paged form with blocks out of order and the step's own keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference, torch_prefill
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("query_len", "seq_len"), [(300, 300), (1, 1), (256, 256), (130, 530), (5, 257)])
+def test_causal_attention_matches_sdpa(dtype: torch.dtype, query_len: int, seq_len: int) -> None:
+    generator = torch.Generator().manual_seed(query_len + seq_len)
+    query = torch.randn(6, query_len, 32, generator=generator).to(dtype)
+    keys = torch.randn(2, seq_len, 32, generator=generator).to(dtype)
+    values = torch.randn(2, seq_len, 32, generator=generator).to(dtype)
+    rows = torch.arange(seq_len - query_len, seq_len)[:, None]
+    mask = torch.arange(seq_len)[None, :] <= rows
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query[None].float(), keys[None].float(), values[None].float(), attn_mask=mask, scale=0.2, enable_gqa=True)[0]
+    got = torch_prefill.causal_attention(query, keys, values, 0.2)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_matches_the_reference(dtype: torch.dtype) -> None:
+    """Three prompts in one step, one with a cached prefix, blocks scattered out of order; the new
+    tokens' keys are in the cache and passed along (as the backend does)."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, kv_heads, heads, dim = 16, 3, 9, 64
+    seq_lens, query_lens = [270, 40, 33], [270, 7, 33]
+    kv_cache = torch.full((2, 64, block_size, kv_heads, dim), 1e4).to(dtype)
+    block_tables = torch.randperm(64, generator=generator)[:3 * 20].view(3, 20)
+    starts, slots = [0], []
+    for row, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        for position in range(seq_len):
+            block, offset = block_tables[row, position // block_size], position % block_size
+            kv_cache[:, block, offset] = torch.randn(2, kv_heads, dim, generator=generator).to(dtype)
+        slots += [int(block_tables[row, p // block_size]) * block_size + p % block_size
+                  for p in range(seq_len - query_len, seq_len)]
+        starts.append(starts[-1] + query_len)
+    flat = kv_cache.view(2, -1, kv_heads, dim)
+    key, value = flat[0, slots], flat[1, slots]
+    query = torch.randn(starts[-1], heads, dim, generator=generator).to(dtype)
+    expected = reference.paged_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.125)
+    got = torch_prefill.paged_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.125, key, value)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
