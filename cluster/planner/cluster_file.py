@@ -49,11 +49,15 @@ def write_cluster_file(path: str | Path, topology: Topology, model: str = "defau
 
 
 def helm_flags(topology: Topology) -> list[str]:
-    """`--set` flags for helm/pdserve: one worker per pod, pool sizes from the groups' replicas."""
+    """`--set` flags for helm/pdserve, one worker per pod: a group's replicas (and its autoscaling
+    bounds, which default to 1) make its pool's size."""
     limits = topology.decode_limits
-    flags = [f"cluster.mode={topology.mode}", f"ray.decodeGroups[0].replicas={topology.num_decode}",
-             f"cluster.engine.max_num_batched_tokens={limits.max_num_batched_tokens}",
-             f"cluster.engine.max_num_seqs={limits.max_num_seqs}"]
+    groups = [("ray.decodeGroups[0]", topology.num_decode)]
     if topology.mode != COLOCATED:
-        flags.insert(1, f"ray.prefill.replicas={topology.num_prefill}")
+        groups.insert(0, ("ray.prefill", topology.num_prefill))
+    flags = [f"cluster.mode={topology.mode}"]
+    for group, replicas in groups:
+        flags += [f"{group}.{key}={replicas}" for key in ("replicas", "minReplicas", "maxReplicas")]
+    flags += [f"cluster.engine.max_num_batched_tokens={limits.max_num_batched_tokens}",
+              f"cluster.engine.max_num_seqs={limits.max_num_seqs}"]
     return [item for flag in flags for item in ("--set", flag)]

@@ -78,3 +78,17 @@ def test_bad_slo_and_budget_are_refused_by_name():
         SearchSpace(0)
     with pytest.raises(ValueError, match="SLOs"):
         Slo(0, 0.1)
+
+
+def test_a_cheaper_shape_that_misses_the_attainment_is_not_chosen():
+    # One colocated worker, a request every 0.8 s: each prompt (1 s) joins the running answer's steps
+    # at once, so the five TTFTs are 1.01 s, then about 0.21 s more each (1.22, 1.43, 1.65, 1.86): under
+    # a 1.75 s SLO 4 of 5 (80%) meet it, 4 requests over 5.2 s, 0.77/s for its one worker. Two workers
+    # take turns and all 5 meet it (over 4.32 s: 0.58/s a worker), the only shape to reach 90%.
+    specs = requests(0.8, 5, 11)
+    space = SearchSpace(2, (2048,), (256,), modes=(COLOCATED,))
+    strict = plan(PROFILE, specs, Slo(1.75, 1.0, attainment=0.9), space)
+    assert shape(strict.best) == (COLOCATED, 0, 2)
+    lenient = plan(PROFILE, specs, Slo(1.75, 1.0, attainment=0.8), space)
+    assert shape(lenient.best) == (COLOCATED, 0, 1)
+    assert lenient.best.attainment == pytest.approx(0.8)

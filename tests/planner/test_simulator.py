@@ -66,3 +66,11 @@ def test_router_spreads_by_requests_in_flight_and_prefill_by_queued_tokens():
 def test_percentile_is_numpys_linear():
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+
+
+def test_max_num_seqs_keeps_the_second_request_waiting_until_the_first_ends():
+    # One running request at a time: A's prompt (0.11 s) and two decode steps (0.011 s each), then B's prompt.
+    topology = Topology(COLOCATED, 0, 1, decode_limits=PoolLimits(max_num_seqs=1))
+    a, b = simulate(linear_profile(), topology, [RequestSpec(0.0, 100, 3), RequestSpec(0.0, 100, 3)]).requests
+    assert a.token_times == pytest.approx((0.11, 0.121, 0.132))
+    assert b.ttft_s == pytest.approx(0.132 + 0.11)
