@@ -56,3 +56,10 @@ def test_plan_names_a_missing_profile(tmp_path, capsys):
                  "--slo-tpot", "200ms", "--budget", "2"])
     assert code == 2
     assert "cannot read the profile" in capsys.readouterr().err
+
+
+def test_planning_loads_neither_torch_nor_ray():
+    # In a fresh interpreter, as `pdserve plan` runs: the search must stay light (only `measure` loads torch).
+    from tests.common.test_light_imports import HEAVY, loaded_after_import
+
+    assert not loaded_after_import("cluster.planner.report") & {*HEAVY, "numpy"}
