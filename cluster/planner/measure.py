@@ -13,6 +13,7 @@ Whatever threads torch uses here are the profile's `threads`: profile with those
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import random
@@ -166,7 +167,8 @@ def measure(engine: LLMEngine, grid: MeasureGrid, show_progress: bool = True) ->
     kv_bytes_per_token = one_block.numel() * one_block.element_size() // block_size
     return Profile(prefill=prefill, decode=decode,
                    transfer_bytes=[tokens * kv_bytes_per_token for tokens in grid.transfer_tokens],
-                   transfer_seconds=transfer, kv_bytes_per_token=kv_bytes_per_token, block_size=block_size,
+                   transfer_seconds=list(itertools.accumulate(transfer, max)),
+                   kv_bytes_per_token=kv_bytes_per_token, block_size=block_size,
                    model=engine.model_name, dtype=str(engine.dtype).removeprefix("torch."),
                    threads=torch.get_num_threads(), machine=machine_info())
 
@@ -180,7 +182,7 @@ def _grid(rows: tuple[int, ...], columns: tuple[int, ...], point: Callable[[int,
             line.append(point(row, column))
             advance(f"{name} {row} x {column}")
         seconds.append(line)
-    return Grid(list(rows), list(columns), seconds)
+    return Grid(list(rows), list(columns), seconds).monotone()
 
 
 def profile_model(model: str, dtype: str = "auto", quick: bool = False, show_progress: bool = True) -> Profile:

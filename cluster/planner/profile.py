@@ -15,6 +15,7 @@ the simulator, and everything that plans from a profile, runs without torch.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,16 @@ class Grid:
             raise ValueError(f"grid axes must be increasing without repeats, got {self.rows} and {self.columns}")
         if len(self.seconds) != len(self.rows) or any(len(row) != len(self.columns) for row in self.seconds):
             raise ValueError(f"grid seconds must be {len(self.rows)} rows of {len(self.columns)} values")
+
+    def monotone(self) -> Grid:
+        """The same grid, made non-decreasing along both axes (a running maximum): a step with more
+        tokens, rows or context never takes less time, so a smaller time measured there is noise
+        (another process took the core), and a noisy dip would extrapolate to steps of no cost."""
+        seconds = [list(itertools.accumulate(row, max)) for row in self.seconds]
+        for j in range(len(self.columns)):
+            for i in range(1, len(self.rows)):
+                seconds[i][j] = max(seconds[i][j], seconds[i - 1][j])
+        return Grid(self.rows, self.columns, seconds)
 
     def at(self, row: float, column: float) -> float:
         across = [interpolate(self.columns, values, column) for values in self.seconds]

@@ -53,6 +53,8 @@ def test_interpolation_is_linear_between_points_and_extends_the_last_segment():
     assert interpolate([0, 10, 20], [0.0, 1.0, 3.0], 30) == pytest.approx(5.0)
     grid = Grid([1, 3], [0, 100], [[1.0, 2.0], [3.0, 4.0]])
     assert grid.at(2, 50) == pytest.approx(2.5)
+    noisy = Grid([1, 2, 3], [0, 10], [[2.0, 1.0], [1.0, 3.0], [4.0, 0.5]])
+    assert noisy.monotone().seconds == [[2.0, 2.0], [2.0, 3.0], [4.0, 4.0]]
     with pytest.raises(ValueError, match="increasing"):
         Grid([3, 1], [0], [[1.0], [2.0]])
 
