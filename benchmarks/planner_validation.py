@@ -43,7 +43,7 @@ from cluster.ray_cluster.launcher import Cluster  # noqa: E402
 NAME = "planner-validation"
 GRID = MeasureGrid(prefill_tokens=(16, 64, 128, 256, 512), prefill_contexts=(0, 256),
                    decode_batches=(1, 2, 4, 8, 16), decode_contexts=(64, 256, 512),
-                   transfer_tokens=(16, 256, 1024), repeats=3, decode_steps=4)
+                   transfer_tokens=(16, 256, 1024), repeats=3, decode_steps=8)
 CONFIGS = {"colocated-1": Topology(COLOCATED, 0, 1), "colocated-2": Topology(COLOCATED, 0, 2),
            "1P+1D": Topology(DISAGGREGATED, 1, 1)}
 FIGURES = ("ttft", "itl", "tpot")

@@ -4,8 +4,8 @@ Each point times real engine steps, the median of `repeats` runs:
 - prefill (tokens t, context c): a request of c tokens first, so that its blocks sit in the prefix
   cache, then one of c + t tokens with the same first c: its one step computes exactly t tokens at
   context c (c is a multiple of the block size, as the prefix cache matches whole blocks);
-- decode (batch b, context c): b requests of c-token prompts are prefilled, then `decode_steps`
-  steps of b rows each are timed (the context grows by that many tokens meanwhile);
+- decode (batch b, context c): b requests of c-token prompts are prefilled once, then the median of
+  `decode_steps` steps of b rows each (the context grows by that many tokens meanwhile);
 - transfer (n tokens): the worker's two ends of a KV transfer, `read_blocks` of n tokens' blocks
   and `write_blocks` of them back. The wire between two hosts is not in it (docs/planner.md).
 Whatever threads torch uses here are the profile's `threads`: profile with those a worker will get.
@@ -60,7 +60,7 @@ class MeasureGrid:
 
 FULL = MeasureGrid(prefill_tokens=(16, 64, 256, 512, 1024, 2048), prefill_contexts=(0, 512, 1024),
                    decode_batches=(1, 4, 16, 32, 64), decode_contexts=(64, 512, 1024),
-                   transfer_tokens=(16, 256, 1024, 4096))
+                   transfer_tokens=(16, 256, 1024, 4096), decode_steps=8)
 QUICK = MeasureGrid(prefill_tokens=(8, 32, 64), prefill_contexts=(0, 64), decode_batches=(1, 4),
                     decode_contexts=(16, 64), transfer_tokens=(16, 64), repeats=1, decode_steps=2)
 
@@ -120,17 +120,18 @@ class Meter:
         return statistics.median(runs)
 
     def decode(self, batch: int, context: int) -> float:
+        """The median of `decode_steps` steps of one batch: its prompts (batch x context tokens, the
+        dear part) are computed once, not once per repeat."""
+        params = SamplingParams(max_tokens=self.grid.decode_steps + 1, ignore_eos=True)
+        requests = [self.engine.add_request(self.tokens(context), params) for _ in range(batch)]
+        while any(not request.output_token_ids for request in requests):
+            self.engine.step()
         runs = []
-        for _ in range(self.grid.repeats):
-            params = SamplingParams(max_tokens=self.grid.decode_steps + 1, ignore_eos=True)
-            requests = [self.engine.add_request(self.tokens(context), params) for _ in range(batch)]
-            while any(not request.output_token_ids for request in requests):
-                self.engine.step()
-            for _ in range(self.grid.decode_steps):
-                started = time.perf_counter()
-                self.engine.step()
-                runs.append(time.perf_counter() - started)
-            self.run_out()
+        for _ in range(self.grid.decode_steps):
+            started = time.perf_counter()
+            self.engine.step()
+            runs.append(time.perf_counter() - started)
+        self.run_out()
         return statistics.median(runs)
 
     def transfer(self, tokens: int) -> float:
