@@ -111,6 +111,13 @@ class Profile:
         parts = len(chunks) + (1 if decode_contexts else 0)
         return max(decode + prefill - (parts - 1) * self.step_overhead_seconds, 1e-6)
 
+    def prefill_knee(self, share: float = 0.9) -> int:
+        """The knee of the token-budget sweep: the fewest tokens per step (at context 0) whose prefill
+        throughput reaches `share` of the best measured. A larger `max_num_batched_tokens` buys
+        little throughput there, and every token more lengthens the steps decode rows share."""
+        rates = [tokens / values[0] for tokens, values in zip(self.prefill.rows, self.prefill.seconds, strict=True)]
+        return next(tokens for tokens, rate in zip(self.prefill.rows, rates, strict=True) if rate >= share * max(rates))
+
     @property
     def step_overhead_seconds(self) -> float:
         """The fixed cost of a step (the prefill line through its first two points, at 0 tokens)."""

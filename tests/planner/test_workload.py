@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +69,14 @@ def test_profile_round_trips_and_an_old_or_foreign_file_is_refused(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"version": 1, "prefill": {}}))
     with pytest.raises(ValueError, match="not a pdserve profile"):
         load_profile(tmp_path / "other.json")
+
+
+def test_prefill_knee_is_where_throughput_stops_growing():
+    profile = linear_profile()
+    values = [[0.1, 0.1], [0.15, 0.15], [1.0, 1.0]]  # 10 tokens: 100/s; 100: 667/s; 1000: 1000/s
+    knee = replace(profile, prefill=Grid([10, 100, 1000], [0, 1], values))
+    assert knee.prefill_knee(0.9) == 1000
+    assert knee.prefill_knee(0.6) == 100
 
 
 def test_cluster_config_and_helm_flags_of_a_topology():
