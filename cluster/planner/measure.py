@@ -80,7 +80,7 @@ def machine_info() -> dict[str, Any]:
 
 def engine_for(model: str, dtype: str, grid: MeasureGrid, block_size: int = 16) -> LLMEngine:
     """An engine that holds the largest point's KV, runs a whole prompt in one step, and caches prefixes."""
-    blocks = -(-grid.max_tokens_held // block_size) * 2 + 16
+    blocks = -(-grid.max_tokens_held * 5 // 4 // block_size) + 16  # a quarter more: the prefixes stay cached
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=model, dtype=dtype),
         cache=CacheConfig(block_size=block_size, num_blocks=blocks, enable_prefix_caching=True),
