@@ -2,8 +2,8 @@
 
 Each point times real engine steps, the median of `repeats` runs:
 - prefill (tokens t, context c): a request of c tokens first, so that its blocks sit in the prefix
-  cache, then one of c + t tokens with the same first c: its one step computes exactly t tokens at
-  context c (c is a multiple of the block size, as the prefix cache matches whole blocks);
+  cache, then (each repeat) one of c + t tokens with the same first c: its one step computes exactly
+  t tokens at context c (c is a multiple of the block size, as the prefix cache matches whole blocks);
 - decode (batch b, context c): b requests of c-token prompts are prefilled once, then the median of
   `decode_steps` steps of b rows each (the context grows by that many tokens meanwhile);
 - transfer (n tokens): the worker's two ends of a KV transfer, `read_blocks` of n tokens' blocks
@@ -106,16 +106,22 @@ class Meter:
             self.engine.step()
 
     def prefill(self, tokens: int, context: int) -> float:
+        """Every repeat shares one cached prefix of `context` tokens (computed once) and adds its own
+        `tokens`; a repeat that found less of it cached would time more than it says: refused."""
+        prefix = self.tokens(context)
+        if context:
+            self.engine.add_request(prefix, SamplingParams(max_tokens=1, ignore_eos=True))
+            self.run_out()
         runs = []
         for _ in range(self.grid.repeats):
-            prompt = self.tokens(context + tokens)
-            if context:
-                self.engine.add_request(prompt[:context], SamplingParams(max_tokens=1, ignore_eos=True))
-                self.run_out()
-            self.engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            request = self.engine.add_request(prefix + self.tokens(tokens), SamplingParams(max_tokens=1,
+                                                                                         ignore_eos=True))
             started = time.perf_counter()
             self.engine.step()
             runs.append(time.perf_counter() - started)
+            if request.num_cached_tokens != context:
+                raise RuntimeError(f"the prefill point ({tokens} tokens at context {context}) found "
+                                   f"{request.num_cached_tokens} tokens cached, not {context}")
             self.run_out()
         return statistics.median(runs)
 
