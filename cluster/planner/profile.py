@@ -127,6 +127,16 @@ class Profile:
             return 0.0
         return min(max(interpolate(rows, first, 0), 0.0), first[0])
 
+    def beyond(self, longest_prompt: int, longest_context: int) -> list[str]:
+        """What a workload asks outside the measured grid: extrapolated, so less to be trusted."""
+        notes = []
+        if longest_prompt > self.prefill.rows[-1] + self.prefill.columns[-1]:
+            notes.append(f"prompts of up to {longest_prompt} tokens, prefill measured to "
+                         f"{self.prefill.rows[-1]} tokens at context {self.prefill.columns[-1]}")
+        if longest_context > self.decode.columns[-1]:
+            notes.append(f"contexts of up to {longest_context} tokens, decode measured to {self.decode.columns[-1]}")
+        return notes
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -64,6 +64,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
                   console=console, transient=True) as bar:
         task = bar.add_task("plan", total=count_topologies(space))
         result = plan(profile, specs, slo, space, on_candidate=lambda: bar.advance(task))
+    for note in profile.beyond(max(spec.prompt_tokens for spec in specs),
+                               max(spec.prompt_tokens + spec.output_tokens for spec in specs)):
+        console.print(f"[yellow]the workload has {note}: extrapolated (profile a larger grid)[/]")
     console.print(plan_table(result, len(specs)))
     if not result.meets_slo:
         console.print(f"[red]no configuration within {args.budget} workers meets the SLOs for "

@@ -79,6 +79,13 @@ def test_prefill_knee_is_where_throughput_stops_growing():
     assert knee.prefill_knee(0.6) == 100
 
 
+def test_a_workload_beyond_the_profiled_grid_is_named():
+    profile = replace(linear_profile(), decode=Grid([1, 8], [64, 512], [[0.01, 0.02], [0.03, 0.04]]))
+    assert profile.beyond(1000, 400) == []
+    (note,) = profile.beyond(1000, 900)
+    assert "contexts of up to 900 tokens, decode measured to 512" in note
+
+
 def test_cluster_config_and_helm_flags_of_a_topology():
     config = to_cluster_config(Topology(COLOCATED, 0, 3, decode_limits=PoolLimits(512, 32)))
     assert (config.mode, config.decode.replicas) == ("colocated", 3)
