@@ -11,7 +11,7 @@
 3. Simulate the same requests on the same topology from the profile, and compare TTFT, ITL and
    TPOT p50/p90, predicted against measured.
 Results: benchmarks/results/planner-validation.json and .png (predicted against measured, with the
-±25% band). About 7 minutes on the 2-core box at the defaults: the profile ~1.5 min, each
+±25% band). About 8 minutes on a quiet 2-core box at the defaults: the profile ~1.5 min, each
 configuration ~1.5 min with its start. On a loaded machine the measured side is slower than the
 profile says, so predictions come out low: run it on a quiet machine for figures to quote.
 """
@@ -32,7 +32,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import RESULTS, console, machine, print_table, save  # noqa: E402
-from benchmarks.disaggregation import Spec, drive, one, warm_up  # noqa: E402, F401
+from benchmarks.disaggregation import Spec, drive, warm_up  # noqa: E402
 from cluster.planner.measure import MeasureGrid, engine_for, measure  # noqa: E402
 from cluster.planner.profile import Profile, load_profile  # noqa: E402
 from cluster.planner.simulator import COLOCATED, DISAGGREGATED, SimResult, Topology, percentile, simulate  # noqa: E402
