@@ -4,8 +4,10 @@ Each point times real engine steps, the median of `repeats` runs:
 - prefill (tokens t, context c): a request of c tokens first, so that its blocks sit in the prefix
   cache, then (each repeat) one of c + t tokens with the same first c: its one step computes exactly
   t tokens at context c (c is a multiple of the block size, as the prefix cache matches whole blocks);
-- decode (batch b, context c): b requests of c-token prompts are prefilled once, then the median of
-  `decode_steps` steps of b rows each (the context grows by that many tokens meanwhile);
+- decode (batch b, context c): b requests of c-token prompts that share their first c - 1 tokens
+  (computed once, then found in the prefix cache), then the median of `decode_steps` steps of b
+  rows each (the context grows by that many tokens meanwhile). Shared blocks may sit warmer in the
+  CPU's caches than b distinct contexts would: a small bias to fast at large b;
 - transfer (n tokens): the worker's two ends of a KV transfer, `read_blocks` of n tokens' blocks
   and `write_blocks` of them back. The wire between two hosts is not in it (docs/planner.md).
 Whatever threads torch uses here are the profile's `threads`: profile with those a worker will get.
@@ -126,10 +128,15 @@ class Meter:
         return statistics.median(runs)
 
     def decode(self, batch: int, context: int) -> float:
-        """The median of `decode_steps` steps of one batch: its prompts (batch x context tokens, the
-        dear part) are computed once, not once per repeat."""
+        """The median of `decode_steps` steps of one batch. Its prompts share all but their last token
+        (cached once), so a point costs about `context` prompt tokens, not batch x context; each
+        request still attends over its own `context` tokens of blocks, as a decode step does."""
+        shared = self.tokens(context - 1)
+        if len(shared) >= self.engine.config.cache.block_size:
+            self.engine.add_request(shared, SamplingParams(max_tokens=1, ignore_eos=True))
+            self.run_out()
         params = SamplingParams(max_tokens=self.grid.decode_steps + 1, ignore_eos=True)
-        requests = [self.engine.add_request(self.tokens(context), params) for _ in range(batch)]
+        requests = [self.engine.add_request(shared + self.tokens(1), params) for _ in range(batch)]
         while any(not request.output_token_ids for request in requests):
             self.engine.step()
         runs = []
