@@ -11,8 +11,8 @@
 3. Simulate the same requests on the same topology from the profile, and compare TTFT, ITL and
    TPOT p50/p90, predicted against measured.
 Results: benchmarks/results/planner-validation.json and .png (predicted against measured, with the
-±25% band). About 8 minutes on a quiet 2-core box at the defaults: the profile ~1.5 min, each
-configuration ~1.5 min with its start. On a loaded machine the measured side is slower than the
+±25% band). About 6 minutes on the 2-core box at the defaults: the profile ~25 s, each
+configuration ~2 min with its start and warm-up. On a loaded machine the measured side is slower than the
 profile says, so predictions come out low: run it on a quiet machine for figures to quote.
 """
 
