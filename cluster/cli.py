@@ -1,4 +1,4 @@
-"""`pdserve`: the command line. Subcommands: serve, status, chat, generate, bench."""
+"""`pdserve`: the command line. Subcommands: serve, status, chat, generate, bench, profile, plan."""
 
 from __future__ import annotations
 
@@ -333,6 +333,41 @@ def command_stop_workers(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_profile(args: argparse.Namespace) -> int:
+    """Measure one engine here (cluster.planner.measure) and save the profile the planner reads."""
+    from cluster.planner.measure import profile_model  # torch loads here, not for --help
+
+    model = args.model or ("tiny" if args.quick else "default")
+    profile = profile_model(model, args.dtype, quick=args.quick)
+    profile.save(args.out)
+    Console().print(f"pdserve profile: {profile.model} ({profile.dtype}, {profile.threads} threads) -> {args.out}; "
+                    f"prefill throughput is within 90% of its best from {profile.prefill_knee()} tokens a step")
+    return 0
+
+
+def command_plan(args: argparse.Namespace) -> int:
+    from cluster.planner.report import run_plan
+
+    return run_plan(args, Console())
+
+
+def add_planner_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    profile = commands.add_parser("profile", help="measure one worker on this machine (prefill, decode and KV "
+                                  "transfer times) into a JSON profile for `pdserve plan`")
+    profile.add_argument("--model", default=None, help="as serve takes it (default: 'default'; with --quick the "
+                         "tiny random model, 'tiny')")
+    profile.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    profile.add_argument("--out", default="profile.json", help="where the profile goes")
+    profile.add_argument("--quick", action="store_true", help="a small grid, one run per point: seconds, for tests")
+    profile.set_defaults(handler=command_profile)
+    from cluster.planner.report import add_plan_arguments  # no torch: --help stays fast
+
+    plan = commands.add_parser("plan", help="simulate pool sizes and limits for a workload and SLOs; print the "
+                               "best (highest goodput per worker) and the runner-up; --write a cluster.yaml")
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=command_plan)
+
+
 def request_limit(text: str) -> str:
     """An argparse type: `NAME=VALUE` of a known request limit (a bad one exits 2 with the reason)."""
     try:
@@ -434,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop_workers.add_argument("--name", required=True)
     stop_workers.add_argument("--ray-address", required=True, help="the Ray cluster they run on")
     stop_workers.set_defaults(handler=command_stop_workers)
+    add_planner_commands(commands)
     serve.set_defaults(handler=command_serve)
     generate.set_defaults(handler=command_generate)
     chat.set_defaults(handler=command_chat)

@@ -1,0 +1,76 @@
+"""The simulator against cases worked out by hand on straight-line profiles (tests/planner/profiles.py):
+prefill(t) = 0.01 + 0.001 t, decode(b) = 0.01 + 0.001 b, a mixed step their sum less one 0.01."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.planner.simulator import COLOCATED, DISAGGREGATED, PoolLimits, Topology, percentile, simulate
+from cluster.planner.workload import RequestSpec
+from tests.planner.profiles import linear_profile
+
+
+def test_one_request_disaggregated_first_token_at_prefill_end_then_transfer_then_decode_steps():
+    profile = linear_profile(transfer_per_token_s=0.0001)
+    result = simulate(profile, Topology(DISAGGREGATED, 1, 1, kv_overlap=False), [RequestSpec(0.5, 200, 4)])
+    (request,) = result.requests
+    prefill, transfer, decode = 0.01 + 0.2, 200 * 0.0001, 0.01 + 0.001
+    # The prefill worker streams token 1; the decode worker's first step (after the KV lands) gives token 2.
+    assert request.ttft_s == pytest.approx(prefill)
+    assert request.itls_s == pytest.approx([transfer + decode, decode, decode])
+    assert request.tpot_s == pytest.approx((transfer + 3 * decode) / 3)
+
+
+def test_overlapped_transfer_sends_only_the_last_chunk_after_the_prompt():
+    profile = linear_profile(transfer_per_token_s=0.0001)
+    limits = PoolLimits(max_num_batched_tokens=128)
+    topology = Topology(DISAGGREGATED, 1, 1, prefill_limits=limits, decode_limits=limits, kv_overlap=True)
+    (request,) = simulate(profile, topology, [RequestSpec(0.0, 300, 2)]).requests
+    # Chunks of 128, 128 and 44 tokens under the token budget, one step each.
+    assert request.ttft_s == pytest.approx(3 * 0.01 + 0.3)
+    assert request.itls_s == pytest.approx([44 * 0.0001 + 0.011])
+
+
+def test_colocated_constant_rate_queue_waits_grow_by_the_service_excess():
+    # One worker, one request at a time; each request is a 90-token prompt and one token: 0.1 s of
+    # service, arriving every 0.08 s. Request i waits i * (0.1 - 0.08) s before its own 0.1 s.
+    profile = linear_profile()
+    topology = Topology(COLOCATED, 0, 1, decode_limits=PoolLimits(max_num_seqs=1))
+    specs = [RequestSpec(i * 0.08, 90, 1) for i in range(5)]
+    result = simulate(profile, topology, specs)
+    assert [r.ttft_s for r in result.requests] == pytest.approx([0.1 + i * 0.02 for i in range(5)])
+    assert result.duration_s == pytest.approx(0.5)
+
+
+def test_token_budget_chunks_the_second_prompt_behind_the_first_ones_decode():
+    # Budget 100: step 1 is A's whole prompt (0.11 s, token 1 of A); step 2 is A's decode row and 99
+    # tokens of B (0.011 + 0.109 - 0.01 = 0.11); step 3 is A's row and B's last token (0.011 + 0.011 - 0.01).
+    profile = linear_profile()
+    topology = Topology(COLOCATED, 0, 1, decode_limits=PoolLimits(max_num_batched_tokens=100))
+    a, b = simulate(profile, topology, [RequestSpec(0.0, 100, 3), RequestSpec(0.0, 100, 1)]).requests
+    assert b.ttft_s == pytest.approx(0.11 + 0.11 + 0.012)
+    assert a.token_times == pytest.approx((0.11, 0.22, 0.232))
+
+
+def test_router_spreads_by_requests_in_flight_and_prefill_by_queued_tokens():
+    profile = linear_profile()
+    specs = [RequestSpec(0.0, 1000, 2), RequestSpec(0.0, 10, 2), RequestSpec(0.0, 10, 2)]
+    result = simulate(profile, Topology(DISAGGREGATED, 2, 1), specs)
+    # Prefill worker 0 takes the long prompt; both short ones go to worker 1 (10 < 1000 queued tokens).
+    # An idle worker starts a step the moment a request comes, so the second short one runs next.
+    long, short1, short2 = result.requests
+    assert long.ttft_s == pytest.approx(1.01)
+    assert (short1.ttft_s, short2.ttft_s) == pytest.approx((0.02, 0.04))
+
+
+def test_percentile_is_numpys_linear():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+
+
+def test_max_num_seqs_keeps_the_second_request_waiting_until_the_first_ends():
+    # One running request at a time: A's prompt (0.11 s) and two decode steps (0.011 s each), then B's prompt.
+    topology = Topology(COLOCATED, 0, 1, decode_limits=PoolLimits(max_num_seqs=1))
+    a, b = simulate(linear_profile(), topology, [RequestSpec(0.0, 100, 3), RequestSpec(0.0, 100, 3)]).requests
+    assert a.token_times == pytest.approx((0.11, 0.121, 0.132))
+    assert b.ttft_s == pytest.approx(0.132 + 0.11)
