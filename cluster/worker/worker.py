@@ -283,7 +283,7 @@ class Worker:
                 for output in outputs:
                     if output.finished and output.request_id in self.engine.scheduler.held:
                         self._export(output.request_id)
-                    self._deliver(output.request_id, output)
+                self._deliver_step(outputs)
                 if self.overlap_transfer:
                     self._export_computed_blocks()
             if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
@@ -327,6 +327,14 @@ class Worker:
         stream = self.streams.get(request_id)
         if stream is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(stream.put, item)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs handed to the event loop at once: one wake-up of the loop, not one per
+        request, and every stream of the step readied together (so a channel carries the step in one
+        message, `cluster.ray_cluster.channels`)."""
+        ready = [(stream, output) for output in outputs if (stream := self.streams.get(output.request_id)) is not None]
+        if ready and self.loop is not None:
+            self.loop.call_soon_threadsafe(_put_each, ready)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self.streams):
@@ -633,3 +641,7 @@ def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
 
+
+def _put_each(ready: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, output in ready:
+        stream.put(output)
