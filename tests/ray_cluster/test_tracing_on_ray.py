@@ -131,7 +131,8 @@ def test_a_disaggregated_request_is_one_trace_across_every_process(
     assert all(span.parent_id == prefill.span_id for span in chunks + [named["pdserve.queue"]])
     assert sorted(span.attributes["pdserve.tokens"] for span in chunks) == [5, 16, 16]
     sends = [span for span in spans if span.name == "pdserve.kv_send"]
-    assert all(span.parent_id == prefill.span_id and span.attributes["pdserve.transport"] == "ucx" for span in sends)
+    # Both workers on this host: the KV goes through shared memory (cluster/transfer/shm.py).
+    assert all(span.parent_id == prefill.span_id and span.attributes["pdserve.transport"] == "shm" for span in sends)
     [last] = [span for span in sends if span.attributes["pdserve.last"]]
     assert named["pdserve.kv_receive"].parent_id == last.span_id  # joined through the KV frame's header
     assert sum(span.attributes["pdserve.bytes"] for span in sends) == named["pdserve.kv_receive"].attributes[

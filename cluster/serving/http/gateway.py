@@ -55,6 +55,7 @@ from cluster.serving.http.openai_protocol import (
     CompletionFormat,
     CompletionRequest,
     CompletionResponse,
+    Echo,
     ErrorDetail,
     ErrorResponse,
     ModelCard,
@@ -455,6 +456,13 @@ def gateway_of(app: FastAPI) -> Gateway:
     return gateway
 
 
+def _echo_of(body: CompletionRequest) -> Echo | None:
+    try:
+        return body.echo_of()
+    except ValueError as error:  # a batch of prompts: refused as without echo, not a 500
+        raise ApiError(400, str(error), param="prompt") from error
+
+
 def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     service = gateway.service
 
@@ -487,7 +495,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gateway.admit(body.model)
         response_format = CompletionFormat(request.state.public_id, service.model_name, service.tokenizer,
-                                           logprobs=body.logprobs is not None, echo=body.echo_of())
+                                           logprobs=body.logprobs is not None, echo=_echo_of(body))
         return await gateway.respond(request, body, response_format)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={

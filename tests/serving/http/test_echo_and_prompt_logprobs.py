@@ -78,6 +78,13 @@ def test_prompt_logprobs_are_not_streamed(client: openai.OpenAI) -> None:
         streamed(client, PROMPT_IDS, extra_body={"prompt_logprobs": 1})
 
 
+def test_echo_with_a_batch_of_prompts_is_refused_as_without_it(client: openai.OpenAI) -> None:
+    """Found by the schemathesis fuzz: `echo` read the one prompt before the batch was refused, a 500."""
+    for echo in (False, True):
+        with pytest.raises(openai.BadRequestError, match="batched prompts are not supported"):
+            client.completions.create(model=served(client), prompt=["a", "", "b"], max_tokens=2, echo=echo)
+
+
 def test_echo_returns_the_prompt_first_whole_and_streamed(client: openai.OpenAI, tiny: LiveGateway) -> None:
     plain = completion(client, "Hello world").choices[0]
     echoed = completion(client, "Hello world", echo=True).choices[0]
