@@ -111,7 +111,9 @@ class Outbox:
 
 class ChannelHost:
     """The actor's face of channels, mixed into an actor class. `streams` names the methods a caller
-    may open (async generators of the actor); they run on the loop of the `channel` call."""
+    may open (async generators of the actor); they run on the loop of the `open` call (the actor's
+    default group). Its state lives in the instance's `__dict__`, made on first use, so the actor
+    classes need not call an `__init__` of the mixin."""
 
     streams: frozenset[str] = frozenset()
 
