@@ -268,7 +268,7 @@ class Worker:
             while not self.commands.empty():
                 self.commands.get()()
             if self.engine.has_unfinished_requests():
-                if self.cores is not None:
+                if self.cores is not None and self._has_compute():
                     self.threads = self.cores.busy()
                     self.claiming = True
                 started = time.perf_counter()
@@ -292,6 +292,12 @@ class Worker:
                     self.claiming = False
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
+
+    def _has_compute(self) -> bool:
+        """Whether the next step computes anything: requests running or waiting, or KV that landed. A
+        decode worker holding only reservations (KV on its way) steps to expire leases, no more."""
+        scheduler = self.engine.scheduler
+        return bool(scheduler.running or scheduler.waiting or scheduler.remote_ready)
 
     def _count_throughput(self, tokens: int, seconds: float) -> None:
         """Tokens per second of busy step time, averaged over recent steps: what the router sizes a

@@ -87,3 +87,39 @@ def test_a_worker_claims_the_cores_while_it_computes_and_withdraws_when_idle(tmp
 
     asyncio.run(main())
     assert applied == [2, 1]  # both cores while alone; its own one beside a busy worker
+
+
+def test_a_decode_worker_holding_only_reservations_claims_no_cores(tmp_path: Path) -> None:
+    """A reservation waits for its KV: nothing to compute, so the worker's idle loop (every 50 ms) must
+    not claim the host's cores and withdraw the claim each time (a locked file write per loop)."""
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.config import CacheConfig, EngineConfig
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.transfer.loopback import LoopbackHub, LoopbackReceiver
+    from cluster.weights.synthetic import build_tiny_llama_checkpoint
+    from cluster.worker.worker import Worker
+    from tests.helpers import fp32_model
+
+    claims: list[int] = []
+
+    class CountedCores(NodeCores):
+        def busy(self) -> int:
+            claims.append(1)
+            return super().busy()
+
+    engine = LLMEngine(EngineConfig(model=fp32_model(build_tiny_llama_checkpoint(tmp_path / "tiny")),
+                                    cache=CacheConfig(block_size=4, num_blocks=64)))
+    worker = Worker("decode-0", "decode", engine, receiver=LoopbackReceiver(LoopbackHub(), "decode-0"),
+                    cores=CountedCores(2, 1, tmp_path / "cores.json", lambda threads: None))
+
+    async def main() -> None:
+        await worker.start()
+        try:
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            assert await worker.reserve("waiting-for-kv", [5, 6, 7], params, lease_s=30) is not None
+            await asyncio.sleep(0.5)  # about ten idle loops
+            assert engine.has_unfinished_requests() and claims == []
+        finally:
+            await worker.stop()
+
+    asyncio.run(main())
