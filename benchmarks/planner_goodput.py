@@ -133,8 +133,11 @@ def plot(arms: dict[str, Any], slo: Slo, path: Path) -> None:
     plt.close(fig)
 
 
-def verdict(arms: dict[str, Any], planned_name: str, default_name: str | None) -> list[str]:
+def verdict(arms: dict[str, Any], planned_name: str, default_name: str | None, meets_slo: bool) -> list[str]:
     lines = []
+    if not meets_slo:
+        lines.append("No configuration of the budget meets the SLO attainment in the simulation: the plan is the "
+                     "best attainment, not a goodput optimum (a slower profile, or too much load for 2 workers).")
     if default_name is not None:
         lines.append(f"The plan's choice IS the default {default_name}: its margin is against the other defaults.")
     mine = arms[planned_name]["measured"]["goodput_rps"]
@@ -175,7 +178,8 @@ def main() -> None:
         if topology.mode not in profile.serving:
             profile = with_serving(profile, topology.mode, runs[name][1]["serving"])
     profile.save(RESULTS / f"{NAME}.profile.json")
-    chosen = plan(profile, requests, slo, SearchSpace(budget=BUDGET)).best.topology
+    planned = plan(profile, requests, slo, SearchSpace(budget=BUDGET))
+    chosen = planned.best.topology
     default_name = next((name for name, topology in DEFAULTS.items() if topology == chosen), None)
     planned_name = default_name or f"planned {chosen.describe()}"
     if default_name is None:
@@ -192,7 +196,7 @@ def main() -> None:
     print_table(f"measured / predicted: SLO TTFT {slo.ttft_s} s, TPOT {slo.tpot_s * 1000:.0f} ms",
                 ["arm", "goodput", "per worker", "attain %", "TTFT p50 ms", "TTFT p90", "TPOT p50 ms", "TPOT p90"],
                 rows)
-    lines = verdict(arms, planned_name, default_name)
+    lines = verdict(arms, planned_name, default_name, planned.meets_slo)
     for line in lines:
         console.print(line)
     save(NAME, {"arms": arms, "planned": planned_name, "planned_is_default": default_name is not None,
