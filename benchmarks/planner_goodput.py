@@ -27,9 +27,10 @@ and the goodputs tie (the arrival rate); with TPOT SLOs tight enough to hurt col
 the differences were within a few percent on two cores (a prompt interrupts only its own worker's
 decodes), too close to measure; this one gave colocated x2 0.72 req/s (97% attainment) against
 1P+1D 0.56 (75%) and colocated x1 0.32 (42%) on the quiet-machine profile of 05:23 (decode steps
-scaled to warm). On two cores budget 2 allows no other split, so the plan's choice is colocated x2
-at the engine's default limits (limits that change nothing stay at the defaults): the benchmark
-says so, and its margin is against 1P+1D and colocated x1.
+scaled to warm, x0.72; first-token latencies of 30 ms colocated and 70 ms disaggregated assumed).
+There the plan's choice is colocated x2 at the engine's default limits (no other limit did better,
+and limits that change nothing stay at the defaults): a default, so its margin is against 1P+1D
+and colocated x1. Each run plans afresh from its own profile and says which it chose.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def explore(profile: Profile, slo: Slo) -> None:
                 ["workload", "plan", "plan goodput", *DEFAULTS], rows)
 
 
-def plot(arms: dict[str, Any], slo: Slo, path: Path) -> None:
+def plot(arms: dict[str, Any], slo: Slo, planned_name: str, load: tuple[float, ...], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,12 +123,14 @@ def plot(arms: dict[str, Any], slo: Slo, path: Path) -> None:
         xs = range(len(names))
         ax.bar([x - 0.2 for x in xs], [arms[n]["measured"][key] for n in names], 0.4, label="measured")
         ax.bar([x + 0.2 for x in xs], [arms[n]["predicted"][key] for n in names], 0.4, label="predicted")
-        ax.set_xticks(list(xs), names, rotation=15, fontsize=8)
+        ax.set_xticks(list(xs), [n + (" (planned)" if n == planned_name else "") for n in names], rotation=15,
+                      fontsize=8)
         ax.set_title(label)
         if key != "goodput_rps":
             ax.axhline(slo.ttft_s if key.startswith("ttft") else slo.tpot_s, color="0.4", ls="--", lw=1)
     axes[0].legend(fontsize=8)
-    fig.suptitle("pdserve planner: planned vs default configurations, measured on this machine")
+    fig.suptitle("pdserve planner: planned vs default configurations on this machine (load average after: "
+                 + ", ".join(f"{value:.1f}" for value in load) + ")")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -197,14 +200,15 @@ def main() -> None:
                 ["arm", "goodput", "per worker", "attain %", "TTFT p50 ms", "TTFT p90", "TPOT p50 ms", "TPOT p90"],
                 rows)
     lines = verdict(arms, planned_name, default_name, planned.meets_slo)
+    load = os.getloadavg()
     for line in lines:
         console.print(line)
     save(NAME, {"arms": arms, "planned": planned_name, "planned_is_default": default_name is not None,
                 "verdict": lines, "slo": asdict(slo), "workload": {
                     "rate": args.rate, "num_requests": args.num_requests, "prompt": args.prompt,
-                    "output": args.output, "seed": args.seed}, "load_average_after": os.getloadavg(),
+                    "output": args.output, "seed": args.seed}, "load_average_after": load,
                 "profile": profile.as_dict()}, info)
-    plot(arms, slo, RESULTS / f"{NAME}.png")
+    plot(arms, slo, planned_name, load, RESULTS / f"{NAME}.png")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ class Topology:
             raise ValueError(f"mode must be {COLOCATED!r} or {DISAGGREGATED!r}, got {self.mode!r}")
         if self.num_decode < 1 or (self.mode == DISAGGREGATED and self.num_prefill < 1):
             raise ValueError(f"a {self.mode} cluster needs its workers, got {self}")
+        if self.cores < 0:
+            raise ValueError(f"cores must be >= 0 (0: the profiled machine's), got {self.cores}")
 
     @property
     def num_workers(self) -> int:
