@@ -7,8 +7,8 @@ Each point times real engine steps, the median of `repeats` runs:
 - decode (batch b, context c): b requests of c-token prompts that share their first c - 1 tokens
   (computed once, then found in the prefix cache), then `decode_warmup` steps untimed and the
   median of the `decode_steps` after them, b rows each (the context grows by that many tokens
-  meanwhile). Warm: the first steps after a prompt run slower (its activations leave the CPU's
-  caches, the allocator resizes), and a serving worker's steps are mostly far from a prompt.
+  meanwhile). Warm because a serving worker's steps are mostly far from a prompt, while the
+  first ones after it may run slower (its activations in the CPU's caches, the allocator resizing).
   Shared blocks may sit warmer in the CPU's caches than b distinct contexts would: a small bias to
   fast at large b;
 - transfer (n tokens): the worker's two ends of a KV transfer, `read_blocks` of n tokens' blocks
