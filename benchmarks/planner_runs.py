@@ -26,7 +26,7 @@ from benchmarks.disaggregation import Record, Spec, drive, one, warm_up
 from cluster.planner.cluster_file import cluster_values
 from cluster.planner.measure import MeasureGrid, engine_for, measure
 from cluster.planner.profile import Profile, Serving, load_profile
-from cluster.planner.simulator import SimResult, Topology, oversubscription, percentile
+from cluster.planner.simulator import SimResult, Topology, percentile, serving_from_lone_requests
 from cluster.planner.workload import RequestSpec
 from cluster.ray_cluster.config import ClusterConfig, cluster_config_from
 from cluster.ray_cluster.launcher import Cluster
@@ -67,13 +67,12 @@ def cluster_config(topology: Topology) -> ClusterConfig:
 
 
 async def measure_serving(cluster: Cluster, profile: Profile, topology: Topology, repeats: int = 3) -> Serving:
-    """What this cluster adds to the profile's steps, timed at the client on requests alone:
-    - `step_s`: a lone request's token gap (after its second token: a disaggregated first gap holds
-      the transfer) less the profile's decode step of one row, per oversubscribed step;
-    - `first_token_s`: a one-token request's TTFT less its prompt's step (with `step_s`): the hops
-      to the worker (through the router's reservation round trip, disaggregated) and back."""
+    """What this cluster adds to the profile's steps, timed at the client on requests alone
+    (`serving_from_lone_requests` turns the medians into `Serving`): the token gap of a
+    `PROBE_TOKENS`-token request after its second token (a disaggregated first gap holds the
+    transfer), and the TTFT of one-token requests (the hops to the worker, through the router's
+    reservation round trip when disaggregated, and back)."""
     rng = np.random.default_rng(4242)
-    slowdown = oversubscription(profile, topology)
 
     async def timed(max_tokens: int, index: int) -> Record:
         spec = Spec(f"probe-{index}", "short", 0.0, rng.integers(1000, 30000, PROBE_PROMPT).tolist(), max_tokens)
@@ -88,11 +87,9 @@ async def measure_serving(cluster: Cluster, profile: Profile, topology: Topology
         record = await timed(PROBE_TOKENS, index)
         later = record.events[2:]  # events may carry several tokens: time per token after the second
         gaps.append((record.events[-1][0] - record.events[1][0]) / sum(tokens for _, tokens in later))
-    decode = profile.decode_seconds(1, PROBE_PROMPT + PROBE_TOKENS // 2)
-    step_s = max(statistics.median(gaps) / slowdown - decode, 0.0)
     ttfts = [(await timed(1, repeats + index)).ttft_s or 0.0 for index in range(repeats)]
-    first_token_s = statistics.median(ttfts) - (profile.prefill_seconds(PROBE_PROMPT, 0) + step_s) * slowdown
-    return Serving(first_token_s=max(first_token_s, 0.0), step_s=step_s)
+    return serving_from_lone_requests(profile, topology, PROBE_PROMPT, statistics.median(ttfts),
+                                      statistics.median(gaps))
 
 
 def with_serving(profile: Profile, mode: str, serving: Serving) -> Profile:

@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.planner.profile import Profile
+from cluster.planner.profile import Profile, Serving
 from cluster.planner.workload import RequestSpec
 
 COLOCATED = "colocated"
@@ -211,6 +211,19 @@ def oversubscription(profile: Profile, topology: Topology) -> float:
     if not cores or not profile.threads:
         return 1.0
     return max(1.0, topology.num_workers * profile.threads / cores)
+
+
+def serving_from_lone_requests(profile: Profile, topology: Topology, prompt_tokens: int, ttft_s: float,
+                               token_gap_s: float) -> Serving:
+    """The serving latencies that make the simulator reproduce what a client timed on requests sent
+    alone to that cluster: a `prompt_tokens`-token request's TTFT, and its steady token gap (one
+    decode row at about that context). The inverse of `Simulation` for one request: the gap is
+    (decode step + `step_s`) x slowdown, the TTFT `first_token_s` + (prefill + `step_s`) x slowdown.
+    What the profile already explains is never negative serving: clamped at 0."""
+    slowdown = oversubscription(profile, topology)
+    step_s = max(token_gap_s / slowdown - profile.decode_seconds(1, prompt_tokens), 0.0)
+    first_token_s = ttft_s - (profile.prefill_seconds(prompt_tokens, 0) + step_s) * slowdown
+    return Serving(first_token_s=max(first_token_s, 0.0), step_s=step_s)
 
 
 class Simulation:

@@ -15,6 +15,7 @@ from cluster.planner.simulator import (
     Topology,
     oversubscription,
     percentile,
+    serving_from_lone_requests,
     simulate,
 )
 from cluster.planner.workload import RequestSpec
@@ -116,3 +117,20 @@ def test_workers_whose_threads_outnumber_the_cores_step_slower_by_the_oversubscr
     assert oversubscription(profile, Topology(DISAGGREGATED, 1, 2, cores=4)) == 1.5
     assert [r.ttft_s for r in simulate(profile, Topology(COLOCATED, 0, 2, cores=4), specs).requests] \
         == pytest.approx([0.11, 0.11])
+
+
+@pytest.mark.parametrize("threads, workers, ttft, gap, first_token, step",
+                         [(1, 1, 0.1, 0.015, 0.054, 0.004),  # 0.1 - (0.042 + 0.004); 0.015 - 0.011
+                          (2, 2, 0.2, 0.03, 0.108, 0.004)])  # slowdown 2: 0.2 - 2 x 0.046; 0.03 / 2 - 0.011
+def test_serving_latencies_from_lone_requests_make_the_simulator_reproduce_them(threads, workers, ttft, gap,
+                                                                                first_token, step):
+    # A 32-token prompt: prefill 0.01 + 0.032 s; one decode row 0.011 s. On 2 cores.
+    profile = replace(linear_profile(), threads=threads, machine={"cores": 2})
+    topology = Topology(COLOCATED, 0, workers)
+    serving = serving_from_lone_requests(profile, topology, 32, ttft_s=ttft, token_gap_s=gap)
+    assert (serving.first_token_s, serving.step_s) == pytest.approx((first_token, step))
+    (request,) = simulate(replace(profile, serving={COLOCATED: serving}), topology, [RequestSpec(1.0, 32, 4)]).requests
+    assert request.ttft_s == pytest.approx(ttft)
+    assert request.itls_s == pytest.approx([gap] * 3)
+    # A cluster faster than the profile adds nothing (never a negative latency).
+    assert serving_from_lone_requests(profile, topology, 32, ttft_s=0.01, token_gap_s=0.001) == Serving(0.0, 0.0)
