@@ -7,9 +7,12 @@
 2. For each configuration (colocated x1, colocated x2, 1P+1D by default; `--configs`), start the
    real cluster (embedded Ray, UCX between the pools), warm it up, and replay the workload: Poisson
    arrivals at `--rate`, prompts of 64-256 random ids, 16-64 output tokens (greedy, EOS ignored),
-   every token event timestamped at the client (`benchmarks.disaggregation.one`).
-3. Simulate the same requests on the same topology from the profile, and compare TTFT, ITL and
-   TPOT p50/p90, predicted against measured.
+   every token event timestamped at the client (`benchmarks.disaggregation.one`). Before the
+   workload, a few requests alone time what serving adds to the profile's steps on that cluster
+   (`benchmarks.planner_runs.measure_serving`: the first token's hops, each step's dispatch).
+3. Simulate the same requests on the same topology from the profile with those serving latencies,
+   and compare TTFT, ITL and TPOT p50/p90, predicted against measured.
+The helpers shared with `benchmarks.planner_goodput` are in `benchmarks.planner_runs`.
 Results: benchmarks/results/planner-validation.json and .png (predicted against measured, with the
 ±25% band). About 6 minutes on the 2-core box at the defaults: the profile ~25 s, each
 configuration ~2 min with its start and warm-up. On a loaded machine the measured side is slower than the
@@ -24,29 +27,26 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and Ray: the worke
 os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import time  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, console, machine, print_table, save  # noqa: E402
-from benchmarks.disaggregation import Spec, drive, warm_up  # noqa: E402
-from cluster.planner.measure import MeasureGrid, engine_for, measure  # noqa: E402
-from cluster.planner.profile import Profile, load_profile  # noqa: E402
-from cluster.planner.simulator import COLOCATED, DISAGGREGATED, SimResult, Topology, percentile, simulate  # noqa: E402
+from benchmarks.common import RESULTS, machine, print_table, save  # noqa: E402
+from benchmarks.disaggregation import Spec  # noqa: E402
+from benchmarks.planner_runs import FIGURES, compare, measured_run, predicted_run, profile_here, with_serving  # noqa: E402
+from cluster.planner.measure import MeasureGrid  # noqa: E402
+from cluster.planner.profile import Profile, Serving  # noqa: E402
+from cluster.planner.simulator import COLOCATED, DISAGGREGATED, Topology, simulate  # noqa: E402
 from cluster.planner.workload import RequestSpec  # noqa: E402
-from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
-from cluster.ray_cluster.launcher import Cluster  # noqa: E402
 
 NAME = "planner-validation"
 GRID = MeasureGrid(prefill_tokens=(16, 64, 128, 256, 512), prefill_contexts=(0, 256),
                    decode_batches=(1, 2, 4, 8, 16), decode_contexts=(64, 256, 512),
-                   transfer_tokens=(16, 256, 1024), repeats=3, decode_steps=8)
+                   transfer_tokens=(16, 256, 1024), repeats=3, decode_steps=8, decode_warmup=3)
 CONFIGS = {"colocated-1": Topology(COLOCATED, 0, 1), "colocated-2": Topology(COLOCATED, 0, 2),
            "1P+1D": Topology(DISAGGREGATED, 1, 1)}
-FIGURES = ("ttft", "itl", "tpot")
 
 
 def workload(args: argparse.Namespace) -> tuple[list[Spec], list[RequestSpec]]:
@@ -61,57 +61,15 @@ def workload(args: argparse.Namespace) -> tuple[list[Spec], list[RequestSpec]]:
     return specs, requests
 
 
-def profile_here(args: argparse.Namespace) -> Profile:
-    if args.profile:
-        return load_profile(args.profile)
-    import torch
-
-    torch.set_num_threads(1)
-    started = time.monotonic()
-    profile = measure(engine_for("default", "auto", GRID), GRID)
-    profile.save(RESULTS / f"{NAME}.profile.json")
-    console.print(f"profile: {time.monotonic() - started:.0f} s -> {RESULTS / f'{NAME}.profile.json'}")
-    return profile
-
-
-def cluster_config(topology: Topology) -> ClusterConfig:
-    engine = engine_config_from({"kv_cache_memory_gb": 1.0})
-    pool = PoolConfig(replicas=topology.num_decode, num_cpus=1, threads=1)
-    if topology.mode == COLOCATED:
-        return ClusterConfig(mode=COLOCATED, prefill=PoolConfig(replicas=0), decode=pool, engine=engine)
-    return ClusterConfig(mode=DISAGGREGATED, prefill=PoolConfig(replicas=topology.num_prefill, num_cpus=1, threads=1),
-                         decode=pool, engine=engine)
-
-
-def measured_run(name: str, topology: Topology, specs: list[Spec], args: argparse.Namespace) -> dict[str, Any]:
-    console.rule(f"[bold]{name}")
-    cluster = Cluster(cluster_config(topology)).start()
-    try:
-        async def run() -> list[Any]:
-            await warm_up(cluster, args)
-            return await drive(cluster, specs, args, name)
-
-        records = asyncio.run(run())
-    finally:
-        cluster.stop()
-    ok = [r for r in records if r.error is None and r.events]
-    return {"ttft": [r.ttft_s for r in ok], "itl": [gap for r in ok for gap in r.gaps_s],
-            "tpot": [(r.events[-1][0] - r.events[0][0]) / (r.num_tokens - 1) for r in ok if r.num_tokens > 1],
-            "failed": len(records) - len(ok), "errors": sorted({r.error for r in records if r.error})[:5]}
-
-
-def predicted_run(result: SimResult) -> dict[str, list[float]]:
-    return {"ttft": [r.ttft_s for r in result.requests], "itl": [g for r in result.requests for g in r.itls_s],
-            "tpot": [r.tpot_s for r in result.requests if len(r.token_times) > 1]}
-
-
-def compare(measured: dict[str, Any], predicted: dict[str, list[float]]) -> dict[str, Any]:
-    rows: dict[str, Any] = {}
-    for figure in FIGURES:
-        for q in (50, 90):
-            real, model = percentile(measured[figure], q), percentile(predicted[figure], q)
-            rows[f"{figure}_p{q}"] = {"measured_s": real, "predicted_s": model, "error": model / real - 1}
-    return rows
+def validate(name: str, profile: Profile, specs: list[Spec], requests: list[RequestSpec],
+             args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration: measured, then simulated with the serving latencies timed on that cluster."""
+    topology = CONFIGS[name]
+    measured = measured_run(name, topology, specs, args, profile)
+    served = with_serving(profile, topology.mode, measured["serving"])
+    predicted = predicted_run(simulate(served, topology, requests))
+    return {"comparison": compare(measured, predicted), "serving": asdict(measured["serving"]),
+            "failed": measured["failed"], "errors": measured["errors"], "load_average_after": os.getloadavg()}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -148,15 +106,15 @@ def main() -> None:
     parser.add_argument("--drain", type=float, default=60.0, help="seconds past the last arrival to finish")
     args = parser.parse_args()
     info = machine("benchmarks.planner_validation")
-    profile = profile_here(args)
+    profile = profile_here(args.profile, GRID, NAME)
     specs, requests = workload(args)
     args.duration = max(spec.arrival_s for spec in specs)  # `drive` stops waiting at duration + drain
-    results: dict[str, Any] = {}
-    for name in args.configs:
-        measured = measured_run(name, CONFIGS[name], specs, args)
-        predicted = predicted_run(simulate(profile, CONFIGS[name], requests))
-        results[name] = {"comparison": compare(measured, predicted), "failed": measured["failed"],
-                         "errors": measured["errors"], "load_average_after": os.getloadavg()}
+    results = {name: validate(name, profile, specs, requests, args) for name in args.configs}
+    timed: dict[str, Serving] = {}  # each mode's first cluster's serving latencies, into the profile
+    for name, run in results.items():
+        timed.setdefault(CONFIGS[name].mode, Serving(**run["serving"]))
+    profile = replace(profile, serving={**profile.serving, **timed})
+    profile.save(RESULTS / f"{NAME}.profile.json")
     rows = [[name, key, f"{v['measured_s'] * 1000:.0f}", f"{v['predicted_s'] * 1000:.0f}", f"{v['error']:+.0%}"]
             for name, run in results.items() for key, v in run["comparison"].items()]
     print_table("planner validation (ms)", ["config", "figure", "measured", "predicted", "error"], rows)

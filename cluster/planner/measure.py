@@ -5,9 +5,12 @@ Each point times real engine steps, the median of `repeats` runs:
   cache, then (each repeat) one of c + t tokens with the same first c: its one step computes exactly
   t tokens at context c (c is a multiple of the block size, as the prefix cache matches whole blocks);
 - decode (batch b, context c): b requests of c-token prompts that share their first c - 1 tokens
-  (computed once, then found in the prefix cache), then the median of `decode_steps` steps of b
-  rows each (the context grows by that many tokens meanwhile). Shared blocks may sit warmer in the
-  CPU's caches than b distinct contexts would: a small bias to fast at large b;
+  (computed once, then found in the prefix cache), then `decode_warmup` steps untimed and the
+  median of the `decode_steps` after them, b rows each (the context grows by that many tokens
+  meanwhile). Warm because a serving worker's steps are mostly far from a prompt, while the
+  first ones after it may run slower (its activations in the CPU's caches, the allocator resizing).
+  Shared blocks may sit warmer in the CPU's caches than b distinct contexts would: a small bias to
+  fast at large b;
 - transfer (n tokens): the worker's two ends of a KV transfer, `read_blocks` of n tokens' blocks
   and `write_blocks` of them back. The wire between two hosts is not in it (docs/planner.md).
 Whatever threads torch uses here are the profile's `threads`: profile with those a worker will get.
@@ -47,6 +50,7 @@ class MeasureGrid:
     transfer_tokens: tuple[int, ...]
     repeats: int = 3
     decode_steps: int = 6
+    decode_warmup: int = 3  # steps run untimed after the prompts, before the timed ones
 
     @property
     def num_points(self) -> int:
@@ -56,7 +60,7 @@ class MeasureGrid:
     @property
     def max_tokens_held(self) -> int:
         return max(max(self.prefill_tokens) + max(self.prefill_contexts),
-                   max(self.decode_batches) * (max(self.decode_contexts) + self.decode_steps + 2),
+                   max(self.decode_batches) * (max(self.decode_contexts) + self.decode_warmup + self.decode_steps + 2),
                    max(self.transfer_tokens))
 
 
@@ -64,7 +68,8 @@ FULL = MeasureGrid(prefill_tokens=(16, 64, 256, 512, 1024, 2048), prefill_contex
                    decode_batches=(1, 4, 16, 32, 64), decode_contexts=(64, 512, 1024),
                    transfer_tokens=(16, 256, 1024, 4096), decode_steps=8)
 QUICK = MeasureGrid(prefill_tokens=(8, 32, 64), prefill_contexts=(0, 64), decode_batches=(1, 4),
-                    decode_contexts=(16, 64), transfer_tokens=(16, 64), repeats=1, decode_steps=2)
+                    decode_contexts=(16, 64), transfer_tokens=(16, 64), repeats=1, decode_steps=2,
+                    decode_warmup=1)
 
 
 def machine_info() -> dict[str, Any]:
@@ -135,17 +140,18 @@ class Meter:
         if len(shared) >= self.engine.config.cache.block_size:
             self.engine.add_request(shared, SamplingParams(max_tokens=1, ignore_eos=True))
             self.run_out()
-        params = SamplingParams(max_tokens=self.grid.decode_steps + 1, ignore_eos=True)
+        params = SamplingParams(max_tokens=self.grid.decode_warmup + self.grid.decode_steps + 1, ignore_eos=True)
         requests = [self.engine.add_request(shared + self.tokens(1), params) for _ in range(batch)]
         while any(not request.output_token_ids for request in requests):
             self.engine.step()
-        runs = []
-        for _ in range(self.grid.decode_steps):
-            started = time.perf_counter()
-            self.engine.step()
-            runs.append(time.perf_counter() - started)
+        seconds = steady_median(self.timed_step, self.grid.decode_warmup, self.grid.decode_steps)
         self.run_out()
-        return statistics.median(runs)
+        return seconds
+
+    def timed_step(self) -> float:
+        started = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - started
 
     def transfer(self, tokens: int) -> float:
         block_ids = list(range(-(-tokens // self.engine.config.cache.block_size)))
@@ -156,6 +162,14 @@ class Meter:
             self.engine.runner.write_blocks(block_ids, data)
             runs.append(time.perf_counter() - started)
         return statistics.median(runs)
+
+
+def steady_median(step: Callable[[], float], warmup: int, count: int) -> float:
+    """The median of `count` runs of `step` after `warmup` runs whose times are dropped: a steady
+    state's time, not a cold start's."""
+    for _ in range(warmup):
+        step()
+    return statistics.median(step() for _ in range(count))
 
 
 @contextmanager

@@ -4,7 +4,8 @@ Goodput per worker is DistServe's figure of merit: requests per second that meet
 the TPOT SLO, divided by the workers that serve them. A shape is eligible only when at least
 `attainment` of its requests meet both SLOs (otherwise one worker missing most of them would win);
 among eligible shapes the planner takes the highest goodput per worker, then the fewest workers,
-then colocated (one pool is simpler to run). With none eligible it reports the best attainment and
+then colocated (one pool is simpler to run), then the engine's default limits (a limit changed for
+nothing is a knob to explain). With none eligible it reports the best attainment and
 says so. Every candidate is simulated on the same requests (`cluster.planner.simulator`).
 
 The search: colocated with 1..budget workers, and every prefill/decode split of 2..budget workers;
@@ -80,7 +81,13 @@ class Candidate:
         """Sorts best first."""
         eligible = self.attainment >= slo.attainment
         return (not eligible, -round(self.goodput_per_worker, 9) if eligible else -self.attainment,
-                self.topology.num_workers, self.topology.mode != COLOCATED)
+                self.topology.num_workers, self.topology.mode != COLOCATED, not self.default_limits)
+
+    @property
+    def default_limits(self) -> bool:
+        """Both pools at the engine's defaults: among shapes that tie, the plan changes no limit that
+        buys nothing (and a default-limit shape is the cluster an operator would run anyway)."""
+        return self.topology.prefill_limits == PoolLimits() == self.topology.decode_limits
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,11 @@ Three tables, each of wall seconds on one worker of the machine recorded in `mac
   are computed already (a chunk of a chunked prefill, or a whole prompt at context 0);
 - decode: one step of `batch` running requests each at `context` tokens (one new token each);
 - transfer: moving `bytes` of KV out of one worker's cache and into another's.
+And what serving adds around the steps (`Serving`, per mode): the fixed latency of a request's first
+token (the client's call through Ray to the router, the decode worker's reservation round trip in
+disaggregated mode, the worker's queue, the first token's event back) and what a served worker adds
+to each step (its event loop dispatching the step's tokens). `pdserve profile` times one engine and
+leaves them zero; `benchmarks.planner_runs.measure_serving` times them on a cluster it started.
 
 Between measured points the tables are interpolated linearly (bilinearly for the two-axis ones),
 and past the last point extrapolated along the last segment: step time grows about linearly in
@@ -21,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no `serving`, read as zeros
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,18 @@ def interpolate(xs: list[int], ys: list[float], x: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class Serving:
+    """What serving adds to the engine's steps on one kind of cluster, in seconds."""
+
+    first_token_s: float = 0.0  # the request's hops to its worker and its first token's back
+    step_s: float = 0.0  # added to every step of a served worker (the event loop's dispatch)
+
+    def __post_init__(self) -> None:
+        if self.first_token_s < 0 or self.step_s < 0:
+            raise ValueError(f"serving latencies must be >= 0, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """What `pdserve profile` measured; `step_seconds` is the one question the simulator asks."""
 
@@ -79,6 +97,7 @@ class Profile:
     dtype: str = ""
     threads: int = 0
     machine: dict[str, Any] = field(default_factory=dict)
+    serving: dict[str, Serving] = field(default_factory=dict)  # by mode: "colocated", "disaggregated"
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -86,6 +105,14 @@ class Profile:
             raise ValueError("transfer_bytes and transfer_seconds must be non-empty and of one length")
         if self.kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+
+    def serving_for(self, mode: str) -> Serving:
+        return self.serving.get(mode, Serving())
+
+    @property
+    def cores(self) -> int:
+        """The profiled machine's cores (0: not recorded)."""
+        return int(self.machine.get("cores") or 0)
 
     def prefill_seconds(self, tokens: int, context: int) -> float:
         return self.prefill.at(tokens, context)
@@ -147,23 +174,29 @@ class Profile:
 
 
 def profile_from_dict(values: dict[str, Any]) -> Profile:
-    if values.get("version") != PROFILE_VERSION:
-        raise ValueError(f"profile version must be {PROFILE_VERSION}, got {values.get('version')!r}: "
+    if values.get("version") not in READABLE_VERSIONS:
+        raise ValueError(f"profile version must be one of {READABLE_VERSIONS}, got {values.get('version')!r}: "
                          "measure it again with `pdserve profile`")
-    values = dict(values)
+    values = {**values, "version": PROFILE_VERSION}
     try:
         values["prefill"] = Grid(**values["prefill"])
         values["decode"] = Grid(**values["decode"])
+        values["serving"] = {mode: Serving(**figures) for mode, figures in values.get("serving", {}).items()}
         return Profile(**values)
-    except (KeyError, TypeError) as error:
+    except (KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"not a pdserve profile: {error}") from None
 
 
-def load_profile(path: str | Path) -> Profile:
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """The JSON object in the file at `path`; a clear ValueError naming `what` it should be otherwise."""
     try:
         values = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read the profile {path}: {error}") from None
+        raise ValueError(f"cannot read the {what} {path}: {error}") from None
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: a profile is a JSON object")
-    return profile_from_dict(values)
+        raise ValueError(f"{path}: a {what} is a JSON object")
+    return values
+
+
+def load_profile(path: str | Path) -> Profile:
+    return profile_from_dict(read_json_object(path, "profile"))

@@ -67,6 +67,10 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     for note in profile.beyond(max(spec.prompt_tokens for spec in specs),
                                max(spec.prompt_tokens + spec.output_tokens for spec in specs)):
         console.print(f"[yellow]the workload has {note}: extrapolated (profile a larger grid)[/]")
+    unmeasured = [mode for mode in modes if mode not in profile.serving]
+    if unmeasured:
+        console.print(f"[yellow]the profile has no serving latencies for {' and '.join(unmeasured)}: TTFTs leave "
+                      "out the hops (benchmarks.planner_validation records them; docs/planner.md)[/]")
     console.print(plan_table(result, len(specs)))
     if not result.meets_slo:
         console.print(f"[red]no configuration within {args.budget} workers meets the SLOs for "

@@ -13,10 +13,17 @@ What it models, as the code decides it:
   TTFT: it streams from there), then the KV travels (`Profile.transfer_seconds_for`; with
   `kv_overlap` only the last chunk's blocks are left to send, the rest went while it computed) and
   the decode worker admits the request at its next step.
+- serving's fixed latencies (`Profile.serving_for(mode)`): a request reaches its worker's queue
+  `first_token_s` after it arrives (its hops there and its first token's way back, taken together:
+  a constant delay of every token leaves the gaps alone), and a served worker's step lasts
+  `step_s` longer than the engine's alone;
+- workers sharing cores: when the workers' threads (`Profile.threads` each) outnumber the cores
+  (`Topology.cores`, or the profiled machine's), every step takes workers x threads / cores times
+  its profiled time (`oversubscription`): each worker gets that share of the cores it was profiled
+  with. Pessimistic while some workers idle, as their cores then go to the busy ones.
 What it leaves out (docs/planner.md): preemption and KV capacity, prefix caching, the admission
-limits (429s), Ray and HTTP latencies, the router's load polls, and the workers' contention for
-cores beyond what the profile measured. Standard library only: a plan simulates hundreds of
-configurations in seconds.
+limits (429s), the router's load polls, and cores taken by processes other than the workers.
+Standard library only: a plan simulates hundreds of configurations in seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.planner.profile import Profile
+from cluster.planner.profile import Profile, Serving
 from cluster.planner.workload import RequestSpec
 
 COLOCATED = "colocated"
@@ -54,12 +61,15 @@ class Topology:
     prefill_limits: PoolLimits = field(default_factory=PoolLimits)
     decode_limits: PoolLimits = field(default_factory=PoolLimits)
     kv_overlap: bool = True
+    cores: int = 0  # the machine's cores the workers share (0: the profiled machine's)
 
     def __post_init__(self) -> None:
         if self.mode not in (COLOCATED, DISAGGREGATED):
             raise ValueError(f"mode must be {COLOCATED!r} or {DISAGGREGATED!r}, got {self.mode!r}")
         if self.num_decode < 1 or (self.mode == DISAGGREGATED and self.num_prefill < 1):
             raise ValueError(f"a {self.mode} cluster needs its workers, got {self}")
+        if self.cores < 0:
+            raise ValueError(f"cores must be >= 0 (0: the profiled machine's), got {self.cores}")
 
     @property
     def num_workers(self) -> int:
@@ -192,6 +202,30 @@ class SimResult:
         return figures
 
 
+def oversubscription(profile: Profile, topology: Topology) -> float:
+    """How much longer each step takes because the workers' threads outnumber the cores: each of
+    `workers x threads` threads gets `cores / (workers x threads)` of a core, so a step profiled on
+    `threads` cores of its own takes `workers x threads / cores` times as long. 1 when they fit, or
+    when the profile does not say its threads or cores."""
+    cores = topology.cores or profile.cores
+    if not cores or not profile.threads:
+        return 1.0
+    return max(1.0, topology.num_workers * profile.threads / cores)
+
+
+def serving_from_lone_requests(profile: Profile, topology: Topology, prompt_tokens: int, ttft_s: float,
+                               token_gap_s: float) -> Serving:
+    """The serving latencies that make the simulator reproduce what a client timed on requests sent
+    alone to that cluster: a `prompt_tokens`-token request's TTFT, and its steady token gap (one
+    decode row at about that context). The inverse of `Simulation` for one request: the gap is
+    (decode step + `step_s`) x slowdown, the TTFT `first_token_s` + (prefill + `step_s`) x slowdown.
+    What the profile already explains is never negative serving: clamped at 0."""
+    slowdown = oversubscription(profile, topology)
+    step_s = max(token_gap_s / slowdown - profile.decode_seconds(1, prompt_tokens), 0.0)
+    first_token_s = ttft_s - (profile.prefill_seconds(prompt_tokens, 0) + step_s) * slowdown
+    return Serving(first_token_s=max(first_token_s, 0.0), step_s=step_s)
+
+
 class Simulation:
     """One run: events in time order, workers stepping, the router placing each arrival."""
 
@@ -206,11 +240,13 @@ class Simulation:
         self.sequence = itertools.count()
         self.decode_of: dict[int, SimWorker] = {}  # id(request) -> its decode (or colocated) worker
         self.steps: dict[int, list[tuple[SimRequest, int]]] = {}  # id(worker) -> the step it runs
+        self.serving = profile.serving_for(topology.mode)
+        self.slowdown = oversubscription(profile, topology)
 
     def run(self, specs: list[RequestSpec]) -> SimResult:
         requests = [SimRequest(spec) for spec in specs]
         for request in requests:
-            self._push(request.spec.arrival_s, "arrival", request)
+            self._push(request.spec.arrival_s + self.serving.first_token_s, "arrival", request)
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             getattr(self, f"_on_{kind}")(now, payload)
@@ -252,7 +288,8 @@ class Simulation:
         contexts = [request.spec.prompt_tokens + request.generated for request, _ in rows if not request.prefilling]
         worker.busy = True
         self.steps[id(worker)] = rows
-        self._push(now + self.profile.step_seconds(chunks, contexts), "step_done", worker)
+        seconds = (self.profile.step_seconds(chunks, contexts) + self.serving.step_s) * self.slowdown
+        self._push(now + seconds, "step_done", worker)
 
     def _on_step_done(self, now: float, worker: SimWorker) -> None:
         worker.busy = False

@@ -16,12 +16,13 @@ Or a recorded trace: `{"trace": [{"arrival_s": 0.0, "prompt_tokens": 300, "outpu
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from cluster.planner.profile import read_json_object
 
 ARRIVALS = ("poisson", "constant", "burst")
 LENGTH_KINDS = ("constant", "uniform", "lognormal")
@@ -113,10 +114,4 @@ def workload_from_dict(values: dict[str, Any]) -> list[RequestSpec]:
 
 
 def load_workload(path: str | Path) -> list[RequestSpec]:
-    try:
-        values = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read the workload {path}: {error}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: a workload is a JSON object")
-    return workload_from_dict(values)
+    return workload_from_dict(read_json_object(path, "workload"))

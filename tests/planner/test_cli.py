@@ -36,6 +36,7 @@ def test_plan_writes_a_cluster_config_that_serve_loads(tmp_path, capsys, monkeyp
                  "--write", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "choice" in printed and "runner-up" in printed and "2P+1D" in printed
+    assert "no serving latencies for colocated and disaggregated" in printed  # a profile of one engine
     config = load_cluster_config(out)
     assert (config.mode, config.prefill.replicas, config.decode.replicas) == ("disaggregated", 2, 1)
     assert config.engine.scheduler.max_num_seqs == 64

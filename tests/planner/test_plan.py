@@ -92,3 +92,12 @@ def test_a_cheaper_shape_that_misses_the_attainment_is_not_chosen():
     lenient = plan(PROFILE, specs, Slo(1.75, 1.0, attainment=0.8), space)
     assert shape(lenient.best) == (COLOCATED, 0, 1)
     assert lenient.best.attainment == pytest.approx(0.8)
+
+
+def test_limits_that_change_nothing_are_left_at_the_engine_defaults():
+    # One request of 1000 tokens and 11 outputs, alone: 1000 tokens fit in a step of the default
+    # 2048 (and take two steps at 512, no later than one at 1024), no batch limit binds. Every limit
+    # but the 512 budget ties on goodput per worker: the plan keeps the engine's 2048 and 256.
+    result = plan(PROFILE, requests(1.0, 1, 11), Slo(5.0, 0.05), SearchSpace(1, (1024, 2048, 512), (16, 256)))
+    limits = result.best.topology.decode_limits
+    assert (limits.max_num_batched_tokens, limits.max_num_seqs) == (2048, 256)

@@ -3,9 +3,21 @@ prefill(t) = 0.01 + 0.001 t, decode(b) = 0.01 + 0.001 b, a mixed step their sum 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from cluster.planner.simulator import COLOCATED, DISAGGREGATED, PoolLimits, Topology, percentile, simulate
+from cluster.planner.profile import Serving
+from cluster.planner.simulator import (
+    COLOCATED,
+    DISAGGREGATED,
+    PoolLimits,
+    Topology,
+    oversubscription,
+    percentile,
+    serving_from_lone_requests,
+    simulate,
+)
 from cluster.planner.workload import RequestSpec
 from tests.planner.profiles import linear_profile
 
@@ -74,3 +86,51 @@ def test_max_num_seqs_keeps_the_second_request_waiting_until_the_first_ends():
     a, b = simulate(linear_profile(), topology, [RequestSpec(0.0, 100, 3), RequestSpec(0.0, 100, 3)]).requests
     assert a.token_times == pytest.approx((0.11, 0.121, 0.132))
     assert b.ttft_s == pytest.approx(0.132 + 0.11)
+
+
+def test_serving_latencies_delay_the_first_token_and_lengthen_every_step_of_their_mode_only():
+    # Disaggregated: 50 ms of hops before the prompt's step, each step 2 ms longer than the engine's;
+    # the colocated figures (a second apart) must not be used.
+    profile = replace(linear_profile(transfer_per_token_s=0.0001),
+                      serving={DISAGGREGATED: Serving(first_token_s=0.05, step_s=0.002),
+                               COLOCATED: Serving(first_token_s=1.0, step_s=1.0)})
+    topology = Topology(DISAGGREGATED, 1, 1, kv_overlap=False)
+    (request,) = simulate(profile, topology, [RequestSpec(0.5, 200, 3)]).requests
+    prefill, transfer, decode = 0.01 + 0.2 + 0.002, 200 * 0.0001, 0.01 + 0.001 + 0.002
+    assert request.ttft_s == pytest.approx(0.05 + prefill)
+    assert request.itls_s == pytest.approx([transfer + decode, decode])
+
+
+def test_workers_whose_threads_outnumber_the_cores_step_slower_by_the_oversubscription():
+    # Two requests of a 100-token prompt and one token, at once, on two colocated workers: one step
+    # each, 0.11 s profiled. Two 2-thread workers on 2 cores: 4 threads for 2 cores, steps 2x.
+    profile = replace(linear_profile(), threads=2, machine={"cores": 2})
+    specs = [RequestSpec(0.0, 100, 1), RequestSpec(0.0, 100, 1)]
+    shared = simulate(profile, Topology(COLOCATED, 0, 2), specs)
+    assert [r.ttft_s for r in shared.requests] == pytest.approx([0.22, 0.22])
+    assert oversubscription(profile, Topology(COLOCATED, 0, 2)) == 2.0
+    # One such worker, or two 1-thread ones, or the same two on a 4-core machine: they fit.
+    assert oversubscription(profile, Topology(COLOCATED, 0, 1)) == 1.0
+    assert oversubscription(replace(profile, threads=1), Topology(COLOCATED, 0, 2)) == 1.0
+    assert oversubscription(profile, Topology(COLOCATED, 0, 2, cores=4)) == 1.0
+    # 1P+2D of 2-thread workers on 4 cores: 6 threads for 4 cores.
+    assert oversubscription(profile, Topology(DISAGGREGATED, 1, 2, cores=4)) == 1.5
+    assert [r.ttft_s for r in simulate(profile, Topology(COLOCATED, 0, 2, cores=4), specs).requests] \
+        == pytest.approx([0.11, 0.11])
+
+
+@pytest.mark.parametrize("threads, workers, ttft, gap, first_token, step",
+                         [(1, 1, 0.1, 0.015, 0.054, 0.004),  # 0.1 - (0.042 + 0.004); 0.015 - 0.011
+                          (2, 2, 0.2, 0.03, 0.108, 0.004)])  # slowdown 2: 0.2 - 2 x 0.046; 0.03 / 2 - 0.011
+def test_serving_latencies_from_lone_requests_make_the_simulator_reproduce_them(threads, workers, ttft, gap,
+                                                                                first_token, step):
+    # A 32-token prompt: prefill 0.01 + 0.032 s; one decode row 0.011 s. On 2 cores.
+    profile = replace(linear_profile(), threads=threads, machine={"cores": 2})
+    topology = Topology(COLOCATED, 0, workers)
+    serving = serving_from_lone_requests(profile, topology, 32, ttft_s=ttft, token_gap_s=gap)
+    assert (serving.first_token_s, serving.step_s) == pytest.approx((first_token, step))
+    (request,) = simulate(replace(profile, serving={COLOCATED: serving}), topology, [RequestSpec(1.0, 32, 4)]).requests
+    assert request.ttft_s == pytest.approx(ttft)
+    assert request.itls_s == pytest.approx([gap] * 3)
+    # A cluster faster than the profile adds nothing (never a negative latency).
+    assert serving_from_lone_requests(profile, topology, 32, ttft_s=0.01, token_gap_s=0.001) == Serving(0.0, 0.0)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.planner.cluster_file import helm_flags, to_cluster_config
-from cluster.planner.profile import Grid, interpolate, load_profile
+from cluster.planner.profile import Grid, Serving, interpolate, load_profile
 from cluster.planner.simulator import COLOCATED, DISAGGREGATED, PoolLimits, Topology
 from cluster.planner.workload import load_workload, workload_from_dict
 from tests.planner.profiles import linear_profile
@@ -94,3 +94,24 @@ def test_cluster_config_and_helm_flags_of_a_topology():
     assert "ray.prefill.maxReplicas=2" in flags and "ray.decodeGroups[0].replicas=1" in flags
     with pytest.raises(ValueError, match="per pool"):
         to_cluster_config(Topology(DISAGGREGATED, 1, 1, prefill_limits=PoolLimits(512), decode_limits=PoolLimits(64)))
+
+
+def test_a_version_1_profile_loads_with_zero_serving_latencies(tmp_path):
+    profile = replace(linear_profile(), serving={"colocated": Serving(first_token_s=0.07, step_s=0.003)})
+    assert load_profile(profile.save(tmp_path / "v2.json")) == profile
+    old = {key: value for key, value in linear_profile().as_dict().items() if key != "serving"}
+    (tmp_path / "v1.json").write_text(json.dumps({**old, "version": 1}))
+    loaded = load_profile(tmp_path / "v1.json")
+    assert loaded.serving_for("colocated") == Serving(0.0, 0.0) and loaded == linear_profile()
+    assert load_profile(tmp_path / "v1.json").version == 2
+
+
+@pytest.mark.parametrize("text, message", [("[1, 2]", "a workload is a JSON object"),
+                                           ("{", "cannot read the workload")])
+def test_profile_and_workload_files_are_read_alike(tmp_path, text, message):
+    path = tmp_path / "file.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_workload(path)
+    with pytest.raises(ValueError, match=message.replace("workload", "profile")):
+        load_profile(path)
