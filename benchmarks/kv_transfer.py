@@ -63,7 +63,7 @@ DESCRIPTIONS = {
 TAG_HELLO, TAG_FRAME, TAG_ACK = 1, 2, 3  # worker-level tags of the sm arm
 DEADLINE_S = 60.0
 CHILD_TIMEOUT_S = 600.0
-# Transfers of each size not timed (the first segments of a size are new), and how many transfers
+# Transfers of each size not timed (a sender maps each segment once, at its first use), and how many transfers
 # a receiver expects ahead (so that the sender never waits for an `expect`).
 WARMUP = LOOKAHEAD = 2
 KILL_NBYTES = 64 << 20
@@ -153,6 +153,8 @@ async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kil
     await receiver.start()
     receiver.phases.on = shared and not kill
     first_use = await new_segment_stall(receiver, max(sizes)) if shared and not kill else {}
+    for nbytes in sizes if shared else []:  # the pool warmed up, as a decode worker's is after its first requests:
+        await receiver.prefault_landing(nbytes, LOOKAHEAD + 1)  # an `expect` never waits for a new segment
     plain = {nbytes: np.zeros(nbytes, dtype=np.uint8) for nbytes in sizes} if not shared else {}
     alloc_ms: dict[str, list[float]] = {}
     done_at: dict[str, float] = {}

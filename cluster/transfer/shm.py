@@ -179,6 +179,23 @@ class Segments:
                 return None
         return self._hand_out(token, nbytes, segment)
 
+    async def prefault(self, nbytes: int, count: int = 1) -> int:
+        """Make `count` segments for transfers of `nbytes` ahead of need (on a thread) and pool them,
+        as far as the pool holds them; returns how many were pooled. A decode worker's first
+        transfers of that size then take pooled ones, as later transfers do."""
+        pooled = 0
+        for _ in range(count):
+            size = size_class(nbytes)
+            if self.pooled_bytes + size > self._pool_bytes:
+                break
+            segment = await self._make_off_loop("", size)
+            if segment is None:
+                break
+            segment.reusable = not self._closed  # never handed out: nobody writes into it
+            self._recycle(segment)
+            pooled += segment in self._idle
+        return pooled
+
     def _hand_out(self, token: str, nbytes: int, segment: _Segment) -> memoryview | None:
         path = segment_path(self.receiver_id, token, self.directory)
         try:

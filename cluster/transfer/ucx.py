@@ -540,6 +540,13 @@ class UCXReceiver:
             return None
         return await self._segments.allocate(token, nbytes)
 
+    async def prefault_landing(self, nbytes: int, count: int = 1) -> int:
+        """Make `count` shared-memory segments for transfers of `nbytes` now, off the loop, and pool
+        them (`shm.Segments.prefault`); how many were. Nothing without shared memory."""
+        if self._segments is None or self._closed:
+            return 0
+        return await self._segments.prefault(nbytes, count)
+
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the receiver started in. A `buffer` that
         is the segment `landing_memory(token, ...)` gave can take in-place frames; the segment's

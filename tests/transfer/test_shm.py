@@ -424,3 +424,46 @@ def test_a_segment_made_for_a_caller_that_gave_up_goes_to_the_pool(loop: asyncio
         assert os.listdir(segment_dir) == []
 
     loop.run_until_complete(asyncio.wait_for(body(), 20))
+
+
+def test_segments_prefaulted_ahead_are_pooled_and_handed_out(loop: asyncio.AbstractEventLoop,
+                                                              segment_dir: Path) -> None:
+    """`prefault` makes segments ahead of need (off the loop) and pools them, up to the pool's
+    bytes; a transfer of that size then takes one without making another."""
+    segments = shm.Segments(str(segment_dir), pool_bytes=8 << 20)
+
+    async def body() -> None:
+        assert await segments.prefault(3 << 20, count=3) == 2  # 4 MiB each: the third does not fit
+        assert segments.pooled_bytes == 8 << 20 and len(os.listdir(segment_dir)) == 2
+        landing = await segments.allocate("fc01", 3 << 20)
+        assert landing is not None and len(os.listdir(segment_dir)) == 2 and segments.pooled_bytes == 4 << 20
+        segments.close()
+
+    loop.run_until_complete(asyncio.wait_for(body(), 20))
+
+
+def test_the_phase_marks_of_a_frame_line_up_across_both_sides(shm_pair: Pair, segment_dir: Path) -> None:
+    """What benchmarks/kv_transfer.py reports per step: every step of an in-place frame is marked on
+    its side, in order, and the breakdown has each span."""
+    from cluster.transfer.phases import RECEIVER_STEPS, SENDER_STEPS, breakdown
+
+    nbytes = 4 << 20
+    shm_pair.sender.phases.on = shm_pair.receiver.phases.on = True
+
+    async def body() -> None:
+        landing = await shm_pair.receiver.landing_memory("fd01", nbytes)
+        assert landing is not None
+        done = shm_pair.receiver.expect("ph", landing, "fd01")
+        header = frames("ph", nbytes, "fd01", count=1)[0]
+        await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(payload(nbytes, seed=2)))
+        await done
+
+    shm_pair.run(body())
+    sender, receiver = shm_pair.sender.phases.marks, shm_pair.receiver.phases.marks
+    assert [step for _, step, _ in sender] == list(SENDER_STEPS)
+    assert [step for _, step, _ in receiver] == list(RECEIVER_STEPS)
+    assert all(earlier[2] <= later[2] for marks in (sender, receiver)
+               for earlier, later in zip(marks, marks[1:], strict=False))
+    spans = breakdown(sender, receiver, "ph")
+    assert {"copy", "marker_wake", "ack_wake", "after_copy", "total"} <= set(spans)
+    assert 0 < spans["copy"] < spans["total"]
