@@ -5,17 +5,19 @@ the ack travel on the same UCX endpoint (TCP) as before, so connects, deadlines,
 dead peer are detected exactly as on the TCP path. Only the payload takes another road:
 
     decode worker (receiver)                        prefill worker (sender), same host
-    landing = receiver.landing_memory(token, n)     (the ticket's address names the receiver's
+    landing = await receiver.landing_memory(t, n)   (the ticket's address names the receiver's
       a file /dev/shm/pdserve-kv-<rid>-<token>       host identity and id `rid`: `SameHost`)
-      (0600, fallocated, mapped; pooled): the
-      staging tensor `import_kv` reads from
+      (0600, fallocated, mapped; pooled; a new
+      one faulted in on a thread): the staging
+      tensor `import_kv` reads from
     expect(request_id, landing, token)
-                                    <── header (in_place=True), over UCX
+                                    <── header (in_place=True), over UCX: posted, the ack's
+                                        receive posted too, nothing awaited
     admit: RECEIVING                                map the segment (once: `Mappings`), copy the
                                                     frame's bytes to its offset in chunks
                                                     (cancellable between chunks)
-                                    <── 1-byte marker, over UCX
-    complete; ack ──>                               the send returns
+                                    <── 1-byte marker, over UCX (posted)
+    complete; ack ──>                               the send returns (one wait: the ack)
     (the token's name goes as soon as the transfer ends; the segment is pooled for another
     transfer if this one ended DONE and its view was dropped, else unlinked: `Segments`)
 
