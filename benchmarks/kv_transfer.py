@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from cluster.transfer.connector import KVHeader
+from cluster.transfer.phases import breakdown
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS: dict[str, dict[str, str]] = {
@@ -62,7 +63,7 @@ DESCRIPTIONS = {
 TAG_HELLO, TAG_FRAME, TAG_ACK = 1, 2, 3  # worker-level tags of the sm arm
 DEADLINE_S = 60.0
 CHILD_TIMEOUT_S = 600.0
-# Transfers of each size not timed (the first segments of a size are new), and how many transfers
+# Transfers of each size not timed (a sender maps each segment once, at its first use), and how many transfers
 # a receiver expects ahead (so that the sender never waits for an `expect`).
 WARMUP = LOOKAHEAD = 2
 KILL_NBYTES = 64 << 20
@@ -150,6 +151,10 @@ async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kil
 
     receiver = UCXReceiver(timeout_s=DEADLINE_S, shared_memory=shared)
     await receiver.start()
+    receiver.phases.on = shared and not kill
+    first_use = await new_segment_stall(receiver, max(sizes)) if shared and not kill else {}
+    for nbytes in sizes if shared else []:  # the pool warmed up, as a decode worker's is after its first requests:
+        await receiver.prefault_landing(nbytes, LOOKAHEAD + 1)  # an `expect` never waits for a new segment
     plain = {nbytes: np.zeros(nbytes, dtype=np.uint8) for nbytes in sizes} if not shared else {}
     alloc_ms: dict[str, list[float]] = {}
     done_at: dict[str, float] = {}
@@ -157,12 +162,12 @@ async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kil
     upcoming = iter(request_ids(sizes, transfers))
     pending: collections.deque[tuple[str, int, np.ndarray, asyncio.Future[Any]]] = collections.deque()
 
-    def expect_next() -> None:
+    async def expect_next() -> None:
         request_id, nbytes = next(upcoming, ("", 0))
         if not request_id:
             return
         started = time.perf_counter()
-        landing = receiver.landing_memory(token_for(request_id), nbytes) if shared else None
+        landing = await receiver.landing_memory(token_for(request_id), nbytes) if shared else None
         alloc_ms.setdefault(str(nbytes), []).append(1e3 * (time.perf_counter() - started))
         buffer = plain[nbytes] if landing is None else np.frombuffer(landing, np.uint8)
         future = receiver.expect(request_id, memoryview(buffer), token_for(request_id))
@@ -170,7 +175,7 @@ async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kil
         pending.append((request_id, nbytes, buffer, future))
 
     for _ in range(LOOKAHEAD):
-        expect_next()
+        await expect_next()
     ticker = LoopTicker()
     ticker.start()
     started = time.perf_counter()
@@ -186,13 +191,33 @@ async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kil
         if request_id.endswith(f"-{transfers - 1}"):  # each size's last payload is checked
             verified[nbytes] = bool(np.array_equal(buffer, payload_for(nbytes)))
         del buffer, future  # its segment goes back to the pool, as after a decode worker's import
-        expect_next()
+        await expect_next()
     ticker.stop()
     await receiver.close()
     report = receiver_report(sizes, transfers, done_at, started, ticker, verified)
     for nbytes in sizes:
         report[str(nbytes)]["segment_alloc_ms"] = statistics.median(alloc_ms[str(nbytes)]) if shared else 0.0
+    report["_new_segment"], report["_phases"] = first_use, receiver.phases.marks
     return report
+
+
+async def new_segment_stall(receiver: Any, nbytes: int) -> dict[str, float]:
+    """A new segment of `nbytes` (none is pooled yet) made while a 1 ms ticker runs: how long the
+    allocation took and the longest the event loop stood still meanwhile (its pages are faulted in
+    on a thread: the loop should not stall for the allocation's length)."""
+    ticker = LoopTicker()
+    ticker.start()
+    await asyncio.sleep(0.01)
+    started = time.perf_counter()
+    landing = await receiver.landing_memory("f1e5", nbytes)
+    ended = time.perf_counter()
+    await asyncio.sleep(0.005)
+    ticker.stop()
+    if landing is not None:  # not used for a transfer: its name goes
+        receiver.expect("new-segment", memoryview(landing), "f1e5")
+        receiver.cancel("new-segment")
+    return {"nbytes": nbytes, "alloc_ms": 1e3 * (ended - started),
+            "max_loop_stall_ms": ticker.max_gap_ms(started, ended + 0.005)}
 
 
 def on_landed(done: asyncio.Future[Any], request_id: str, done_at: dict[str, float], kill: bool) -> None:
@@ -203,14 +228,15 @@ def on_landed(done: asyncio.Future[Any], request_id: str, done_at: dict[str, flo
 
 
 async def connector_sender(address: str, sizes: list[int], transfers: int, shared: bool,
-                           kill: bool = False) -> dict[str, list[float]]:
+                           kill: bool = False) -> dict[str, Any]:
     """Send every transfer, timed. `kill`: print "sent" after each, and "failed MONOTONIC" at the
     first TransferError (then stop)."""
     from cluster.transfer.connector import TransferError
     from cluster.transfer.ucx import UCXSender
 
     sender = UCXSender(timeout_s=DEADLINE_S, shared_memory=shared)
-    seconds: dict[str, list[float]] = {}
+    sender.phases.on = shared and not kill
+    seconds: dict[str, Any] = {}
     payloads = {nbytes: payload_for(nbytes) for nbytes in sizes}
     expected = "shm" if shared else "ucx"
     for request_id, nbytes in request_ids(sizes, transfers):
@@ -227,6 +253,7 @@ async def connector_sender(address: str, sizes: list[int], transfers: int, share
         if kill:
             print("sent", request_id, flush=True)
     await sender.close()
+    seconds["_phases"] = sender.phases.marks
     return seconds
 
 
@@ -417,13 +444,22 @@ def measure_kill(victim: str, arm: str = "shm") -> dict[str, Any]:
         Segments().remove_orphans()  # the killed receivers' segments
 
 
-def summarize(sizes: list[int], seconds: dict[str, list[float]], received: dict[str, Any]) -> dict[str, Any]:
-    per_size = {}
+def summarize(sizes: list[int], seconds: dict[str, Any], received: dict[str, Any]) -> dict[str, Any]:
+    per_size: dict[str, Any] = {}
+    sender_marks, receiver_marks = seconds.get("_phases", []), received.get("_phases", [])
+    transfers = len(seconds[str(sizes[0])])
     for nbytes in sizes:
         timed = seconds[str(nbytes)][WARMUP:]  # not timed: the first segments of a size are new
         median_s = statistics.median(timed)
         per_size[str(nbytes)] = {"seconds": timed, "median_s": median_s, "gbps": nbytes / median_s / 1e9,
                                  **received[str(nbytes)]}
+        if sender_marks:
+            steps = [breakdown(sender_marks, receiver_marks, request_id)
+                     for request_id, _ in request_ids([nbytes], transfers)[WARMUP:]]
+            per_size[str(nbytes)]["phases_ms"] = {name: statistics.median(step[name] for step in steps)
+                                                  for name in steps[0] if all(name in step for step in steps)}
+    if received.get("_new_segment"):
+        per_size["new_segment"] = received["_new_segment"]
     return per_size
 
 
@@ -489,6 +525,12 @@ def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], kills
             key = str(nbytes)
             console.print(f"shm at {nbytes >> 20} MiB: {arms['shm'][key]['gbps'] / memcpy[key]['gbps']:.0%} of memcpy; "
                           f"landing segment allocated in {arms['shm'][key]['segment_alloc_ms']:.1f} ms beforehand")
+            phases = arms["shm"][key].get("phases_ms", {})
+            console.print("  phases (median ms): " + ", ".join(f"{name} {ms:.3f}" for name, ms in phases.items()))
+        new = arms["shm"].get("new_segment")
+        if new:
+            console.print(f"a new {new['nbytes'] >> 20} MiB segment: allocated in {new['alloc_ms']:.1f} ms, the "
+                          f"receiver's loop stood still {new['max_loop_stall_ms']:.1f} ms at most meanwhile")
     for kill in kills:
         seen = "not seen" if kill["detected_s"] is None else f"{kill['detected_s']:.3f} s"
         console.print(f"{kill['victim']} killed: the survivor raised TransferError after {seen} {kill['note']}")

@@ -2,6 +2,7 @@
 
     python -m benchmarks.serve_threads                   # 64 requests at once, 2 repeats, ~12 minutes
     python -m benchmarks.serve_threads --requests 32 --repeats 1 --arms "engine alone" "1 prefill + 1 decode"
+    python -m benchmarks.serve_threads --arms "engine alone" "1 prefill + 1 decode" "transformers continuous batching"
 
 Arms on one workload (prompts ~128 tokens, outputs 64 tokens, EOS ignored, all sent at once), run in
 alternating order so the machine's drift hits each alike, each one step further from the engine:
@@ -14,8 +15,12 @@ alternating order so the machine's drift hits each alike, each one step further 
   on every core no other busy worker holds, `cluster.worker.node_cores`): what splitting the
   phases across two workers costs or gains on this machine;
 - `1 prefill + 1 decode, 1 thread each` (only with `--arms`): OMP_NUM_THREADS=1, as before the
-  threads followed the load.
-Every arm uses dtype auto. Output tokens per second of each, and each arm over the engine alone, go
+  threads followed the load;
+- `transformers continuous batching` (only with `--arms`): the same requests through transformers'
+  own continuous batching in this process, as `benchmarks.engine vs-transformers` runs it (its
+  default dtype, fp32; every request given at once, EOS off): the peer issue 21 compares serving
+  with (`make serve` >= 3x it); `ratio_to_transformers_continuous` in the JSON when it ran.
+Every pdserve arm uses dtype auto. Output tokens per second of each, and each arm over the engine alone, go
 to benchmarks/results/serve-threads.json.
 """
 
@@ -34,7 +39,7 @@ from cluster.bench.serving import LoadConfig
 from cluster.bench.workloads import WorkloadConfig, build_workload
 
 ARMS = ("engine alone", "HTTP, engine in the gateway", "cluster, 1 colocated worker", "1 prefill + 1 decode")
-ALL_ARMS = (*ARMS, "1 prefill + 1 decode, 1 thread each")
+ALL_ARMS = (*ARMS, "1 prefill + 1 decode, 1 thread each", "transformers continuous batching")
 
 
 def engine_alone(workload: WorkloadConfig) -> float:
@@ -53,6 +58,24 @@ def engine_alone(workload: WorkloadConfig) -> float:
     while engine.has_unfinished_requests():
         engine.step()
     return sum(request.max_tokens for request in requests) / (time.perf_counter() - started)
+
+
+def transformers_continuous(workload: WorkloadConfig) -> float:
+    """Output tokens per second of transformers' continuous batching on the same requests (the
+    default model, fp32), run as `benchmarks.engine vs-transformers` runs it."""
+    from benchmarks.workloads import hf_continuous, load_hf_model
+    from cluster.bench.offline import Workload
+    from cluster.engine.config import SchedulerConfig
+    from cluster.weights.default_model import resolve_model_path
+
+    requests = [conversation.turns[0] for conversation in build_workload(workload)]
+    prompts = [[int(token) for token in request.prompt] for request in requests]  # token ids (synthetic workload)
+    model = load_hf_model(str(resolve_model_path("default")))
+    result = hf_continuous(model, Workload(prompts, [request.max_tokens for request in requests]),
+                           SchedulerConfig().max_num_batched_tokens)
+    if result["errors"]:
+        raise RuntimeError(f"transformers continuous batching failed: {result['errors']}")
+    return float(result["tokens_per_second"])
 
 
 def served(workload: WorkloadConfig, settings: ServerSettings) -> float:
@@ -75,7 +98,11 @@ def run_arm(arm: str, workload: WorkloadConfig) -> float:
         ARMS[3]: ServerSettings(threads=0, cluster=True),
         ALL_ARMS[4]: ServerSettings(threads=1, cluster=True),
     }
-    return engine_alone(workload) if arm == ARMS[0] else served(workload, settings[arm])
+    if arm == ARMS[0]:
+        return engine_alone(workload)
+    if arm == ALL_ARMS[5]:
+        return transformers_continuous(workload)
+    return served(workload, settings[arm])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     data: dict[str, Any] = {"workload": {"requests": args.requests, "input_len": 128, "output_len": args.output_len},
                             "runs": runs, "median_tokens_per_s": medians,
                             "ratio_to_engine_alone": {arm: value / alone for arm, value in medians.items()}}
+    if (peer := medians.get(ALL_ARMS[5])) is not None:  # issue 21: make serve (1P+1D) >= 3x this
+        data["ratio_to_transformers_continuous"] = {arm: value / peer for arm, value in medians.items()}
+        print_table("over transformers continuous batching (target for 1 prefill + 1 decode: >= 3x)",
+                    ["arm", f"/ {ALL_ARMS[5]}"], [[arm, value / peer] for arm, value in medians.items()])
     save("serve-threads", data, info)
 
 

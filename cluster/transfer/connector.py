@@ -175,9 +175,10 @@ class KVReceiver(Protocol):
 
     async def start(self) -> None: ...
 
-    def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
+    async def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
         """Host memory of `nbytes` to pass to `expect` for the transfer with `token`, which a sender on
-        this host can write straight into (shared memory), or None: use ordinary memory."""
+        this host can write straight into (shared memory), or None: use ordinary memory. Awaited:
+        new shared memory is faulted in off the event loop."""
         ...
 
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:

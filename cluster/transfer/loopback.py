@@ -332,7 +332,7 @@ class LoopbackReceiver:
             self._hub.register(self)
             self._started = True
 
-    def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
+    async def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
         return None  # in process: the sender copies into whatever buffer `expect` is given
 
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:

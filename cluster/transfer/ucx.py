@@ -85,6 +85,7 @@ from cluster.transfer.loopback import (
     is_device_bytes,
     readable_bytes,
 )
+from cluster.transfer.phases import PhaseLog
 
 log = logging.getLogger(__name__)
 
@@ -295,9 +296,10 @@ class _Progress:
             self._armer = self._loop.create_task(self._arm())
 
     def progress_now(self) -> None:
-        """Progress the worker once, here and now (and wake the waiters)."""
-        if self._worker is not None:
-            self._progress()
+        """Progress the worker once, here and now (and wake the waiters), then re-arm it as after an
+        event: what the progress started (a message going out, a reply to come) then wakes the loop."""
+        if self._worker is not None and not self._loop.is_closed():
+            self._on_event()
 
     def _progress(self) -> None:
         self._worker.progress()
@@ -384,7 +386,9 @@ class _Link:
         self._array, self._mask = Array, TagMaskFull
         self._send_tag, self._recv_tag = Tag(endpoint._tags["msg_send"]), Tag(endpoint._tags["msg_recv"])
         self._progress = _Progress.of(asyncio.get_running_loop())
-        self._pending: tuple[Any, Any] | None = None  # (request being awaited, the memory it uses)
+        # Requests posted and not yet seen complete, with the memory they use (kept alive until then).
+        self._pending: list[tuple[Any, Any]] = []
+        self.waits = 0  # requests this link had to wait for (not complete when awaited): its round trips
 
     @property
     def closed(self) -> bool:
@@ -401,30 +405,60 @@ class _Link:
         # in a registered buffer once `cancel` returned. Bounded: UCX fails the request at once, so
         # this normally takes one or two calls; the bound is counted in calls as well as in time
         # because on a loaded machine the process may sleep past a deadline before its first call.
-        request, memory = self._pending or (None, None)
         deadline, calls = time.monotonic() + SETTLE_S, 0
-        while request is not None and not request.completed and (calls < SETTLE_CALLS or time.monotonic() < deadline):
+        while self._unfinished() and (calls < SETTLE_CALLS or time.monotonic() < deadline):
             self._progress.progress_now()
             calls += 1
         _UNSETTLED[:] = [(late, kept) for late, kept in _UNSETTLED if not late.completed]
-        if request is not None and not request.completed:
-            _UNSETTLED.append((request, memory))
+        if self._unfinished():
+            _UNSETTLED.extend(self._pending)
+            self._pending = []
             log.warning("a UCX request was still in flight %.0f ms after its endpoint closed: its memory is kept "
                         "until it completes", 1e3 * SETTLE_S)
 
+    def _unfinished(self) -> bool:
+        self._pending = [(request, memory) for request, memory in self._pending if not request.completed]
+        return bool(self._pending)
+
     async def send(self, buffer: Any, timeout_s: float) -> None:
-        raw, array = self._live(), self._array(buffer)
-        await self._complete(raw.tag_send(array, self._send_tag), array, timeout_s)
+        await self.wait(self.post_send(buffer), timeout_s)
 
     async def recv(self, buffer: Any, timeout_s: float) -> None:
+        await self.wait(self.post_recv(buffer), timeout_s)
+
+    def post_send(self, buffer: Any) -> Any:
+        """Start sending `buffer` (kept alive until the send completes) and return its request, to
+        `wait` for. The message leaves at the progress made here (UCX writes to its socket only when
+        progressed); a reply the peer sent after reading it means it is out, so a sender may wait
+        for the reply alone."""
         raw, array = self._live(), self._array(buffer)
-        await self._complete(raw.tag_recv(array, self._recv_tag, self._mask), array, timeout_s)
+        request = self._posted(raw.tag_send(array, self._send_tag), array)
+        self._progress.progress_now()  # UCX writes a posted message to its socket at a progress: now
+        return request
+
+    def post_recv(self, buffer: Any) -> Any:
+        """Start receiving the next message into `buffer` (posted early, a reply completes at the
+        very progress that brings it)."""
+        raw, array = self._live(), self._array(buffer)
+        return self._posted(raw.tag_recv(array, self._recv_tag, self._mask), array)
 
     async def recv_probed(self, buffer: Any, probe: Any, timeout_s: float) -> None:
         """Receive the message `probe` took off the queue (`next_message(remove=True)`)."""
         self._live()
         worker, array = self.endpoint._ctx.worker, self._array(buffer)
-        await self._complete(worker.tag_recv_with_handle(array, probe), array, timeout_s)
+        await self.wait(self._posted(worker.tag_recv_with_handle(array, probe), array), timeout_s)
+
+    def _posted(self, request: Any, memory: Any) -> Any:
+        self._pending.append((request, memory))  # an abort settles it (`_settle`) if it is still in flight
+        return request
+
+    async def wait(self, request: Any, timeout_s: float) -> None:
+        """Until the posted `request` completes (then raises its error, if any): TimeoutError after
+        `timeout_s`. If the wait fails, the request stays pending: the abort that follows settles it."""
+        if not request.completed:
+            self.waits += 1
+        await complete(request, timeout_s)
+        self._unfinished()  # forget what completed
 
     async def next_message(self, remove: bool, timeout_s: float | None) -> Any:
         """Wait until a message waits; returns UCX's probe result (its size), the message taken off
@@ -448,12 +482,6 @@ class _Link:
             raise init_ucx().exceptions.UCXCloseError("endpoint closed")
         raw.raise_on_error()
         return raw
-
-    async def _complete(self, request: Any, memory: Any, timeout_s: float) -> None:
-        # Kept if the wait fails (timeout, cancelled task): the abort that follows settles it.
-        self._pending = (request, memory)
-        await complete(request, timeout_s)
-        self._pending = None
 
 
 async def complete(request: Any, timeout_s: float) -> None:
@@ -484,6 +512,7 @@ class UCXReceiver:
         # Same-host senders write payloads into shared-memory segments (`landing_memory`), if on.
         self._segments = shm.Segments(segment_dir) if shared_memory else None
         self._in_place: dict[str, str] = {}  # request id -> token of the segment its buffer is
+        self.phases = PhaseLog()  # timestamps of each frame's steps, when on (benchmarks/kv_transfer.py)
         self._closed = False
 
     @property
@@ -504,11 +533,19 @@ class UCXReceiver:
                 log.info("removed %d shared-memory KV segments left by dead receivers", removed)
         log.info("UCX receiver listening at %s", self.address)
 
-    def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
-        """See `KVReceiver.landing_memory`: a shared-memory segment, unless shared memory is off."""
+    async def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
+        """See `KVReceiver.landing_memory`: a shared-memory segment, unless shared memory is off (a
+        new one is faulted in on a thread, a pooled one comes at once)."""
         if self._segments is None or self._closed:
             return None
-        return self._segments.allocate(token, nbytes)
+        return await self._segments.allocate(token, nbytes)
+
+    async def prefault_landing(self, nbytes: int, count: int = 1) -> int:
+        """Make `count` shared-memory segments for transfers of `nbytes` now, off the loop, and pool
+        them (`shm.Segments.prefault`); how many were. Nothing without shared memory."""
+        if self._segments is None or self._closed:
+            return 0
+        return await self._segments.prefault(nbytes, count)
 
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the receiver started in. A `buffer` that
@@ -600,14 +637,17 @@ class UCXReceiver:
         header_bytes = await self._recv_header(link, length)
         try:
             header = KVHeader.from_bytes(header_bytes)
+            self.phases.mark(header.request_id, "header_in")
             buffer = self._table.admit(header)
         except TransferError as refused:
             code = refused.code if isinstance(refused, FrameRefused) else Refusal.MALFORMED
             await self._refuse(link, code, str(refused))
             return
+        self.phases.mark(header.request_id, "admitted")
         code = await self._land(link, header, buffer)
         if not link.closed:  # `cancel` aborts the endpoint: its sender sees the link drop instead
             await link.send(bytearray([code]), self._timeout_s)
+            self.phases.mark(header.request_id, "ack_out")
 
     async def _recv_header(self, link: _Link, length: int) -> bytes:
         """The header message; an impossible length yields b"" (refused as malformed)."""
@@ -647,6 +687,7 @@ class UCXReceiver:
             # An in-place frame's marker comes once the sender copied the frame: its deadline is a payload's.
             probe = await link.next_message(remove=True, timeout_s=_payload_timeout(self._timeout_s, header.nbytes)
                                             if in_place else self._timeout_s)
+            self.phases.mark(request_id, "marker_in")
             expected = len(WRITTEN) if in_place else buffer.nbytes
             if probe.length != expected or header.in_place != in_place:
                 await self._discard(link, probe)
@@ -666,6 +707,7 @@ class UCXReceiver:
         if not self._table.is_live(request_id, buffer):
             return Refusal.CANCELLED  # cancelled while its size was being checked
         self._table.complete(header)
+        self.phases.mark(request_id, "landed")
         return Refusal.OK
 
     def _fail_landing(self, link: _Link, request_id: str, error: BaseException) -> None:
@@ -705,6 +747,7 @@ class UCXSender:
         self._host = shm.host_identity() if shared_memory else ""
         self._segment_dir = segment_dir
         self._mappings = shm.Mappings()
+        self.phases = PhaseLog()  # timestamps of each frame's steps, when on (benchmarks/kv_transfer.py)
         self._closed = False
 
     @property
@@ -735,20 +778,23 @@ class UCXSender:
         A receiver on this host without a segment for the transfer gets it over UCX.
         """
         payload = checked_payload(header, payload)
+        self.phases.mark(header.request_id, "send")
         path = self._segment_of(address, header, payload)
-        with contextlib.ExitStack() as mapped:
+        async with contextlib.AsyncExitStack() as mapped:
             try:
-                target = None if path is None else mapped.enter_context(
+                target = None if path is None else await mapped.enter_async_context(
                     self._mappings.window(path, header.first_block * header.block_nbytes, header.nbytes))
             except OSError as error:  # none for this transfer (ordinary memory, a GPU buffer), or unusable
                 log.debug("no shared-memory segment for %s at %s (%s): sending it over UCX",
                           header.request_id, address, error)
                 target = None
             if target is not None:
+                self.phases.mark(header.request_id, "mapped")
                 await self.send_raw(address, replace(header, in_place=True).to_bytes(), payload,
-                                    write=lambda: shm.copy_in_chunks(target, host_only(payload)))
+                                    write=lambda: shm.copy_in_chunks(target, host_only(payload)),
+                                    request_id=header.request_id)
                 return shm.TRANSPORT_SHM
-        await self.send_raw(address, header.to_bytes(), payload)
+        await self.send_raw(address, header.to_bytes(), payload, request_id=header.request_id)
         return shm.TRANSPORT_UCX
 
     def _segment_of(self, address: str, header: KVHeader, payload: KVBytes) -> str | None:
@@ -764,17 +810,18 @@ class UCXSender:
 
     async def send_raw(self, address: str, header_bytes: bytes, payload: KVBytes,
                        declared_length: int | None = None,
-                       write: Callable[[], Awaitable[None]] | None = None) -> None:
+                       write: Callable[[], Awaitable[None]] | None = None, request_id: str = "") -> None:
         """Send a frame with the header bytes (and length prefix) given as is: tests, diagnostics.
         With `write` (an in-place frame), the payload is not sent: `write()` puts it in place once the
-        header is out, and the `WRITTEN` marker follows."""
+        header is out, and the `WRITTEN` marker follows. `request_id` names the frame's phase marks."""
         if self._closed:
             raise TransferError("the sender is closed")
         slot = self._slots.setdefault(address, asyncio.Semaphore(self._max_endpoints))
         async with slot:
             link = await self._checkout(address)
             code = await self._exchange(link, address, header_bytes, readable_bytes(payload),
-                                        len(header_bytes) if declared_length is None else declared_length, write)
+                                        len(header_bytes) if declared_length is None else declared_length, write,
+                                        request_id)
         if code != Refusal.OK:
             raise FrameRefused(_refusal(code), f"by {address} (ack {code})")
 
@@ -818,20 +865,29 @@ class UCXSender:
                 raise TransferError(f"cannot connect to {address}: {error!r}") from error
 
     async def _exchange(self, link: _Link, address: str, header_bytes: bytes, payload: KVBytes,
-                        length: int, write: Callable[[], Awaitable[None]] | None = None) -> int:
+                        length: int, write: Callable[[], Awaitable[None]] | None = None, request_id: str = "") -> int:
         """Send prefix, header and payload (or, in place, write it and send the marker), wait for the
         ack; the endpoint goes back to the pool only if the exchange completed (a broken one is
         aborted: its stream is out of step)."""
         ack = bytearray(1)
         try:
-            await link.send(bytearray(PREFIX.pack(length)), self._timeout_s)
-            await link.send(bytearray(header_bytes), self._timeout_s)
+            # One round trip: the control messages are posted, not awaited one by one (each wait is a
+            # wake-up of this process: ~0.2 ms, as long as a 2 MiB copy). The ack's receive is posted
+            # before the payload, so the ack completes at the very progress that brings it.
+            sends = [link.post_send(bytearray(PREFIX.pack(length))), link.post_send(bytearray(header_bytes))]
+            acked = link.post_recv(ack)
+            self.phases.mark(request_id, "header_out")
             if write is None:
                 await link.send(payload, _payload_timeout(self._timeout_s, payload.nbytes))
             else:
-                await write()
-                await link.send(bytearray(WRITTEN), self._timeout_s)
-            await link.recv(ack, self._timeout_s)
+                await write()  # the header is on its way: a receiver learns of the frame before the copy ends
+                self.phases.mark(request_id, "copied")
+                sends.append(link.post_send(bytearray(WRITTEN)))
+                self.phases.mark(request_id, "marker_out")
+            await link.wait(acked, self._timeout_s)
+            self.phases.mark(request_id, "acked")
+            for request in sends:  # out before the ack came back; raises a send's own error, if any
+                await link.wait(request, self._timeout_s)
         except BaseException as error:
             self._busy.discard(link)
             link.abort()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -542,9 +543,11 @@ class Worker:
         runner = self.engine.runner
         direct = self._direct(self.receiver)
         ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.dtype)
-        staging = landing_buffer((len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:]),
-                                 runner.dtype, runner.device, direct,
-                                 lambda nbytes: self.receiver.landing_memory(ticket.token, nbytes))  # type: ignore[union-attr]
+        shape = (len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:])
+        # Awaited: a new shared-memory segment is faulted in on a thread, not on this loop.
+        shared = await self.receiver.landing_memory(ticket.token, math.prod(shape) * runner.dtype.itemsize) \
+            if runner.device.type == "cpu" else None
+        staging = landing_buffer(shape, runner.dtype, runner.device, direct, lambda nbytes: shared)
         arrived = self.receiver.expect(request_id, wire_bytes(staging, direct), ticket.token)
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
         return ticket

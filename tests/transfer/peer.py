@@ -63,7 +63,7 @@ async def receive(specs: list[str], segment_dir: str = "") -> int:
     await receiver.start()
     for spec in specs:
         request_id, nbytes, *token = spec.split(":")
-        landing = receiver.landing_memory(token[0], int(nbytes)) if token else None
+        landing = await receiver.landing_memory(token[0], int(nbytes)) if token else None
         buffer = np.frombuffer(landing, dtype=np.uint8) if landing else np.zeros(int(nbytes), dtype=np.uint8)
         done = receiver.expect(request_id, memoryview(buffer), *token)
         done.add_done_callback(lambda _, i=request_id, b=buffer: print("received", i, zlib.crc32(b), flush=True))
@@ -80,7 +80,8 @@ async def stall(segment_dir: str, address: str, spec: str) -> int:
     assert same is not None, "the receiver offers no shared memory"
 
     async def write_half_and_hang() -> None:
-        with shm.Mappings().window(shm.segment_path(same.receiver_id, token, segment_dir), 0, first.nbytes) as target:
+        path = shm.segment_path(same.receiver_id, token, segment_dir)
+        async with shm.Mappings().window(path, 0, first.nbytes) as target:
             target[:first.nbytes // 2] = memoryview(data)[:first.nbytes // 2]
         print("stalled", flush=True)
         await asyncio.Event().wait()

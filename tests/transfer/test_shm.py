@@ -85,7 +85,7 @@ def test_kv_of_any_dtype_lands_bit_for_bit_through_shared_memory(shm_pair: Pair,
     data = bits.view(dtype).view(shape)
 
     async def body() -> None:
-        landing = shm_pair.receiver.landing_memory("ab12", bits.numel())
+        landing = await shm_pair.receiver.landing_memory("ab12", bits.numel())
         assert landing is not None and len(os.listdir(segment_dir)) == 1
         staging = torch.frombuffer(landing, dtype=dtype).view(shape)
         done = shm_pair.receiver.expect("r1", memoryview(staging.view(torch.uint8).numpy()).cast("B"), "ab12")
@@ -93,6 +93,7 @@ def test_kv_of_any_dtype_lands_bit_for_bit_through_shared_memory(shm_pair: Pair,
             assert await shm_pair.sender.send(shm_pair.receiver.address, header, view) == shm.TRANSPORT_SHM
         assert (await done).dtype == str(dtype).removeprefix("torch.")
         assert torch.equal(staging.view(torch.uint8).reshape(-1), bits)
+        await asyncio.sleep(0)  # the future's done-callbacks (in one process the ack may come first)
         assert named_for("ab12", segment_dir) == []  # the token's name goes with the transfer
 
     shm_pair.run(body())
@@ -147,7 +148,7 @@ def test_a_sender_killed_mid_copy_fails_the_transfer_within_seconds(shm_pair: Pa
     nbytes, token = 1 << 20, "0a0b"
 
     async def body() -> float:
-        landing = shm_pair.receiver.landing_memory(token, nbytes)
+        landing = await shm_pair.receiver.landing_memory(token, nbytes)
         assert landing is not None
         done = shm_pair.receiver.expect("k2", landing, token)
         peer = await start_peer("stall-shm", str(segment_dir), shm_pair.receiver.address, f"k2:{nbytes}:{token}:3")
@@ -325,7 +326,7 @@ def test_only_the_segment_of_a_transfer_that_landed_is_handed_out_again(shm_pair
     data = payload(nbytes, seed=4)
 
     async def land(token: str) -> tuple[int, str]:
-        landing = shm_pair.receiver.landing_memory(token, nbytes)
+        landing = await shm_pair.receiver.landing_memory(token, nbytes)
         assert landing is not None
         where = (shm.address_of(landing), named_for(token, segment_dir)[0])
         done = shm_pair.receiver.expect(f"r-{token}", landing, token)
@@ -338,14 +339,14 @@ def test_only_the_segment_of_a_transfer_that_landed_is_handed_out_again(shm_pair
         first, _ = await land("aa01")  # landed; its view dropped on return
         assert [name for name in os.listdir(segment_dir) if "idle" in name]
         assert (await land("aa02"))[0] == first  # the same memory again
-        cancelled = shm_pair.receiver.landing_memory("aa03", nbytes)
+        cancelled = await shm_pair.receiver.landing_memory("aa03", nbytes)
         assert cancelled is not None and shm.address_of(cancelled) == first
         shm_pair.receiver.expect("r-aa03", cancelled, "aa03")
         shm_pair.receiver.cancel("r-aa03")
         del cancelled
         await asyncio.sleep(0)  # the future's done-callbacks
         assert os.listdir(segment_dir) == []  # unlinked, not pooled
-        again = shm_pair.receiver.landing_memory("aa04", nbytes)
+        again = await shm_pair.receiver.landing_memory("aa04", nbytes)
         assert again is not None and named_for("aa04", segment_dir)
         # A new segment (the cancelled one may be mapped at the same address again: compare the files).
         assert len(os.listdir(segment_dir)) == 1
@@ -356,7 +357,7 @@ def test_only_the_segment_of_a_transfer_that_landed_is_handed_out_again(shm_pair
 def test_a_segment_whose_expect_is_refused_goes_at_once(shm_pair: Pair, segment_dir: Path) -> None:
     async def body() -> None:
         shm_pair.receiver.expect("dup", memoryview(bytearray(16)), "ee00")
-        landing = shm_pair.receiver.landing_memory("ee01", 1 << 20)
+        landing = await shm_pair.receiver.landing_memory("ee01", 1 << 20)
         assert landing is not None and named_for("ee01", segment_dir)
         with pytest.raises(ValueError, match="already expected"):
             shm_pair.receiver.expect("dup", landing, "ee01")
@@ -364,3 +365,105 @@ def test_a_segment_whose_expect_is_refused_goes_at_once(shm_pair: Pair, segment_
         shm_pair.receiver.cancel("dup")
 
     shm_pair.run(body())
+
+
+def test_a_new_segment_is_faulted_in_off_the_event_loop(shm_pair: Pair, segment_dir: Path) -> None:
+    """A new 64 MiB segment costs tens of milliseconds of kernel work (its pages zeroed, its page
+    tables filled): the decode worker's loop must keep serving meanwhile. A task counts the loop's
+    turns while the segment is made (made on the loop, it would get none), and the segment is whole
+    (every page allocated: no SIGBUS later) when it is handed out. A pooled one comes without a turn."""
+    nbytes = 64 << 20
+
+    async def body() -> None:
+        turns = 0
+
+        async def count_turns() -> None:
+            nonlocal turns
+            while True:
+                await asyncio.sleep(0)
+                turns += 1
+
+        counter = asyncio.create_task(count_turns())
+        await asyncio.sleep(0)
+        try:
+            before = turns
+            landing = await shm_pair.receiver.landing_memory("fa01", nbytes)
+            during_new = turns - before
+            assert landing is not None and landing.nbytes == nbytes
+            assert os.stat(segment_dir / named_for("fa01", segment_dir)[0]).st_blocks * 512 >= nbytes
+            shm_pair.receiver.expect("r-fa01", landing, "fa01")
+            shm_pair.receiver.cancel("r-fa01")
+            await asyncio.sleep(0)
+            del landing
+            assert during_new >= 10, f"the loop turned {during_new} times while a new segment was made"
+        finally:
+            counter.cancel()
+
+    shm_pair.run(body())
+
+
+def test_a_segment_made_for_a_caller_that_gave_up_goes_to_the_pool(loop: asyncio.AbstractEventLoop,
+                                                                   segment_dir: Path) -> None:
+    """A reservation cancelled while its new segment is being made: the segment, never handed out,
+    is pooled once made (not leaked in /dev/shm, not lost), and the next transfer of its size gets it."""
+    nbytes = 16 << 20
+    segments = shm.Segments(str(segment_dir))
+
+    async def body() -> None:
+        making = asyncio.create_task(segments.allocate("fb01", nbytes))
+        await asyncio.sleep(0)
+        making.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await making
+        while segments.pooled_bytes == 0:
+            await asyncio.sleep(0.01)
+        assert segments.pooled_bytes == nbytes and len(os.listdir(segment_dir)) == 1
+        again = await segments.allocate("fb02", nbytes)
+        assert again is not None and named_for("fb02", segment_dir) and len(os.listdir(segment_dir)) == 1
+        segments.close()
+        assert os.listdir(segment_dir) == []
+
+    loop.run_until_complete(asyncio.wait_for(body(), 20))
+
+
+def test_segments_prefaulted_ahead_are_pooled_and_handed_out(loop: asyncio.AbstractEventLoop,
+                                                              segment_dir: Path) -> None:
+    """`prefault` makes segments ahead of need (off the loop) and pools them, up to the pool's
+    bytes; a transfer of that size then takes one without making another."""
+    segments = shm.Segments(str(segment_dir), pool_bytes=8 << 20)
+
+    async def body() -> None:
+        assert await segments.prefault(3 << 20, count=3) == 2  # 4 MiB each: the third does not fit
+        assert segments.pooled_bytes == 8 << 20 and len(os.listdir(segment_dir)) == 2
+        landing = await segments.allocate("fc01", 3 << 20)
+        assert landing is not None and len(os.listdir(segment_dir)) == 2 and segments.pooled_bytes == 4 << 20
+        segments.close()
+
+    loop.run_until_complete(asyncio.wait_for(body(), 20))
+
+
+def test_the_phase_marks_of_a_frame_line_up_across_both_sides(shm_pair: Pair, segment_dir: Path) -> None:
+    """What benchmarks/kv_transfer.py reports per step: every step of an in-place frame is marked on
+    its side, in order, and the breakdown has each span."""
+    from cluster.transfer.phases import RECEIVER_STEPS, SENDER_STEPS, breakdown
+
+    nbytes = 4 << 20
+    shm_pair.sender.phases.on = shm_pair.receiver.phases.on = True
+
+    async def body() -> None:
+        landing = await shm_pair.receiver.landing_memory("fd01", nbytes)
+        assert landing is not None
+        done = shm_pair.receiver.expect("ph", landing, "fd01")
+        header = frames("ph", nbytes, "fd01", count=1)[0]
+        await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(payload(nbytes, seed=2)))
+        await done
+
+    shm_pair.run(body())
+    sender, receiver = shm_pair.sender.phases.marks, shm_pair.receiver.phases.marks
+    assert [step for _, step, _ in sender] == list(SENDER_STEPS)
+    assert [step for _, step, _ in receiver] == list(RECEIVER_STEPS)
+    assert all(earlier[2] <= later[2] for marks in (sender, receiver)
+               for earlier, later in zip(marks, marks[1:], strict=False))
+    spans = breakdown(sender, receiver, "ph")
+    assert {"copy", "marker_wake", "ack_wake", "after_copy", "total"} <= set(spans)
+    assert 0 < spans["copy"] < spans["total"]

@@ -52,11 +52,11 @@ def aborted_link(monkeypatch: pytest.MonkeyPatch, completes_after: int | None) -
     request, buffer = Request(), Buffer(8)
     link = ucx._Link.__new__(ucx._Link)
     link.endpoint, link._progress = Endpoint(), Progress(request, completes_after)
-    link._pending = (request, buffer)
+    link._pending = [(request, buffer)]
     watcher = weakref.ref(buffer)
     del buffer
     link.abort()
-    link._pending = None  # as the coroutine that awaited it is gone
+    link._pending = []  # as the coroutine that awaited it is gone
     gc.collect()
     return ucx, request, watcher
 
@@ -71,7 +71,7 @@ def test_a_request_still_in_flight_keeps_its_memory_until_it_completes(monkeypat
     assert not request.completed and watcher() is not None  # UCX may still write there: not freed
     request.completed = True
     other = ucx._Link.__new__(ucx._Link)
-    other.endpoint, other._progress, other._pending = Endpoint(), Progress(Request(), 1), None
+    other.endpoint, other._progress, other._pending = Endpoint(), Progress(Request(), 1), []
     other.abort()  # every settle prunes what has completed since
     gc.collect()
     assert not ucx._UNSETTLED and watcher() is None
