@@ -116,6 +116,8 @@ class Worker:
         self.broken = False  # the engine thread failed for good
         self.traces = WorkerTraces(worker_id)  # the spans of traced requests (empty while tracing is off)
         self.draining = False  # being removed: no new reservations, out of the registry (`drain`)
+        # Reservations between their blocks and their `expect` (awaits on the way): aborted meanwhile?
+        self.reserving: dict[str, bool] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -285,6 +287,7 @@ class Worker:
                     if output.finished and output.request_id in self.engine.scheduler.held:
                         self._export(output.request_id)
                 self._deliver_step(outputs)
+                self._stop_expecting([output.request_id for output in outputs if output.finished])
                 if self.overlap_transfer:
                     self._export_computed_blocks()
             if not self.engine.has_unfinished_requests() or not self.engine.scheduler.running:
@@ -293,6 +296,12 @@ class Worker:
                     self.claiming = False
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
+
+    def _stop_expecting(self, request_ids: list[str]) -> None:
+        """Requests that ended here: the receiver lets go of what it still holds for their KV (after
+        a lease that ended, the KV may never come: an expect and its shared-memory segment would stay)."""
+        if request_ids and self.receiver is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(_cancel_each, self.receiver, request_ids)
 
     def _has_compute(self) -> bool:
         """Whether the next step computes anything: requests running or waiting, or KV that landed. A
@@ -391,6 +400,8 @@ class Worker:
         finish reason "abort" instead of waiting forever."""
         if self.receiver is not None:
             self.receiver.cancel(request_id)
+        if request_id in self.reserving:  # `reserve` is on its way to expecting the KV: it cancels that
+            self.reserving[request_id] = True
         self.traces.finish(request_id)
 
         def end() -> bool:
@@ -529,6 +540,18 @@ class Worker:
         self._claim(request_id)
         self.streams[request_id] = OutputStream()
         self.traces.begin(request_id, trace, "pdserve.decode_admission")
+        self.reserving[request_id] = False
+        try:
+            ticket = await self._reserve(request_id, prompt_token_ids, params, lease_s)
+        finally:
+            aborted = self.reserving.pop(request_id, False)
+        if ticket is not None and aborted:  # while the blocks or the landing buffer were on their way
+            self.receiver.cancel(request_id)  # the abort freed the blocks; the buffer goes back now
+        return ticket
+
+    async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       lease_s: float) -> KVTicket | None:
+        assert self.receiver is not None
         try:
             block_ids = await self._call(lambda: self.engine.reserve_remote(
                 prompt_token_ids, params, request_id=request_id, lease_s=lease_s))
@@ -649,6 +672,11 @@ def _set_result(future: asyncio.Future[Any], result: Any) -> None:
 def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+def _cancel_each(receiver: KVReceiver, request_ids: list[str]) -> None:
+    for request_id in request_ids:
+        receiver.cancel(request_id)  # nothing for a transfer that ended
 
 
 def _put_each(ready: list[tuple[OutputStream, RequestOutput]]) -> None:

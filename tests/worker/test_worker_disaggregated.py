@@ -18,7 +18,7 @@ from cluster.common.loads import TransferStats
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
-from cluster.transfer.connector import KVHeader, TransferError
+from cluster.transfer.connector import KVHeader, TransferError, TransferState
 from cluster.transfer.loopback import FailMode, FrameRefused, LoopbackHub, LoopbackReceiver, LoopbackSender, Refusal
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.worker.worker import Worker
@@ -154,6 +154,32 @@ def test_kv_that_never_comes_is_recomputed_when_the_lease_ends(checkpoint: Path,
             assert await decode.reserve("orphan", PROMPTS[0], GREEDY, lease_s=0.2) is not None
             tokens = [t for output in [o async for o in decode.stream("orphan")] for t in output.new_token_ids]
             assert tokens == expected[0]
+            assert_whole(decode)
+            # The receiver no longer holds a landing buffer for KV nobody waits for.
+            assert decode.receiver is not None and decode.receiver.state("orphan") == TransferState.CANCELLED
+
+    asyncio.run(main())
+
+
+def test_an_abort_while_the_landing_buffer_is_made_leaves_no_transfer_expected(checkpoint: Path) -> None:
+    async def main() -> None:
+        async with running_pair(checkpoint) as (_, decode, _):
+            assert decode.receiver is not None
+            made, go_on = asyncio.Event(), asyncio.Event()
+            landing_memory = decode.receiver.landing_memory
+
+            async def slow_landing_memory(token: str, nbytes: int) -> memoryview | None:
+                made.set()  # as a new shared-memory segment is faulted in on a thread
+                await go_on.wait()
+                return await landing_memory(token, nbytes)
+
+            decode.receiver.landing_memory = slow_landing_memory  # type: ignore[method-assign]
+            reserving = asyncio.create_task(decode.reserve("gone", PROMPTS[0], GREEDY))
+            await made.wait()
+            assert await decode.abort("gone")
+            go_on.set()
+            await reserving
+            assert decode.receiver.state("gone") == TransferState.CANCELLED
             assert_whole(decode)
 
     asyncio.run(main())
