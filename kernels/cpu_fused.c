@@ -1,0 +1,239 @@
+/* Fused elementwise kernels for CPUs: what the model does between its matmuls, one pass each instead
+ * of the 5-10 torch ops (each a dispatch of 10-60 us on a decode step's [64, 576] rows) it took.
+ *
+ *   add_rms_norm: residual' = x + residual (rounded to the dtype), out = weight * norm(residual')
+ *   silu_mul:     out = silu(gate) * up, gate and up the two halves of each row of gate_up
+ *   rotary:       Hugging Face's rotary (non-interleaved halves) of the query and key heads of qkv
+ *   causal_softmax_bf16: softmax of a chunk of prefill scores, in place, each row over the keys its
+ *                 query sees (the rest set to 0): the mask and the softmax in one pass, and no exp
+ *                 of a masked score
+ *
+ * Each rounds to the dtype where the torch ops it replaces round (bf16 results of bf16 ops, fp32
+ * arithmetic inside), so the model computes the same numbers up to the order of a sum. Compiled at
+ * first use with `-march=native` (kernels/cpu_build.py): AVX-512 code where the CPU has it, plain C
+ * that the compiler vectorizes as it can elsewhere.
+ */
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float x) {  /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+static inline float f32_round(float x) { return x; }
+static inline float bf16_round(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+/* Which instruction sets this build uses: 2 = AVX-512 with bf16 dot products, 1 = AVX-512, 0 = plain C.
+ * Tests check that a build for an AVX2-only CPU takes the plain path. */
+int fused_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+/* e^x for x <= 0 (as in cpu_decode.c): 2^n * e^r, e^r by its Taylor polynomial to r^7. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load16_bf16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+static inline void store16_bf16(uint16_t *x, __m512 v) {  /* round to nearest even; NaN stays NaN */
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)x, _mm512_cvtepi32_epi16(rounded));
+}
+
+static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
+static inline void store16_f32(float *x, __m512 v) { _mm512_storeu_ps(x, v); }
+static inline __m512 round16_f32(__m512 v) { return v; }
+static inline __m512 round16_bf16(__m512 v) {  /* to the nearest bf16, kept in fp32 lanes */
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                                       _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+
+/* silu(x) = x * sigmoid(x), sigmoid from e^-|x| (never overflows). */
+static inline __m512 silu16(__m512 x) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, e, inverse);
+    return _mm512_mul_ps(x, sigmoid);
+}
+#define VEC 16
+#else
+#define VEC 0
+#endif
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+#define PARALLEL_WORK 65536  /* elements below which one thread does it all: a fork costs more */
+
+#if defined(__AVX512F__)
+#define VECTOR_LOOP(d, n) for (; d + 16 <= (n); d += 16)
+#define IF_VECTOR(...) __VA_ARGS__
+#else
+#define IF_VECTOR(...)
+#endif
+
+#define DEFINE_FUSED(SUFFIX, T, LOAD, STORE, ROUND)                                                        \
+void add_rms_norm_##SUFFIX(const T *x, const T *residual, const T *weight, T *out, T *residual_out,        \
+                           int64_t rows, int64_t size, float eps, int num_threads) {                       \
+    _Pragma("omp parallel for num_threads(num_threads) if(rows * size >= PARALLEL_WORK)")                  \
+    for (int64_t r = 0; r < rows; r++) {                                                                   \
+        const T *xr = x + r * size;                                                                        \
+        float sum[size];                                                                                   \
+        float squares = 0.0f;                                                                              \
+        int64_t d = 0;                                                                                     \
+        IF_VECTOR(__m512 acc = _mm512_setzero_ps();                                                        \
+            VECTOR_LOOP(d, size) {                                                                         \
+                __m512 v = load16_##SUFFIX(xr + d);                                                        \
+                if (residual) {                                                                            \
+                    v = round16_##SUFFIX(_mm512_add_ps(v, load16_##SUFFIX(residual + r * size + d)));      \
+                    store16_##SUFFIX(residual_out + r * size + d, v);                                      \
+                }                                                                                          \
+                _mm512_storeu_ps(sum + d, v);                                                              \
+                acc = _mm512_fmadd_ps(v, v, acc);                                                          \
+            }                                                                                              \
+            squares = _mm512_reduce_add_ps(acc);)                                                          \
+        for (; d < size; d++) {                                                                            \
+            float v = LOAD(xr[d]);                                                                         \
+            if (residual) {                                                                                \
+                v = ROUND(v + LOAD(residual[r * size + d]));                                               \
+                residual_out[r * size + d] = STORE(v);                                                     \
+            }                                                                                              \
+            sum[d] = v;                                                                                    \
+            squares += v * v;                                                                              \
+        }                                                                                                  \
+        const float inverse = 1.0f / sqrtf(squares / (float)size + eps);                                   \
+        T *o = out + r * size;                                                                             \
+        d = 0;                                                                                             \
+        IF_VECTOR(const __m512 scale = _mm512_set1_ps(inverse);                                           \
+            VECTOR_LOOP(d, size) {                                                                         \
+                __m512 normed = round16_##SUFFIX(_mm512_mul_ps(_mm512_loadu_ps(sum + d), scale));          \
+                store16_##SUFFIX(o + d, _mm512_mul_ps(load16_##SUFFIX(weight + d), normed));               \
+            })                                                                                             \
+        for (; d < size; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(sum[d] * inverse));                    \
+    }                                                                                                      \
+}                                                                                                          \
+                                                                                                           \
+void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t size, int num_threads) {           \
+    _Pragma("omp parallel for num_threads(num_threads) if(rows * size >= PARALLEL_WORK)")                  \
+    for (int64_t r = 0; r < rows; r++) {                                                                   \
+        const T *gate = gate_up + r * 2 * size, *up = gate + size;                                         \
+        T *o = out + r * size;                                                                             \
+        int64_t d = 0;                                                                                     \
+        IF_VECTOR(VECTOR_LOOP(d, size) {                                                                   \
+            __m512 activated = round16_##SUFFIX(silu16(load16_##SUFFIX(gate + d)));                        \
+            store16_##SUFFIX(o + d, _mm512_mul_ps(activated, load16_##SUFFIX(up + d)));                    \
+        })                                                                                                 \
+        for (; d < size; d++) o[d] = STORE(ROUND(silu(LOAD(gate[d]))) * LOAD(up[d]));                      \
+    }                                                                                                      \
+}                                                                                                          \
+                                                                                                           \
+/* qkv rows [rows][row_stride]: the first `heads` heads of `dim` are rotated into out [rows][heads][dim]; \
+ * cos and sin are [rows][dim / 2] fp32. */                                                               \
+void rotary_##SUFFIX(const T *qkv, int64_t row_stride, const float *cos, const float *sin, T *out,        \
+                     int64_t rows, int64_t heads, int64_t dim, int num_threads) {                          \
+    const int64_t half = dim / 2;                                                                          \
+    _Pragma("omp parallel for num_threads(num_threads) if(rows * heads * dim >= PARALLEL_WORK)")           \
+    for (int64_t r = 0; r < rows; r++) {                                                                   \
+        const float *c = cos + r * half, *s = sin + r * half;                                              \
+        for (int64_t h = 0; h < heads; h++) {                                                              \
+            const T *x = qkv + r * row_stride + h * dim;                                                   \
+            T *o = out + (r * heads + h) * dim;                                                            \
+            int64_t d = 0;                                                                                 \
+            IF_VECTOR(VECTOR_LOOP(d, half) {                                                               \
+                const __m512 first = load16_##SUFFIX(x + d), second = load16_##SUFFIX(x + half + d);       \
+                const __m512 cd = _mm512_loadu_ps(c + d), sd = _mm512_loadu_ps(s + d);                     \
+                store16_##SUFFIX(o + d, _mm512_sub_ps(_mm512_mul_ps(first, cd), _mm512_mul_ps(second, sd))); \
+                store16_##SUFFIX(o + half + d, _mm512_add_ps(_mm512_mul_ps(second, cd), _mm512_mul_ps(first, sd))); \
+            })                                                                                             \
+            for (; d < half; d++) {                                                                        \
+                const float first = LOAD(x[d]), second = LOAD(x[half + d]);                                \
+                o[d] = STORE(first * c[d] - second * s[d]);                                                \
+                o[half + d] = STORE(second * c[d] + first * s[d]);                                         \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+
+DEFINE_FUSED(f32, float, f32_load, f32_store, f32_round)
+DEFINE_FUSED(bf16, uint16_t, bf16_to_float, float_to_bf16, bf16_round)
+
+/* scores [rows][cols] bf16, in place: row i is the softmax of its first `visible + i / repeat` entries
+ * (fp32 inside, rounded to bf16 as torch's bf16 softmax is), the rest set to 0. `repeat` rows share a
+ * query position: the query heads of one KV head, side by side. */
+void causal_softmax_bf16(uint16_t *scores, int64_t rows, int64_t cols, int64_t visible, int64_t repeat,
+                         int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if(rows * cols >= PARALLEL_WORK)")
+    for (int64_t i = 0; i < rows; i++) {
+        uint16_t *x = scores + i * cols;
+        int64_t n = visible + i / repeat;
+        n = n < cols ? n : cols;
+        float row[n > 0 ? n : 1];
+        float top = -INFINITY, total = 0.0f;
+        int64_t d = 0;
+        IF_VECTOR(__m512 peak = _mm512_set1_ps(-INFINITY);
+            VECTOR_LOOP(d, n) { __m512 v = load16_bf16(x + d); _mm512_storeu_ps(row + d, v); peak = _mm512_max_ps(peak, v); }
+            top = _mm512_reduce_max_ps(peak);)
+        for (; d < n; d++) { row[d] = bf16_to_float(x[d]); top = row[d] > top ? row[d] : top; }
+        d = 0;
+        IF_VECTOR(const __m512 shift = _mm512_set1_ps(top);
+            __m512 acc = _mm512_setzero_ps();
+            VECTOR_LOOP(d, n) {
+                const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + d), shift));
+                _mm512_storeu_ps(row + d, e);
+                acc = _mm512_add_ps(acc, e);
+            }
+            total = _mm512_reduce_add_ps(acc);)
+        for (; d < n; d++) { row[d] = expf(row[d] - top); total += row[d]; }
+        const float inverse = 1.0f / total;
+        d = 0;
+        IF_VECTOR(const __m512 factor = _mm512_set1_ps(inverse);
+            VECTOR_LOOP(d, n) store16_bf16(x + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), factor));)
+        for (; d < n; d++) x[d] = float_to_bf16(row[d] * inverse);
+        for (d = n; d < cols; d++) x[d] = 0;
+    }
+}
