@@ -1,7 +1,7 @@
 """The fused CPU elementwise kernels (`kernels/cpu_fused.c`) against the torch ops of
 `kernels/reference.py`, in fp32 and bf16, at odd sizes (vector loops and their scalar tails), for
-this CPU's build and for a build for an AVX2-only CPU (`x86-64-v3`: the plain-C path CI machines
-without AVX-512 take)."""
+this CPU's build, a build for an AVX2-only CPU (`x86-64-v3`: the plain-C path CI machines without
+AVX-512 take) and one for an AVX-512 CPU without AVX512-BF16 (`skylake-avx512`, where AVX-512 runs)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from kernels import cpu_build, cpu_fused, reference
 pytestmark = pytest.mark.skipif(not cpu_fused.available(torch.float32), reason="no C compiler on this machine")
 
 X86 = platform.machine() in ("x86_64", "AMD64")
-MARCHES = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(not X86, reason="x86 only"))]
+AVX512 = "avx512f" in cpu_build.cpu_flags().split()
+# This CPU's build, an AVX2-only CPU's (plain C) and, where AVX-512 runs, an AVX-512 CPU's without bf16.
+MARCHES = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(not X86, reason="x86 only")),
+           pytest.param("skylake-avx512", marks=pytest.mark.skipif(not AVX512, reason="no AVX-512 here"))]
 # bf16: one rounding apart at most where a sum's order differs (bf16 has 8 bits of mantissa).
 TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3}}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -81,6 +84,8 @@ def test_the_avx2_build_takes_the_plain_path() -> None:
     if not X86:
         pytest.skip("x86 only")
     assert cpu_fused.isa("x86-64-v3") == "plain C"
+    if AVX512:
+        assert cpu_fused.isa("skylake-avx512") == "AVX-512"
     flags = set(cpu_build.cpu_flags().split())
     expected = "AVX-512 + AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "plain C"
     assert cpu_fused.isa() == expected
