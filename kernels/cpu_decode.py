@@ -31,25 +31,28 @@ class DecodeShape(ctypes.Structure):
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    library = cpu_build.load(SOURCE)
+def _library(march: str = "native") -> ctypes.CDLL | None:
+    """The kernel built for `march` ("native": this CPU; tests also build for CPUs without AVX-512 or
+    AVX512-BF16, whose code paths differ)."""
+    library = cpu_build.load(SOURCE, march)
     if library is not None:
         for name in FUNCTIONS.values():
             getattr(library, name).restype = ctypes.c_int
     return library
 
 
-def available(dtype: torch.dtype) -> bool:
+def available(dtype: torch.dtype, march: str = "native") -> bool:
     """Whether the C kernel serves a cache of this dtype on this machine (compiling it if need be)."""
-    return dtype in FUNCTIONS and _library() is not None
+    return dtype in FUNCTIONS and _library(march) is not None
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                           march: str = "native") -> torch.Tensor:
     """One query token per sequence ([batch, heads, head_dim]) over its whole cached context; a
     sequence of length 0 (a padding row) gives zeros. `max_seq_len` is unused: each sequence reads
     its own length. Same contract as `reference.paged_decode_attention`."""
-    library = _library()
+    library = _library(march)
     if library is None or kv_cache.dtype not in FUNCTIONS:
         raise RuntimeError("the CPU decode kernel is not available here: check `available(dtype)` first")
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
