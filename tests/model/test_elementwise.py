@@ -12,6 +12,14 @@ from kernels import cpu_fused, reference
 pytestmark = pytest.mark.skipif(not cpu_fused.available(torch.bfloat16), reason="no C compiler on this machine")
 
 
+def test_cpu_tensors_of_fp32_and_bf16_take_the_c_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert elementwise.uses_c_kernels(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert elementwise.uses_c_kernels(torch.zeros(2, 8))
+    assert not elementwise.uses_c_kernels(torch.zeros(2, 8, dtype=torch.float16))
+    monkeypatch.setattr(elementwise, "use_c_kernels", False)
+    assert not elementwise.uses_c_kernels(torch.zeros(2, 8))
+
+
 def test_cpu_bf16_takes_the_c_kernel_and_torch_ops_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     x, residual = torch.randn(64, 576).bfloat16(), torch.randn(64, 576).bfloat16()
     weight = torch.rand(576).bfloat16()
