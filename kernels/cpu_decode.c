@@ -140,14 +140,18 @@ static inline __attribute__((always_inline)) void NAME##_sequence(              
         }                                                                                                 \
     }                                                                                                     \
     for (int64_t h = 0; h < heads && seq_len > 0; h++) softmax(scores + h * seq_len, seq_len);          \
-    for (int64_t t = 0; t < seq_len; t++) {                                                               \
+    for (int64_t t = 0; t < seq_len; t++) {  /* each KV head's value widened once for its query group */ \
         const T *row = values + table[t / bs] * block_stride + (t % bs) * token_stride;                   \
-        for (int64_t h = 0; h < heads; h++) {                                                             \
-            const float p = scores[h * seq_len + t];                                                      \
-            const T *v = row + kv_of_head[h];                                                             \
-            float *ah = acc + h * dim;                                                                    \
+        for (int64_t g = 0; g < s->kv_heads; g++) {                                                       \
+            float v[dim];                                                                                 \
             _Pragma("omp simd")                                                                           \
-            for (int64_t d = 0; d < dim; d++) ah[d] += p * LOAD(v[d]);                                    \
+            for (int64_t d = 0; d < dim; d++) v[d] = LOAD(row[g * dim + d]);                              \
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {                                       \
+                const float p = scores[h * seq_len + t];                                                  \
+                float *ah = acc + h * dim;                                                                \
+                _Pragma("omp simd")                                                                       \
+                for (int64_t d = 0; d < dim; d++) ah[d] += p * v[d];                                      \
+            }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
     for (int64_t i = 0; i < heads * dim; i++) out[i] = STORE(acc[i]);                                     \
