@@ -249,3 +249,59 @@ void causal_softmax_bf16(uint16_t *scores, int64_t rows, int64_t cols, int64_t v
         for (d = n; d < cols; d++) x[d] = 0;
     }
 }
+
+/* The first index of each row's maximum, as torch.argmax gives it on the same values in fp32 (bf16
+ * widens to fp32 exactly, so the answer is the same): ties go to the first, -0 equals +0, and a row
+ * holding a NaN gives its first NaN. Rows are `stride` apart. The search runs on 16-bit keys that
+ * order as the floats do (the magnitude bits flipped for negative values), 32 at a time with AVX-512. */
+static inline int16_t bf16_key(uint16_t x) {
+    if (x == 0x8000) x = 0;  /* -0 == +0 */
+    return (int16_t)(x ^ ((x >> 15) * 0x7FFF));
+}
+
+void argmax_rows_bf16(const uint16_t *logits, int64_t rows, int64_t cols, int64_t stride, int64_t *out,
+                      int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if(rows * cols >= 16 * PARALLEL_WORK)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *x = logits + r * stride;
+        int64_t best = 0;
+        int has_nan = 0;
+        int16_t top = bf16_key(x[0]);
+        for (int64_t i = 0; i < cols; i++) {  /* a NaN anywhere decides the row */
+            if ((x[i] & 0x7FFF) > 0x7F80) { best = i; has_nan = 1; break; }
+        }
+        if (!has_nan) {
+            int64_t i = 0;
+#if defined(__AVX512BW__)
+            __m512i peak = _mm512_set1_epi16(top);
+            const __m512i zero = _mm512_setzero_si512(), negative_zero = _mm512_set1_epi16((short)0x8000);
+            const __m512i flip = _mm512_set1_epi16(0x7FFF);
+            for (; i + 32 <= cols; i += 32) {
+                __m512i v = _mm512_loadu_si512(x + i);
+                v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(v, negative_zero), zero);
+                __m512i keys = _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi16(v, 15), flip));
+                peak = _mm512_max_epi16(peak, keys);
+            }
+            /* the largest key of the vector part: fold the 32 lanes */
+            int16_t lanes[32];
+            _mm512_storeu_si512(lanes, peak);
+            for (int j = 0; j < 32; j++) top = lanes[j] > top ? lanes[j] : top;
+#endif
+            for (; i < cols; i++) { int16_t k = bf16_key(x[i]); top = k > top ? k : top; }
+            best = -1;
+            i = 0;
+#if defined(__AVX512BW__)
+            const __m512i wanted = _mm512_set1_epi16(top);
+            for (; i + 32 <= cols && best < 0; i += 32) {  /* the first lane holding the largest key */
+                __m512i v = _mm512_loadu_si512(x + i);
+                v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(v, negative_zero), zero);
+                __m512i keys = _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi16(v, 15), flip));
+                const __mmask32 hits = _mm512_cmpeq_epi16_mask(keys, wanted);
+                if (hits) best = i + __builtin_ctz(hits);
+            }
+#endif
+            for (; i < cols && best < 0; i++) if (bf16_key(x[i]) == top) best = i;
+        }
+        out[r] = best;
+    }
+}

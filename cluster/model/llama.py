@@ -223,8 +223,11 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, kv_cache, metadata, rotation)
         return self.model.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """The lm_head's logits, widened to fp32 unless `upcast` is False (the sampler widens what it
+        needs: every consumer of the bf16 logits sees what the fp32 copy holds, exactly)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def shard_sizes(self, fused: str) -> list[int]:
         config = self.config

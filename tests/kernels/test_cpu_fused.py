@@ -99,3 +99,20 @@ def test_the_kernels_refuse_what_they_cannot_read() -> None:
         cpu_fused.add_rms_norm(x, None, torch.ones(8, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match="heads"):
         cpu_fused.rotary(x, 2, 8, torch.ones(4, 4), torch.ones(4, 4))
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_argmax_rows_is_torchs_argmax_on_the_widened_logits(march: str) -> None:
+    """Exact, ties included: the first maximum, -0 == +0, a NaN wins (its first one); strided rows."""
+    logits = randn(9, 1000, dtype=torch.bfloat16, seed=8)[:, :997]  # rows 1000 apart, 997 columns
+    logits[1, [3, 500, 996]] = 50.0  # a three-way tie: the first
+    logits[2] = -1.0  # all equal
+    logits[3, 10], logits[3, 20] = -0.0, 0.0  # -0 and +0 tie as the maximum of a negative row
+    logits[3] = torch.where(logits[3] == 0, logits[3], -logits[3].abs() - 1)
+    logits[4, 700], logits[4, 900] = float("nan"), float("nan")
+    logits[5] = float("-inf")
+    logits[6, 996] = float("inf")
+    logits[7, 0] = 60.0  # the very first column
+    got = cpu_fused.argmax_rows(logits, march=march)
+    assert got.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert got.tolist()[1:5] == [3, 0, 10, 700]
