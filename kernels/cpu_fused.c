@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -217,14 +218,22 @@ DEFINE_FUSED(bf16, uint16_t, bf16_to_float, float_to_bf16, bf16_round)
 /* scores [rows][cols] bf16, in place: row i is the softmax of its first `visible + i / repeat` entries
  * (fp32 inside, rounded to bf16 as torch's bf16 softmax is), the rest set to 0. `repeat` rows share a
  * query position: the query heads of one KV head, side by side. */
-void causal_softmax_bf16(uint16_t *scores, int64_t rows, int64_t cols, int64_t visible, int64_t repeat,
-                         int num_threads) {
+#define STACK_ROW 8192  /* longer rows of scores get their fp32 copy from the heap, not the thread's stack */
+int causal_softmax_bf16(uint16_t *scores, int64_t rows, int64_t cols, int64_t visible, int64_t repeat,
+                        int num_threads) {
+    int failed = 0;
     _Pragma("omp parallel for num_threads(num_threads) if(rows * cols >= PARALLEL_WORK)")
     for (int64_t i = 0; i < rows; i++) {
         uint16_t *x = scores + i * cols;
         int64_t n = visible + i / repeat;
         n = n < cols ? n : cols;
-        float row[n > 0 ? n : 1];
+        float stack_row[STACK_ROW];
+        float *row = n <= STACK_ROW ? stack_row : malloc(sizeof(float) * n);
+        if (row == NULL) {
+            _Pragma("omp atomic write")
+            failed = 1;
+            continue;
+        }
         float top = -INFINITY, total = 0.0f;
         int64_t d = 0;
         IF_VECTOR(__m512 peak = _mm512_set1_ps(-INFINITY);
@@ -247,7 +256,9 @@ void causal_softmax_bf16(uint16_t *scores, int64_t rows, int64_t cols, int64_t v
             VECTOR_LOOP(d, n) store16_bf16(x + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), factor));)
         for (; d < n; d++) x[d] = float_to_bf16(row[d] * inverse);
         for (d = n; d < cols; d++) x[d] = 0;
+        if (row != stack_row) free(row);
     }
+    return failed;
 }
 
 /* The first index of each row's maximum, as torch.argmax gives it on the same values in fp32 (bf16

@@ -41,7 +41,7 @@ def library(march: str = "native") -> ctypes.CDLL | None:
         for suffix in SUFFIXES.values():
             function = getattr(lib, f"{name}_{suffix}")
             function.argtypes, function.restype = signature, None
-    lib.causal_softmax_bf16.argtypes, lib.causal_softmax_bf16.restype = (_P, _I64, _I64, _I64, _I64, _INT), None
+    lib.causal_softmax_bf16.argtypes, lib.causal_softmax_bf16.restype = (_P, _I64, _I64, _I64, _I64, _INT), _INT
     lib.argmax_rows_bf16.argtypes, lib.argmax_rows_bf16.restype = (_P, _I64, _I64, _I64, _P, _INT), None
     lib.fused_isa.restype = ctypes.c_int
     return lib
@@ -124,7 +124,8 @@ def causal_softmax_(scores: torch.Tensor, visible: int, repeat: int = 1, march: 
     if scores.dtype != torch.bfloat16 or scores.dim() != 2 or visible < 1 or repeat < 1:
         raise ValueError("causal_softmax_ takes [rows, cols] bfloat16 scores, visible >= 1 and repeat >= 1")
     rows, cols = scores.shape
-    _lib(march).causal_softmax_bf16(scores.data_ptr(), rows, cols, visible, repeat, torch.get_num_threads())
+    if _lib(march).causal_softmax_bf16(scores.data_ptr(), rows, cols, visible, repeat, torch.get_num_threads()):
+        raise MemoryError("the causal softmax kernel could not allocate a row of scores")
     return scores
 
 

@@ -68,7 +68,9 @@ def test_rotary_matches_the_reference(march: str, dtype: torch.dtype, heads: int
 
 
 @pytest.mark.parametrize("march", MARCHES)
-@pytest.mark.parametrize(("rows", "cols", "visible", "repeat"), [(768, 700, 445, 3), (5, 33, 1, 1), (4, 6, 9, 2)])
+@pytest.mark.parametrize(("rows", "cols", "visible", "repeat"),
+                         [(768, 700, 445, 3), (5, 33, 1, 1), (4, 6, 9, 2),
+                          (6, 8300, 8190, 3), (2, 8300, 8200, 1)])  # rows of scores on the stack, then the heap
 def test_causal_softmax_matches_the_reference(march: str, rows: int, cols: int, visible: int, repeat: int) -> None:
     """Row i sees `visible + i // repeat` keys (capped at cols); what it does not see comes out 0."""
     scores = randn(rows, cols, dtype=torch.bfloat16, seed=7) * 4
