@@ -34,7 +34,8 @@ static inline float f32_store(float x) { return x; }
 /* Dot products of an fp32 query head with one key. A plain loop's sum is reduced lane by lane in
  * order (the compiler may not reassociate it), which cost more than the products; AVX-512 sums 16
  * partial sums as a tree instead. */
-static inline float dot_f32(const float *q, const float *k, int64_t dim) {
+static inline float dot_f32(const float *q, const float *raw, const float *k, int64_t dim, float scale) {
+    (void)raw; (void)scale;  /* q is already scaled */
     float total = 0.0f;
     int64_t d = 0;
 #if defined(__AVX512F__)
@@ -46,10 +47,20 @@ static inline float dot_f32(const float *q, const float *k, int64_t dim) {
     return total;
 }
 
-static inline float dot_bf16(const float *q, const uint16_t *k, int64_t dim) {
+/* With AVX512-BF16, `vdpbf16ps` multiplies the unscaled bf16 query and the key pairwise (each product
+ * exact in fp32) and sums in fp32: no conversion of the key, half the instructions; the scale comes
+ * after. Without it, the key is widened to fp32 and multiplied by the scaled fp32 query. */
+static inline float dot_bf16(const float *q, const uint16_t *raw, const uint16_t *k, int64_t dim, float scale) {
     float total = 0.0f;
     int64_t d = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+    __m512 pairs = _mm512_setzero_ps();
+    for (; d + 32 <= dim; d += 32)
+        pairs = _mm512_dpbf16_ps(pairs, (__m512bh)_mm512_loadu_si512(raw + d), (__m512bh)_mm512_loadu_si512(k + d));
+    total = _mm512_reduce_add_ps(pairs);
+    for (; d < dim; d++) total += bf16_to_float(raw[d]) * bf16_to_float(k[d]);
+    return total * scale;
+#elif defined(__AVX512F__)
     __m512 sum = _mm512_setzero_ps();
     for (; d + 16 <= dim; d += 16) {
         __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + d)));
@@ -125,18 +136,22 @@ static inline __attribute__((always_inline)) void NAME##_sequence(              
         for (int64_t h = 0; h < heads; h++) {                                                             \
             const float *qh = q + h * dim;                                                                \
             const T *k = row + kv_of_head[h];                                                             \
-            scores[h * seq_len + t] = DOT(qh, k, dim);                                                    \
+            scores[h * seq_len + t] = DOT(qh, query + h * dim, k, dim, s->scale);                         \
         }                                                                                                 \
     }                                                                                                     \
     for (int64_t h = 0; h < heads && seq_len > 0; h++) softmax(scores + h * seq_len, seq_len);          \
-    for (int64_t t = 0; t < seq_len; t++) {                                                               \
+    for (int64_t t = 0; t < seq_len; t++) {  /* each KV head's value widened once for its query group */ \
         const T *row = values + table[t / bs] * block_stride + (t % bs) * token_stride;                   \
-        for (int64_t h = 0; h < heads; h++) {                                                             \
-            const float p = scores[h * seq_len + t];                                                      \
-            const T *v = row + kv_of_head[h];                                                             \
-            float *ah = acc + h * dim;                                                                    \
+        for (int64_t g = 0; g < s->kv_heads; g++) {                                                       \
+            float v[dim];                                                                                 \
             _Pragma("omp simd")                                                                           \
-            for (int64_t d = 0; d < dim; d++) ah[d] += p * LOAD(v[d]);                                    \
+            for (int64_t d = 0; d < dim; d++) v[d] = LOAD(row[g * dim + d]);                              \
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {                                       \
+                const float p = scores[h * seq_len + t];                                                  \
+                float *ah = acc + h * dim;                                                                \
+                _Pragma("omp simd")                                                                       \
+                for (int64_t d = 0; d < dim; d++) ah[d] += p * v[d];                                      \
+            }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
     for (int64_t i = 0; i < heads * dim; i++) out[i] = STORE(acc[i]);                                     \

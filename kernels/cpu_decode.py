@@ -5,9 +5,8 @@ step, then runs small batched matmuls: five passes over the context's keys and v
 launches. The C kernel reads each key and value once, straight from the paged cache, with one task
 per sequence spread over torch's intra-op threads (OpenMP: torch's own runtime, shared by soname).
 
-It is compiled at first use with the machine's C compiler (`$CC`, else `cc`) for the machine's own
-CPU (`-march=native`), into a cache directory keyed by the source, the flags and the CPU's flags, so
-each machine builds it once (1.5 s of CPU with gcc 12 here). Where no compiler works,
+It is compiled at first use for the machine's own CPU (`kernels/cpu_build.py`: 1.5 s of CPU with gcc
+12 here, once per machine). Where no compiler works,
 `available()` is False and the torch backend keeps the torch path. fp32 and bf16 caches only.
 """
 
@@ -15,20 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
@@ -38,62 +30,29 @@ class DecodeShape(ctypes.Structure):
                 ("table_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int)]
 
 
-def _cpu_flags() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith("flags")), "")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "pdserve" / "kernels"
-
-
-def _build(compiler: str) -> Path:
-    """The shared library for this source, flags and CPU, compiled if not cached yet. Written under a
-    temporary name and renamed, so processes building at once never load a half-written file."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_decode-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True,
-                       timeout=120)
-        os.replace(built, target)
-    return target
-
-
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler found: CPU decode attention stays on the torch path")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as error:
-        logger.warning("building the CPU decode attention kernel failed (%s): the torch path is used", error)
-        return None
-    for name in FUNCTIONS.values():
-        getattr(library, name).restype = ctypes.c_int
+def _library(march: str = "native") -> ctypes.CDLL | None:
+    """The kernel built for `march` ("native": this CPU; tests also build for CPUs without AVX-512 or
+    AVX512-BF16, whose code paths differ)."""
+    library = cpu_build.load(SOURCE, march)
+    if library is not None:
+        for name in FUNCTIONS.values():
+            getattr(library, name).restype = ctypes.c_int
     return library
 
 
-def available(dtype: torch.dtype) -> bool:
+def available(dtype: torch.dtype, march: str = "native") -> bool:
     """Whether the C kernel serves a cache of this dtype on this machine (compiling it if need be)."""
-    return dtype in FUNCTIONS and _library() is not None
+    return dtype in FUNCTIONS and _library(march) is not None
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                           march: str = "native") -> torch.Tensor:
     """One query token per sequence ([batch, heads, head_dim]) over its whole cached context; a
     sequence of length 0 (a padding row) gives zeros. `max_seq_len` is unused: each sequence reads
     its own length. Same contract as `reference.paged_decode_attention`."""
-    library = _library()
+    library = _library(march)
     if library is None or kv_cache.dtype not in FUNCTIONS:
         raise RuntimeError("the CPU decode kernel is not available here: check `available(dtype)` first")
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape

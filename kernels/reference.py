@@ -85,3 +85,41 @@ def sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
         keys, values = (x[start:end].to(kv_cache.dtype).transpose(0, 1).unsqueeze(0) for x in (key, value))
         return keys, values
     return gather_kv(kv_cache, block_table.unsqueeze(0), seq_len)
+
+
+# The elementwise ops between the model's matmuls, as torch ops: the model's path where the fused CPU
+# kernels (`kernels/cpu_fused.c`) are not used, and their oracle.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim, normalized in fp32, rounded to x's dtype, then scaled."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); without a residual, (rms_norm(x), x)."""
+    summed = x if residual is None else x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate and up the two halves of the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated per token (Hugging Face's non-interleaved halves) by cos and
+    sin [tokens, 1, head_dim / 2] float32: computed in fp32, returned in x's dtype."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def causal_softmax(scores: torch.Tensor, visible: int, repeat: int = 1) -> torch.Tensor:
+    """scores [rows, cols]: row i the softmax of its first `visible + i // repeat` entries, the rest 0."""
+    rows, cols = scores.shape
+    seen = torch.arange(cols)[None, :] < (visible + torch.arange(rows) // repeat)[:, None]
+    return torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)

@@ -3,11 +3,14 @@ for prompts when the cache is not fp32.
 
 SDPA's CPU flash kernel runs a 2,048-token prompt of the default model (9 query and 3 KV heads of 64)
 in 80-90 ms per layer whatever the dtype, on the 2-core AVX512-BF16 EPYC with 1 thread: it does not
-profit from the CPU's bf16 matmuls. Here each KV head's query group, `CHUNK` query rows at a time, is
-one bf16 matmul against the keys up to the chunk's last position (the keys past it are never read:
-causal), a softmax (computed in fp32 inside, returned in bf16), and one matmul with the values:
-47-55 ms per layer in the same run. The scale is folded into the queries, and only the chunk's
-diagonal block is masked.
+profit from the CPU's bf16 matmuls. Here each KV head's query group, `CHUNK` query positions at a
+time, is one bf16 matmul against the keys up to the chunk's last position (the keys past it are never
+read: causal), a softmax, and one matmul with the values. The queries are laid out [kv_head,
+position, head of the group, dim], so a chunk's rows of all the group's heads are one contiguous
+matrix (no copy before the matmuls) and its output rows land in place. The scale is folded into the
+queries. In bf16 on a CPU where `kernels/cpu_fused.c` builds, the mask and the softmax are one C pass
+(`causal_softmax_`: no exp of a masked score); elsewhere the diagonal block is masked and torch's
+softmax runs. docs/performance.md has the figures.
 
 Precision is that of bf16 scores (as `torch_decode`'s matmuls give): scores rounded to bf16, where
 the flash kernel keeps them in fp32 until the probabilities; the oracle tests bound the effect.
@@ -17,30 +20,54 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kernels import cpu_fused, reference
 
-CHUNK = 256  # query rows per matmul: 128 and 512 ran slower at 2,048 tokens
+CHUNK = 256  # query positions per matmul: 128 and 512 ran slower at 2,048 tokens
+use_c_softmax = True  # False: torch's mask and softmax (the benchmarks compare both in one run)
+
+
+def grouped_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """query [q, heads, dim] (tokens first, as the model holds it) at the last q positions of
+    keys/values [kv_heads, s, dim] (q <= s). Returns [kv_heads, q, group, dim] in the keys' dtype:
+    query head h = kv_head * group + g."""
+    query_len, heads, dim = query.shape
+    kv_heads, seq_len, _ = keys.shape
+    group = heads // kv_heads
+    offset = seq_len - query_len  # position of query row 0
+    grouped = query.reshape(query_len, kv_heads, group, dim).transpose(0, 1)
+    scaled = torch.empty((kv_heads, query_len, group, dim), dtype=keys.dtype, device=query.device)
+    if query.dtype == keys.dtype:
+        torch.mul(grouped, scale, out=scaled)  # fp32 inside, one rounding: as (q.float() * scale).to(dtype)
+    else:
+        scaled.copy_(grouped.float() * scale)
+    out = torch.empty_like(scaled)
+    c_softmax = use_c_softmax and keys.dtype == torch.bfloat16 and keys.device.type == "cpu" \
+        and cpu_fused.available(torch.bfloat16)
+    future = None if c_softmax else torch.full((CHUNK, CHUNK), float("-inf"), dtype=keys.dtype,
+                                               device=query.device).triu_(1)
+    for kv_head in range(kv_heads):
+        for start in range(0, query_len, CHUNK):
+            end = min(query_len, start + CHUNK)
+            seen = offset + end  # keys [0, seen) are visible to some row of this chunk
+            scores = torch.mm(scaled[kv_head, start:end].view(-1, dim), keys[kv_head, :seen].T)  # [rows * group, seen]
+            if c_softmax:
+                probs = cpu_fused.causal_softmax_(scores, offset + start + 1, repeat=group)
+            else:
+                assert future is not None
+                rows = end - start
+                scores.view(rows, group, seen)[:, :, offset + start:] += future[:rows, None, :rows]
+                probs = torch.softmax(scores, dim=-1)
+            torch.mm(probs, values[kv_head, :seen], out=out[kv_head, start:end].view(-1, dim))
+    return out
 
 
 def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """query [heads, q, dim] at the last q positions of keys/values [kv_heads, s, dim] (q <= s): each
     query sees the keys up to its own position. Returns [heads, q, dim] in the keys' dtype."""
-    heads, query_len, _ = query.shape
-    kv_heads, seq_len, _ = keys.shape
-    group = heads // kv_heads
-    offset = seq_len - query_len  # position of query row 0
-    scaled = (query.float() * scale).to(keys.dtype)
-    out = torch.empty(query.shape, dtype=keys.dtype, device=query.device)
-    future = torch.full((CHUNK, CHUNK), float("-inf"), dtype=keys.dtype, device=query.device).triu_(1)
-    for kv_head in range(kv_heads):
-        heads_of = slice(kv_head * group, (kv_head + 1) * group)
-        for start in range(0, query_len, CHUNK):
-            end = min(query_len, start + CHUNK)
-            seen = offset + end  # keys [0, seen) are visible to some row of this chunk
-            scores = torch.matmul(scaled[heads_of, start:end], keys[kv_head, :seen].T)  # [group, rows, seen]
-            scores[:, :, offset + start:seen] += future[:end - start, :end - start]
-            out[heads_of, start:end] = torch.matmul(torch.softmax(scores, dim=-1), values[kv_head, :seen])
-    return out
+    heads, query_len, dim = query.shape
+    out = grouped_causal_attention(query.transpose(0, 1), keys, values, scale)
+    return out.permute(0, 2, 1, 3).reshape(heads, query_len, dim)
 
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -48,9 +75,11 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
                             key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `reference.paged_prefill_attention`."""
     out = torch.empty_like(query)
+    heads, dim = query.shape[1:]
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[index], query_start_loc[index + 1]
         keys, values = reference.sequence_kv(kv_cache, block_tables[index], seq_len, start, end, key, value)
-        attended = causal_attention(query[start:end].transpose(0, 1), keys[0], values[0], scale)
-        out[start:end] = attended.transpose(0, 1).to(out.dtype)
+        attended = grouped_causal_attention(query[start:end], keys[0], values[0], scale)  # [kv, q, group, dim]
+        kv_heads = attended.shape[0]
+        out[start:end].view(end - start, kv_heads, heads // kv_heads, dim).copy_(attended.transpose(0, 1))
     return out

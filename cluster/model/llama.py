@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from cluster.model import elementwise
 from cluster.model.attention.backend import AttentionBackend, AttentionMetadata
+from kernels import reference
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -117,10 +119,11 @@ class Rotation:
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] rotated per token, computed in float32, returned in x's dtype."""
-        first, second = x.float().chunk(2, dim=-1)
-        cos, sin = self.cos, self.sin
-        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-        return rotated.to(x.dtype)
+        return reference.rotary(x, self.cos, self.sin)
+
+    def rotate_heads(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """The first `heads` heads of each row of qkv [tokens, ...] rotated: [tokens, heads, head_dim]."""
+        return elementwise.rotate_heads(qkv, heads, head_dim, self.cos, self.sin)
 
 
 class RMSNorm(nn.Module):
@@ -129,10 +132,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused with the norm after it."""
+        return elementwise.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -151,7 +153,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         # Queries and keys side by side in each row of qkv: rotated together, in one set of ops.
-        rotated = rotation.rotate(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads, dim))
+        rotated = rotation.rotate_heads(qkv, heads + kv_heads, dim)
         query, key = rotated.split([heads, kv_heads], dim=1)
         value = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, dim)
         out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale)
@@ -165,8 +167,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(elementwise.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -177,10 +178,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                rotation: Rotation) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, metadata, rotation)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, rotation: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it): the next layer's norm adds the two, so each
+        residual add is fused with the norm after it. `residual` None: `hidden` is the stream itself."""
+        normed, residual = self.input_layernorm(hidden, residual)
+        attended = self.self_attn(normed, kv_cache, metadata, rotation)
+        normed, residual = self.post_attention_layernorm(attended, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -213,12 +218,16 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of every token of the step: [tokens, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
         rotation = self.rotary.at(positions)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, kv_cache, metadata, rotation)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, kv_cache, metadata, rotation)
+        return self.model.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """The lm_head's logits, widened to fp32 unless `upcast` is False (the sampler widens what it
+        needs: every consumer of the bf16 logits sees what the fp32 copy holds, exactly)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def shard_sizes(self, fused: str) -> list[int]:
         config = self.config

@@ -138,7 +138,7 @@ class ModelRunner:
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden))
         if not batch.sample_rows:
             return result
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)  # the sampler widens
         sampled = self.sampler(logits, requests, grammar_masks.result() if grammar_masks is not None else None)
         for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
             result.sampled[request.request_id] = token_id

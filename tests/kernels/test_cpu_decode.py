@@ -4,15 +4,23 @@ padding rows of length 0, GQA groups, and every head size the kernel treats apar
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
-from kernels import cpu_decode, reference
+from kernels import cpu_build, cpu_decode, reference
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(torch.float32), reason="no C compiler on this machine")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 BLOCK_SIZE = 16
+X86 = platform.machine() in ("x86_64", "AMD64")
+AVX512 = "avx512f" in cpu_build.cpu_flags().split()
+# This CPU's build (AVX512-BF16 dot products where it has them), an AVX2-only CPU's (plain C) and,
+# where AVX-512 runs, an AVX-512 CPU's without bf16 dot products.
+MARCHES = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(not X86, reason="x86 only")),
+           pytest.param("skylake-avx512", marks=pytest.mark.skipif(not AVX512, reason="no AVX-512 here"))]
 
 
 def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -33,14 +41,16 @@ def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dt
     return query, kv_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64)])
-def test_decode_kernel_matches_the_reference(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_decode_kernel_matches_the_reference(march: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                                             head_dim: int) -> None:
     seq_lens = [50, 1, 16, 0, 142, 33, 17]  # mid-block, one token, one exact block, padding, longer, ...
     query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=head_dim)
     scale = head_dim ** -0.5
     expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
-    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
     assert got.dtype == dtype and got.shape == query.shape
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)

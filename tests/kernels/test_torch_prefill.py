@@ -12,6 +12,13 @@ from kernels import reference, torch_prefill
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
+@pytest.fixture(params=[True, False], ids=["c-softmax", "torch-softmax"], autouse=True)
+def softmax_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both paths of the chunks' mask and softmax: the C pass (bf16 where it builds) and torch's."""
+    monkeypatch.setattr(torch_prefill, "use_c_softmax", request.param)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("query_len", "seq_len"), [(300, 300), (1, 1), (256, 256), (130, 530), (5, 257)])
 def test_causal_attention_matches_sdpa(dtype: torch.dtype, query_len: int, seq_len: int) -> None:

@@ -74,6 +74,22 @@ def test_greedy_is_argmax_for_float32_and_bfloat16() -> None:
     assert sampler(bf16, requests).token_ids == bf16.float().argmax(-1).tolist()
 
 
+def test_greedy_on_bfloat16_logits_is_exactly_the_widened_argmax_ties_included() -> None:
+    """The runner hands bf16 logits over unwidened: greedy rows (all greedy, or mixed with random
+    ones) pick what argmax over the fp32 copy picks, first of tied maxima included."""
+    logits = (random_logits(6, 300, seed=9) * 0.1).bfloat16()  # bf16's coarse steps: many ties
+    logits[0, [7, 250]] = 5.0
+    logits[1, :] = 0.5
+    widened = logits.float()
+    assert logits.stride(-1) == 1
+    greedy = [make_request(f"g{i}", SamplingParams(temperature=0)) for i in range(6)]
+    sampler = Sampler(300, seed=0)
+    assert sampler(logits, greedy).token_ids == widened.argmax(-1).tolist()
+    assert sampler(logits, greedy).token_ids[:2] == [7, 0]
+    mixed = greedy[:3] + [make_request(f"s{i}", SamplingParams(temperature=1.0)) for i in range(3)]
+    assert sampler(logits, mixed).token_ids[:3] == widened[:3].argmax(-1).tolist()
+
+
 def test_padded_vocabulary_columns_are_never_sampled() -> None:
     logits = torch.cat([random_logits(4, 50, seed=1), torch.full((4, 14), 100.0)], dim=1)
     greedy = [make_request(f"g{i}", SamplingParams(temperature=0)) for i in range(2)]
