@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.common.loads import BucketCounts, WorkerLoad
@@ -85,6 +87,28 @@ def test_an_idle_pool_shrinks_after_sustain_s_but_never_below_min_workers() -> N
     assert decision is not None and (decision.direction, decision.reason) == (DOWN, "idle")
     at_min = PoolHysteresis("decode", CONFIG)
     assert all(at_min.decide(PoolSignals(workers=1), now) is None for now in (0.0, 10.0, 100.0))
+
+
+def test_a_pool_whose_slots_are_busy_does_not_shrink_though_nothing_waits() -> None:
+    """No queue is no idleness: one worker fewer must run what the pool holds within the low water
+    of its slots (2 workers of 4 slots, low water 0.3: at most 1 request held in all)."""
+    pool = PoolHysteresis("decode", CONFIG)
+    busy = PoolSignals(workers=2, held=4, slots=8)  # nothing waits, half the slots run
+    assert all(pool.decide(busy, now) is None for now in (0.0, 10.0, 100.0))
+    quiet = PoolSignals(workers=2, held=1, slots=8)
+    pool.decide(quiet, 200.0)
+    decision = pool.decide(quiet, 205.0)
+    assert decision is not None and (decision.direction, decision.reason) == (DOWN, "idle")
+    assert "1 held" in decision.detail
+
+
+def test_the_signals_count_the_requests_held_and_the_slots() -> None:
+    loads = [load("decode-0", running=2, held=3), load("decode-1", running=1, held=1)]
+    loads = [replace(one, max_num_seqs=4) for one in loads]
+    signals = pool_signals("decode", {}, loads)
+    assert (signals.held, signals.slots) == (4, 8)
+    prefill = replace(load("prefill-0", running=2, waiting=5), role="prefill", max_num_seqs=8)
+    assert pool_signals("prefill", {}, [prefill]).held == 7  # its engine's queue: nothing held apart
 
 
 def test_a_calm_pool_between_low_water_and_target_stays() -> None:
