@@ -192,3 +192,18 @@ def test_pdserve_status_prints_the_pools_and_the_last_decision() -> None:
     assert scaling_line(status) == "scaling: 2 decode, 1 prefill; last: decode up (queue_depth: queue_depth 3 > 2), " \
                                    "decode-1"
     assert scaling_line({"pools": {"decode": 1}, "last": {}}) == "scaling: 1 decode; no decision yet"
+
+
+def test_a_colocated_pool_is_judged_by_ttft_and_itl_within_the_decode_bounds() -> None:
+    """Its workers run both phases: slow prompts or slow tokens grow it, up to decode's max_workers."""
+    for signals in (PoolSignals(workers=1, ttft_s=3.0), PoolSignals(workers=1, itl_s=0.5)):
+        pool = PoolHysteresis("colocated", CONFIG)
+        pool.decide(signals, 0.0)
+        decision = pool.decide(signals, 10.0)
+        assert decision is not None and decision.direction == UP, signals
+    full = PoolHysteresis("colocated", replace(CONFIG, decode=PoolBounds(1, 1), prefill=PoolBounds(1, 3)))
+    assert all(full.decide(PoolSignals(workers=1, ttft_s=3.0), now) is None for now in (0.0, 10.0))
+    loads = [replace(load("colocated-0", queue=[10, 0, 0, 0, 0], prefill=[0, 0, 10, 0, 0], decode=[0, 0, 1, 0, 0],
+                          tokens=[0, 0, 0, 0, 0, 1]), role="colocated")]
+    signals = pool_signals("colocated", {}, loads)
+    assert signals.ttft_s == pytest.approx(0.1 + 1.0) and signals.itl_s == pytest.approx(1.0 / 10.0)
