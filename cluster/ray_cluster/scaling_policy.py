@@ -4,7 +4,8 @@ Each look (`ScalingConfig.interval_s`) the controller (`cluster.ray_cluster.scal
 worker's load and turns the loads of one pool into `PoolSignals`, measured over the time since its
 last look from the request-time histograms the workers already count for /metrics:
 
-- queue depth: requests waiting for a running slot per worker now (every pool; `queued`);
+- queue depth: requests waiting for a running slot per worker now, beyond its slots (every pool;
+  `queued`);
 - TTFT: the p90 of the time a prompt waited plus the time it computed (prefill and colocated pools);
 - ITL: seconds per generated token, decode time over tokens generated (decode and colocated pools).
 
@@ -91,8 +92,10 @@ def quantile(counts: BucketCounts | None, q: float) -> float:
 
 def queued(load: WorkerLoad) -> int:
     """Requests on a worker that wait for a running slot: its engine's waiting queue or, on a decode
-    worker, those it holds beyond the running ones (reserved, or landed and waiting for a slot)."""
-    return max(load.num_waiting, load.num_held - load.num_running)
+    worker, those it holds beyond its slots (`max_num_seqs`; where unknown, beyond the running ones).
+    A request reserved while its prompt computes elsewhere, with a slot free for it, does not wait."""
+    slots = max(load.max_num_seqs, load.num_running) if load.max_num_seqs else load.num_running
+    return max(load.num_waiting, load.num_held - slots)
 
 
 def held(load: WorkerLoad) -> int:

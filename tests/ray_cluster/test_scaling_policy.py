@@ -153,6 +153,15 @@ def test_a_decode_worker_queues_what_it_holds_beyond_its_running_requests() -> N
     assert signals.queue_depth == 2.5
 
 
+def test_requests_reserved_for_their_kv_within_the_free_slots_do_not_queue() -> None:
+    """A decode worker holding prompts that still compute elsewhere has no queue while its slots
+    can take them all: a prefill-bound load must not grow the decode pool."""
+    awaiting = replace(load("decode-0", running=0, held=2), max_num_seqs=2)  # both run once their KV lands
+    assert pool_signals("decode", {}, [awaiting]).queue_depth == 0
+    beyond = replace(load("decode-0", running=2, held=5), max_num_seqs=2)  # 3 wait for a slot
+    assert pool_signals("decode", {}, [beyond]).queue_depth == 3
+
+
 def test_a_restarted_worker_is_counted_from_zero() -> None:
     before = {"prefill-0": load("prefill-0", started_at=1.0, queue=[9, 0, 0, 0, 0])}
     restarted = load("prefill-0", started_at=2.0, queue=[0, 0, 0, 3, 0], prefill=[0, 1, 0, 0, 0])
