@@ -1,12 +1,14 @@
 """The live controller through a load step (issue 22, "done when"): fixed pools against `scaling:` on.
 
-    python -m benchmarks.scaling_step [--low-rate 0.25] [--high-rate 1.0] [--phases 20 70 40]
+    python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.6] [--phases 20 70 40]
 
 Both arms start as 1 prefill + 1 decode worker of the default model, one torch thread each, decode
 batches capped at `--max-num-seqs` (2) running requests per worker (`decode: {engine: {max_num_seqs}}`).
-The same Poisson arrivals drive both: `--low-rate` for the first phase, `--high-rate` for the second
-(the step), `--low-rate` again for the third; prompts of 64-192 random ids, `--output-tokens` (32)
-greedy tokens, EOS ignored.
+First, one decode worker's capacity is measured (requests per second with its slots full, after the
+warm-up): the same Poisson arrivals then drive both arms at `--low-load` (0.3) times it, then at
+`--high-load` (1.6) times it (the step), then at the low load again (or `--low-rate`/`--high-rate`
+fixed; the rates follow the machine, so a quiet or a busy one both see a step one worker cannot
+hold and two can); prompts of 64-192 random ids, `--output-tokens` (32) greedy tokens, EOS ignored.
 - `fixed`: the pools never change;
 - `scaling`: the controller may grow the decode pool to `--max-decode` (2) workers when requests
   wait for a decode slot (queue depth per worker over 1 for 2 s) and shrink it when the pool idles.
@@ -43,6 +45,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import RESULTS, console, machine, print_table, save  # noqa: E402
 from benchmarks.disaggregation import Record, Spec, one, warm_up  # noqa: E402
+from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolBounds, PoolConfig, ScalingConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster  # noqa: E402
 
@@ -147,13 +150,46 @@ def decisions(scaling: dict[str, Any], start_wall: float) -> list[dict[str, Any]
     return [{**entry, "t_s": entry["at"] - start_wall} for entry in scaling.get("history", [])]
 
 
+async def capacity(cluster: Cluster, args: argparse.Namespace) -> float:
+    """Requests per second one decode worker completes with its slots full: `--max-num-seqs`
+    requests of 128-token prompts and `--output-tokens` tokens sent at once, twice; the second."""
+    rng = np.random.default_rng(7)
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+
+    async def one_request(request_id: str) -> None:
+        async for _ in cluster.generate(rng.integers(1000, 30000, 128).tolist(), params, request_id=request_id):
+            pass
+
+    seconds = 0.0
+    for round_ in range(2):
+        begin = time.perf_counter()
+        await asyncio.gather(*(one_request(f"calibrate-{round_}-{i}") for i in range(args.max_num_seqs)))
+        seconds = time.perf_counter() - begin
+    return args.max_num_seqs / seconds
+
+
+def rates(args: argparse.Namespace, measured: float) -> None:
+    """The step's rates: given, or `--low-load` and `--high-load` times one decode worker's capacity."""
+    args.capacity = measured
+    args.low_rate = args.low_rate or round(args.low_load * measured, 3)
+    args.high_rate = args.high_rate or round(args.high_load * measured, 3)
+    console.print(f"one decode worker: {measured:.2f} requests/s with its {args.max_num_seqs} slots full; "
+                  f"rates {args.low_rate:g} -> {args.high_rate:g} -> {args.low_rate:g} requests/s")
+
+
 def run_arm(arm: str, specs: list[Spec], args: argparse.Namespace) -> dict[str, Any]:
+    """One arm; the first one measures the capacity and makes the workload (`specs`, filled in)."""
     console.rule(f"[bold]{arm}")
     cluster = Cluster(cluster_config(arm, args)).start()
     try:
         async def run() -> dict[str, Any]:
             await warm_up(cluster, args)
-            return await drive(cluster, specs, args, arm)
+            measured = await capacity(cluster, args)
+            if not specs:
+                rates(args, measured)
+                specs.extend(workload(args))
+                console.print(f"{len(specs)} requests over {sum(args.phases):.0f} s")
+            return {**await drive(cluster, specs, args, arm), "capacity": measured}
 
         driven = asyncio.run(run())
     finally:
@@ -161,7 +197,8 @@ def run_arm(arm: str, specs: list[Spec], args: argparse.Namespace) -> dict[str, 
     records: list[Record] = driven["records"]
     ok = [r for r in records if r.error is None]
     return {
-        "requests": len(records), "completed": len(ok), "errors": {r.request_id: r.error for r in records if r.error},
+        "capacity_requests_per_s": driven["capacity"], "requests": len(records), "completed": len(ok),
+        "errors": {r.request_id: r.error for r in records if r.error},
         "tokens": sum(r.num_tokens for r in records), "tokens_expected": len(records) * args.output_tokens,
         "attainment": sum(meets(r, args) for r in records) / len(records),
         "ttft_p90_s": pct([r.ttft_s for r in ok if r.ttft_s is not None], 90),
@@ -216,8 +253,11 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--low-rate", type=float, default=0.25, help="requests per second before and after the step")
-    parser.add_argument("--high-rate", type=float, default=1.0, help="requests per second during the step")
+    parser.add_argument("--low-load", type=float, default=0.3, help="before and after the step: this times the "
+                        "requests per second one decode worker completes (measured first)")
+    parser.add_argument("--high-load", type=float, default=1.6, help="during the step: this times that capacity")
+    parser.add_argument("--low-rate", type=float, default=0.0, help="requests per second instead of --low-load")
+    parser.add_argument("--high-rate", type=float, default=0.0, help="requests per second instead of --high-load")
     parser.add_argument("--phases", type=float, nargs=3, default=[20.0, 70.0, 40.0], help="seconds of each phase")
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=2, help="running requests per decode worker")
@@ -231,8 +271,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     args = parser.parse_args()
     info = machine("benchmarks.scaling_step")
-    specs = workload(args)
-    console.print(f"{len(specs)} requests over {sum(args.phases):.0f} s")
+    specs: list[Spec] = []  # made by the first arm, from the capacity it measures
     results = {arm: run_arm(arm, specs, args) for arm in args.arms}
     rows = [[arm, f"{r['completed']}/{r['requests']}", f"{r['tokens']}/{r['tokens_expected']}",
              f"{r['attainment']:.0%}", f"{(r['ttft_p90_s'] or 0) * 1000:.0f}", f"{(r['tpot_p90_s'] or 0) * 1000:.0f}",
