@@ -1,12 +1,12 @@
 """The live controller through a load step (issue 22, "done when"): fixed pools against `scaling:` on.
 
-    python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.6] [--phases 20 70 40]
+    python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.4] [--phases 20 70 40]
 
 Both arms start as 1 prefill + 1 decode worker of the default model, one torch thread each, decode
 batches capped at `--max-num-seqs` (2) running requests per worker (`decode: {engine: {max_num_seqs}}`).
 First, one decode worker's capacity is measured (requests per second with its slots full, after the
 warm-up): the same Poisson arrivals then drive both arms at `--low-load` (0.3) times it, then at
-`--high-load` (1.6) times it (the step), then at the low load again (or `--low-rate`/`--high-rate`
+`--high-load` (1.4) times it (the step), then at the low load again (or `--low-rate`/`--high-rate`
 fixed; the rates follow the machine, so a quiet or a busy one both see a step one worker cannot
 hold and two can); prompts of 64-192 random ids, `--output-tokens` (32) greedy tokens, EOS ignored.
 - `fixed`: the pools never change;
@@ -255,7 +255,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--low-load", type=float, default=0.3, help="before and after the step: this times the "
                         "requests per second one decode worker completes (measured first)")
-    parser.add_argument("--high-load", type=float, default=1.6, help="during the step: this times that capacity")
+    parser.add_argument("--high-load", type=float, default=1.4, help="during the step: this times that capacity")
     parser.add_argument("--low-rate", type=float, default=0.0, help="requests per second instead of --low-load")
     parser.add_argument("--high-rate", type=float, default=0.0, help="requests per second instead of --high-load")
     parser.add_argument("--phases", type=float, nargs=3, default=[20.0, 70.0, 40.0], help="seconds of each phase")
