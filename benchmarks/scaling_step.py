@@ -26,7 +26,8 @@ at batch 2 a step of this model costs little more than at batch 1, so a second w
 second core adds slots and cores the first could not use. It shows the controller's loop (signal,
 decision, warm-up, routing, drain) closing under a step and the SLO recovering; it does not show
 CPU-bound scaling (with every core busy, a worker more adds nothing) nor node provisioning.
-Results: benchmarks/results/scaling-step.json and .png. About 5-6 minutes on the 2-core box.
+Results: benchmarks/results/scaling-step.json and .png. About 5-7 minutes on the 2-core box (the
+fixed arm's queue drains after the step); docs/deploy.md has the figures.
 """
 
 from __future__ import annotations
