@@ -3,7 +3,8 @@
 ```yaml
 mode: disaggregated        # or colocated: every worker runs both phases (the baseline)
 prefill: {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0}  # threads 0: every core no busy worker holds
-decode:  {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0}
+decode:  {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0,
+          engine: {max_num_seqs: 64}}  # the pool's own engine limits, over `engine:` below (POOL_ENGINE_KEYS)
 transport: ucx             # how KV blocks travel between prefill and decode workers
 kv_shared_memory: true     # workers on one host pass KV through shared memory (false: UCX's transports always)
 kv_overlap: true           # send KV blocks while the rest of the prompt computes
@@ -76,6 +77,9 @@ class PoolConfig:
     # worker holds, at least its num_cpus (`cluster.worker.node_cores`); N: N threads, fixed (a host
     # shared with other programs, whose load the workers cannot see).
     threads: int = 0
+    # The pool's own engine limits, flat keys as in `engine:` and merged over it (POOL_ENGINE_KEYS):
+    # e.g. a decode pool's max_num_seqs and KV cache apart from the prefill pool's token budget.
+    engine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -198,11 +202,37 @@ class ClusterConfig:
             self._check_name()
         if self.attach and not self.redis_url:
             raise ValueError("attach needs redis_url: the workers to attach to are listed in its registry")
+        self._check_pools()
+        self._check_scaling()
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of the workers of the pool of `role`: `engine:` with the pool's own
+        overrides (a colocated pool is the decode pool)."""
+        pool = self.prefill if role == "prefill" else self.decode
+        return engine_config_from(pool.engine, base=self.engine) if pool.engine else self.engine
+
+    def _check_pools(self) -> None:
         if self.decode.replicas < 1:
             raise ValueError("decode.replicas must be >= 1: decode workers serve every request")
         if self.mode == Mode.DISAGGREGATED and self.prefill.replicas < 1:
             raise ValueError("prefill.replicas must be >= 1 in disaggregated mode (or use mode: colocated)")
-        self._check_scaling()
+        for name in ("prefill", "decode"):
+            self._check_pool_engine(name)
+
+    def _check_pool_engine(self, name: str) -> None:
+        overrides = getattr(self, name).engine
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{name}.engine must be a mapping of engine keys, got {overrides!r}")
+        for key in overrides:
+            if key not in ENGINE_KEYS and key != "attention_backend":
+                raise ValueError(f"{name}.engine.{key}: unknown engine key; per pool: {', '.join(POOL_ENGINE_KEYS)}")
+            if key not in POOL_ENGINE_KEYS:
+                raise ValueError(f"{name}.engine.{key} cannot differ between pools: both run one model and pass KV "
+                                 f"blocks in one layout; set it in engine: (per pool: {', '.join(POOL_ENGINE_KEYS)})")
+        try:
+            self.engine_for(name)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{name}.engine: {error}") from error
 
     def _check_scaling(self) -> None:
         if not self.scaling.enabled:
@@ -234,6 +264,12 @@ ENGINE_KEYS = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"), "max_num_seqs": ("scheduler", "max_num_seqs"),
     "preemption_mode": ("scheduler", "preemption_mode"),
 }
+
+
+# What a pool may set apart in its own `engine:` (the rest is one for the cluster: the model, its
+# dtype and device, and the KV layout that transfers between the pools rely on).
+POOL_ENGINE_KEYS = ("kv_cache_memory_gb", "num_blocks", "enable_prefix_caching", "max_num_batched_tokens",
+                    "max_num_seqs", "preemption_mode", "attention_backend")
 
 
 def engine_config_from(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:

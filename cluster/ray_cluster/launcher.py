@@ -165,10 +165,10 @@ class Cluster:
             pools[Role.PREFILL] = self._named(Role.PREFILL, self.prefill)
         gpus = {role: self.gpus_per_worker(self.config.prefill if role == Role.PREFILL else self.config.decode)
                 for role in pools}
-        # max_restarts=0: a controller that died comes back with no memory of the workers it added.
-        self.scaler = ray.remote(num_cpus=0, max_restarts=0)(Scaler).remote(  # type: ignore[call-overload]
+        # Ray restarts a controller that died; it finds the pools' workers by their names and looks
+        # again (`Scaler._recover`). max_task_retries=0: a change cut by its death is not replayed.
+        self.scaler = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(Scaler).remote(  # type: ignore[call-overload]
             self.config, self.uid, self.routers, pools, gpus)
-        self.scaler.run.remote()
 
     async def _registered(self) -> tuple[list[Any], list[Any]]:
         """The (prefill, decode) workers listed in the shared registry, once a decode worker is there."""
@@ -328,13 +328,22 @@ class Cluster:
         return {**stats, "scaling": await self.scaling()} if self.scaler is not None else stats
 
     async def scaling(self) -> dict[str, Any]:
-        """The scaler's pool sizes and decisions (`Scaler.status`); empty when scaling is off."""
-        return await self.scaler.status.remote() if self.scaler is not None else {}
+        """The scaler's pool sizes and decisions (`Scaler.status`); empty when scaling is off or while
+        Ray restarts the scaler."""
+        if self.scaler is None:
+            return {}
+        try:
+            return await self.scaler.status.remote()
+        except Exception as error:  # restarting
+            log.warning("the scaler does not answer: %r", error)
+            return {}
 
     async def _handles(self) -> list[Any]:
-        """The workers now: the scaler's pools when it runs (it adds and removes), else those started."""
+        """The workers now: the scaler's pools when it runs (it adds and removes), else (scaling off,
+        or the scaler restarting) those started."""
         if self.scaler is not None:
-            return list(await self.scaler.handles.remote())
+            with contextlib.suppress(Exception):
+                return list(await self.scaler.handles.remote())
         return self.prefill + self.decode
 
     async def workers(self) -> list[WorkerLoad]:
@@ -354,8 +363,10 @@ class Cluster:
         keep = self.config.attach or (bool(self.config.name) and not workers)
         handles = self.prefill + self.decode
         if self.scaler is not None:  # its pools, the workers it added too
-            with contextlib.suppress(Exception):
+            try:
                 handles = ray.get(self.scaler.stop.remote(), timeout=30)
+            except Exception:  # it does not answer: the workers are found by their names (those it added are detached)
+                handles = [ray.get_actor(name, namespace=RAY_NAMESPACE) for name in named_workers(self.uid)]
             ray.kill(self.scaler)
             self.scaler = None
         for worker in [] if keep else handles:

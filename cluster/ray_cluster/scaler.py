@@ -23,16 +23,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from cluster.common.loads import WorkerLoad
 from cluster.ray_cluster.config import ClusterConfig
 from cluster.ray_cluster.scaling_policy import UP, Decision, PoolHysteresis, pool_signals
-from cluster.ray_cluster.worker_actor import control
+from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, control
 from cluster.ray_cluster.worker_pool import actor_name, make_worker
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 5.0
+HISTORY = 100  # decisions kept for `status`
 
 
 class Scaler:
@@ -49,12 +51,56 @@ class Scaler:
         self.before: dict[str, WorkerLoad] = {}  # each worker's load at the last look
         self.decisions: dict[tuple[str, str, str], int] = {}  # (pool, direction, reason) -> count
         self.last: dict[str, Any] = {}  # the last decision, as `pdserve status` shows it
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # the latest decisions, oldest first
         self.drained: list[dict[str, Any]] = []  # each removed worker: emptied in time, its blocks then
         self.changing = asyncio.Lock()
         self.stopped = False
+        self.looks = 0
+        self.restarted = _reconstructed()
+        if self.restarted:
+            self._recover()
+        # Ray runs an async actor's __init__ on its event loop (checked with Ray 2.60): the looks start
+        # with the actor, so that an actor Ray restarts looks again with nobody to ask it.
+        self.running = asyncio.get_running_loop().create_task(self.run())
+
+    def _recover(self) -> None:
+        """After Ray restarted this actor (its constructor's pools are those at the cluster's start):
+        the pools are the workers of this cluster alive now, found by their actor names, and the
+        pools are left alone for a cooldown, the time of the last decision being unknown. Workers the
+        previous one left half added or half drained are settled by the first look (`_settle`)."""
+        import ray
+
+        for role in self.pools:
+            names = live_workers(self.uid, role)
+            self.pools[role] = [(f"{role}-{index}", name, ray.get_actor(name, namespace=RAY_NAMESPACE))
+                                for index, name in sorted(names.items())]
+            self.next_index[role] = max(names, default=-1) + 1
+            self.hysteresis[role].acted(time.monotonic())
+        log.warning("scaling: the controller restarted; pools found: %s",
+                    {role: [worker_id for worker_id, _, _ in workers] for role, workers in self.pools.items()})
+
+    async def _settle(self) -> None:
+        """Finish what a restarted controller's predecessor left under way: a worker that drains is
+        removed, every other one is routed to by every router (a worker added but not yet routed to)."""
+        for role, workers in self.pools.items():
+            for worker_id, name, handle in list(workers):
+                try:
+                    load = await asyncio.wait_for(control(handle.load).remote(), LOAD_TIMEOUT_S)
+                except Exception as error:  # restarting: Ray brings it back, and its routers know it
+                    log.warning("scaling: %s does not answer (%r): kept in its pool", worker_id, error)
+                    continue
+                if load.draining:
+                    workers.remove((worker_id, name, handle))
+                    await self._drain_out(worker_id, handle)
+                else:
+                    await asyncio.gather(*(control(router.add_worker).remote(role, worker_id, name)
+                                           for router in self.routers))
 
     async def run(self) -> None:
         """Look every `interval_s` until `stop`; a look that fails is logged, and the next one tried."""
+        if self.restarted:
+            async with self.changing:
+                await self._settle()
         while not self.stopped:
             try:
                 await self.look()
@@ -64,6 +110,7 @@ class Scaler:
 
     async def look(self) -> None:
         """Read every pool's loads and apply the decisions they call for."""
+        self.looks += 1
         for role, workers in self.pools.items():
             loads = await self._loads([handle for _, _, handle in workers])
             signals = pool_signals(role, self.before, loads)
@@ -87,16 +134,18 @@ class Scaler:
                         decision.reason, decision.detail)
             key = (decision.pool, decision.direction, decision.reason)
             self.decisions[key] = self.decisions.get(key, 0) + 1
+            decided = time.time()
             worker_id = await (self._add(decision.pool) if decision.direction == UP else self._remove(decision.pool))
             self.last = {"pool": decision.pool, "direction": decision.direction, "reason": decision.reason,
-                         "detail": decision.detail, "worker": worker_id, "at": time.time()}
+                         "detail": decision.detail, "worker": worker_id, "at": decided, "done_at": time.time()}
+            self.history.append(self.last)
             return worker_id
 
     async def _add(self, role: str) -> str:
         index = self.next_index[role]
         self.next_index[role] += 1
         worker_id, name = f"{role}-{index}", actor_name(self.uid, role, index)
-        handle = make_worker(self.config, self.uid, role, index, self.gpus[role])
+        handle = make_worker(self.config, self.uid, role, index, self.gpus[role], detached=True)
         await handle.start.remote()  # its model loaded and warmed up before any request comes
         failure = (await control(handle.load).remote()).failure
         if failure:  # routed to, it would fail requests: ended, and the pool stays as it was
@@ -111,6 +160,12 @@ class Scaler:
         if len(self.pools[role]) <= 1:
             raise ValueError(f"the {role} pool has one worker left: it is never removed")
         worker_id, _, handle = self.pools[role].pop()  # the newest
+        await self._drain_out(worker_id, handle)
+        log.warning("scaling: %s removed (%d %s workers)", worker_id, len(self.pools[role]), role)
+        return worker_id
+
+    async def _drain_out(self, worker_id: str, handle: Any) -> None:
+        """Drain a worker already out of its pool, end it, and have every router forget it."""
         await asyncio.gather(*(control(router.drain_worker).remote(worker_id) for router in self.routers))
         emptied = await handle.drain.remote(self.config.scaling.drain_timeout_s)
         free, total = await handle.pool_state.remote()
@@ -121,8 +176,6 @@ class Scaler:
         await asyncio.gather(*(control(router.remove_worker).remote(worker_id) for router in self.routers))
         self.before.pop(worker_id, None)
         self.drained.append({"worker": worker_id, "emptied": emptied, "free_blocks": free, "blocks": total})
-        log.warning("scaling: %s removed (%d %s workers)", worker_id, len(self.pools[role]), role)
-        return worker_id
 
     @staticmethod
     async def _end(handle: Any) -> None:
@@ -142,12 +195,14 @@ class Scaler:
         return [answer for answer in answers if isinstance(answer, WorkerLoad)]
 
     async def status(self) -> dict[str, Any]:
-        """Pool sizes and workers, decisions by (pool, direction, reason), the last one, the drained
-        workers: plain values, for /v1/workers (`pdserve status`) and /metrics."""
+        """Pool sizes and workers, decisions by (pool, direction, reason), the last one and the latest
+        `HISTORY` (each with `at`, when it was made, and `done_at`, when its worker served or ended),
+        the drained workers: plain values, for /v1/workers (`pdserve status`) and /metrics."""
         return {"pools": {role: len(workers) for role, workers in self.pools.items()},
                 "workers": {role: [worker_id for worker_id, _, _ in workers] for role, workers in self.pools.items()},
                 "decisions": [[*key, count] for key, count in sorted(self.decisions.items())],
-                "last": dict(self.last), "drained": list(self.drained)}
+                "last": dict(self.last), "history": list(self.history), "drained": list(self.drained),
+                "looks": self.looks, "restarted": self.restarted}
 
     async def handles(self) -> list[Any]:
         """Every worker's handle, the pools' order."""
@@ -158,3 +213,20 @@ class Scaler:
         self.stopped = True
         async with self.changing:  # a change under way ends first
             return await self.handles()
+
+
+def _reconstructed() -> bool:
+    """Whether Ray restarted this actor (False outside an actor)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def live_workers(uid: str, role: str) -> dict[int, str]:
+    """The Ray actor names of the live workers of the pool of `role` in the cluster `uid`, by index."""
+    import ray
+
+    prefix = actor_name(uid, role, 0).removesuffix("0")
+    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+             if actor["namespace"] == RAY_NAMESPACE and actor["name"].startswith(prefix)]
+    return {int(name.removeprefix(prefix)): name for name in names if name.removeprefix(prefix).isdigit()}

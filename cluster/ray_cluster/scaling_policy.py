@@ -4,12 +4,14 @@ Each look (`ScalingConfig.interval_s`) the controller (`cluster.ray_cluster.scal
 worker's load and turns the loads of one pool into `PoolSignals`, measured over the time since its
 last look from the request-time histograms the workers already count for /metrics:
 
-- queue depth: requests waiting for a running slot per worker now (every pool; `queued`);
+- queue depth: requests waiting for a running slot per worker now, beyond its slots (every pool;
+  `queued`);
 - TTFT: the p90 of the time a prompt waited plus the time it computed (prefill and colocated pools);
 - ITL: seconds per generated token, decode time over tokens generated (decode and colocated pools).
 
 `PoolHysteresis.decide` grows a pool whose signal passes its target for `sustain_s` on end, and
-shrinks one whose every signal stays under `scale_down_below` of its target as long; after either,
+shrinks one whose every signal stays under `scale_down_below` of its target as long, while one
+worker fewer would run the requests it holds within that fraction of its slots; after either,
 the pool is left alone for `cooldown_s`. The bounds always win: a pool below `min_workers` grows,
 one above `max_workers` shrinks, at once.
 """
@@ -38,6 +40,8 @@ class PoolSignals:
     queue_depth: float = 0.0  # requests waiting per worker
     ttft_s: float = 0.0
     itl_s: float = 0.0
+    held: int = 0  # requests the pool holds in all, running or waiting
+    slots: int = 0  # requests its workers run at once, summed (their max_num_seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +92,15 @@ def quantile(counts: BucketCounts | None, q: float) -> float:
 
 def queued(load: WorkerLoad) -> int:
     """Requests on a worker that wait for a running slot: its engine's waiting queue or, on a decode
-    worker, those it holds beyond the running ones (reserved, or landed and waiting for a slot)."""
-    return max(load.num_waiting, load.num_held - load.num_running)
+    worker, those it holds beyond its slots (`max_num_seqs`; where unknown, beyond the running ones).
+    A request reserved while its prompt computes elsewhere, with a slot free for it, does not wait."""
+    slots = max(load.max_num_seqs, load.num_running) if load.max_num_seqs else load.num_running
+    return max(load.num_waiting, load.num_held - slots)
+
+
+def held(load: WorkerLoad) -> int:
+    """Requests on a worker, running or waiting (a decode worker's reserved and landed ones too)."""
+    return max(load.num_held, load.num_running + load.num_waiting)
 
 
 def pool_signals(role: str, before: dict[str, WorkerLoad], loads: list[WorkerLoad]) -> PoolSignals:
@@ -105,7 +116,8 @@ def pool_signals(role: str, before: dict[str, WorkerLoad], loads: list[WorkerLoa
     if role in (Role.DECODE, Role.COLOCATED):
         decode, tokens = _summed(DECODE_TIME, before, loads), _summed(GENERATION_TOKENS, before, loads)
         itl = decode.total / tokens.total if decode is not None and tokens is not None and tokens.total > 0 else 0.0
-    return PoolSignals(len(loads), queue_depth, ttft, itl)
+    return PoolSignals(len(loads), queue_depth, ttft, itl, sum(held(load) for load in loads),
+                       sum(load.max_num_seqs for load in loads))
 
 
 def _watched(role: str, config: ScalingConfig) -> list[tuple[str, float]]:
@@ -137,7 +149,8 @@ class PoolHysteresis:
             return self._made(DOWN, "above_max", f"{signals.workers} > max_workers {self.bounds.max_workers}", now)
         watched = _watched(self.role, self.config)
         over = [(name, getattr(signals, name), target) for name, target in watched if getattr(signals, name) > target]
-        under = all(getattr(signals, name) <= self.config.scale_down_below * target for name, target in watched)
+        under = all(getattr(signals, name) <= self.config.scale_down_below * target for name, target in watched) \
+            and self._fits_fewer(signals)
         self.over_since = (self.over_since if self.over_since is not None else now) if over else None
         self.under_since = (self.under_since if self.under_since is not None else now) if under and not over else None
         if now - self.changed_at < self.config.cooldown_s:
@@ -148,10 +161,18 @@ class PoolHysteresis:
             return self._made(UP, name, f"{name} {value:.3g} > {target:g} for {now - self.over_since:.1f} s", now)
         if self.under_since is not None and now - self.under_since >= self.config.sustain_s \
                 and signals.workers > self.bounds.min_workers:
-            detail = ", ".join(f"{name} {getattr(signals, name):.3g}" for name, _ in watched)
+            detail = ", ".join([f"{name} {getattr(signals, name):.3g}" for name, _ in watched]
+                               + [f"{signals.held} held in {signals.slots} slots"])
             return self._made(DOWN, "idle", f"{detail} under {self.config.scale_down_below:g} of the targets for "
                                             f"{now - self.under_since:.1f} s", now)
         return None
+
+    def _fits_fewer(self, signals: PoolSignals) -> bool:
+        """Whether one worker fewer would run what the pool holds within `scale_down_below` of its
+        slots: a pool whose slots are busy is not idle, however short its queue."""
+        if signals.workers < 2:
+            return True
+        return signals.held <= self.config.scale_down_below * signals.slots * (signals.workers - 1) / signals.workers
 
     def _made(self, direction: str, reason: str, detail: str, now: float) -> Decision:
         self.changed_at, self.over_since, self.under_since = now, None, None

@@ -25,13 +25,17 @@ def actor_name(uid: str, role: str, index: int) -> str:
 
 def worker_spec(config: ClusterConfig, role: str, pool: PoolConfig, num_gpus: float) -> tuple[Any, ...]:
     """All that makes a worker what it is: a named worker left running with the same is taken over."""
-    return (role, config.engine, config.redis_url, config.kv_overlap, pool.kv_interface, config.ucx_transports,
-            pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency, config.worker_max_restarts, pool.threads,
-            config.kv_shared_memory)
+    return (role, config.engine_for(role), config.redis_url, config.kv_overlap, pool.kv_interface,
+            config.ucx_transports, pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency,
+            config.worker_max_restarts, pool.threads, config.kv_shared_memory)
 
 
-def make_worker(config: ClusterConfig, uid: str, role: str, index: int, num_gpus: float) -> Any:
-    """Start worker `index` of the pool of `role` (its actor; it loads its model on its first call)."""
+def make_worker(config: ClusterConfig, uid: str, role: str, index: int, num_gpus: float,
+                detached: bool = False) -> Any:
+    """Start worker `index` of the pool of `role` (its actor; it loads its model on its first call).
+    A named cluster's workers are detached (they outlive the gateway), and so are those the scaler
+    adds (`detached`): an actor ends with the process that made it, and Ray restarts a scaler that
+    died with no worker of its own."""
     pool = config.prefill if role == "prefill" else config.decode
     name = actor_name(uid, role, index)
     # max_task_retries=0: a stream cut by a worker's death is the router's to resume, not Ray's
@@ -39,9 +43,17 @@ def make_worker(config: ClusterConfig, uid: str, role: str, index: int, num_gpus
     options = worker_actor_class().options(num_cpus=pool.num_cpus, num_gpus=num_gpus, resources=dict(pool.resources),
                                            name=name, namespace=RAY_NAMESPACE, max_restarts=config.worker_max_restarts,
                                            max_task_retries=0, max_concurrency=pool.max_concurrency,
-                                           lifetime="detached" if config.name else None,
+                                           lifetime="detached" if config.name or detached else None,
                                            runtime_env={"env_vars": engine_process_env()})
-    return options.remote(f"{role}-{index}", role, config.engine, redis_url=config.redis_url,
-                          overlap_transfer=config.kv_overlap, address=name, kv_interface=pool.kv_interface,
-                          ucx_transports=config.ucx_transports, spec=worker_spec(config, role, pool, num_gpus),
-                          traces=config.tracing, threads=pool_threads(pool), kv_shared_memory=config.kv_shared_memory)
+    return options.remote(**worker_arguments(config, uid, role, index, num_gpus))
+
+
+def worker_arguments(config: ClusterConfig, uid: str, role: str, index: int, num_gpus: float) -> dict[str, Any]:
+    """The constructor arguments of worker `index` of the pool of `role` (`WorkerActor`): its pool's
+    engine (`ClusterConfig.engine_for`), transport and threads."""
+    pool = config.prefill if role == "prefill" else config.decode
+    return dict(worker_id=f"{role}-{index}", role=role, engine_config=config.engine_for(role),
+                redis_url=config.redis_url, overlap_transfer=config.kv_overlap, address=actor_name(uid, role, index),
+                kv_interface=pool.kv_interface, ucx_transports=config.ucx_transports,
+                spec=worker_spec(config, role, pool, num_gpus), traces=config.tracing, threads=pool_threads(pool),
+                kv_shared_memory=config.kv_shared_memory)

@@ -67,7 +67,9 @@ COLOCATED_EXTERNAL = {
 
 # The live controller: decode pods 1..3 of 2 workers each, prefill pods 1..2 of one.
 SCALING = {
-    "cluster": {"scaling": {"enabled": True, "queueDepth": 2, "sustainSeconds": 5}},
+    "cluster": {"scaling": {"enabled": True, "queueDepth": 2, "sustainSeconds": 5},
+                "decode": {"engine": {"max_num_seqs": 32, "kv_cache_memory_gb": 4}},  # per-pool limits
+                "prefill": {"engine": {"max_num_batched_tokens": 4096}}},
     "ray": {"prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
             "decodeGroups": [{"groupName": "decode", "replicas": 1, "minReplicas": 1, "maxReplicas": 3,
                               "workersPerPod": 2, "idleTimeoutSeconds": 120, "shmSize": "1Gi",
@@ -609,6 +611,7 @@ def test_the_charts_tool_call_parsers_are_pdserves() -> None:
     ({"redis": {"auth": {"value": "p@ss/word"}}}, "at '/redis/auth/value'"),  # it goes into a URL as it is
     ({"gateway": {"trustedProxies": "10.0.0.0/8; curl evil"}}, "at '/gateway/trustedProxies'"),  # a shell line
     ({"gateway": {"tools": {"callParser": "xml"}}}, "at '/gateway/tools/callParser'"),  # pdserve's parsers only
+    ({"cluster": {"decode": {"engine": {"block_size": 32}}}}, "'block_size' not allowed"),  # one KV layout
 ])
 def test_values_that_cannot_work_fail_with_a_message(chart: Any, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -697,7 +700,7 @@ def test_the_images_are_multi_stage_non_root_with_the_cache_as_a_volume(name: st
 def test_live_scaling_turns_rays_autoscaler_on_within_the_groups_bounds() -> None:
     """The controller's pools may grow to what the worker groups' maxReplicas hold, and Ray's
     autoscaler brings up the pods for the workers it adds; off, neither is there."""
-    from cluster.ray_cluster.config import PoolBounds, cluster_config_from
+    from cluster.ray_cluster.config import POOL_ENGINE_KEYS, PoolBounds, cluster_config_from
 
     objects = render_case("scaling")
     cluster = one(objects, "RayCluster")["spec"]
@@ -707,6 +710,13 @@ def test_live_scaling_turns_rays_autoscaler_on_within_the_groups_bounds() -> Non
     assert config.scaling.enabled and config.scaling.queue_depth == 2 and config.scaling.sustain_s == 5
     assert config.scaling.prefill == PoolBounds(1, 2) and config.scaling.decode == PoolBounds(2, 6)
     assert (config.prefill.replicas, config.decode.replicas) == (1, 2)
+    decode, prefill = config.engine_for("decode"), config.engine_for("prefill")  # each pool's own limits
+    assert (decode.scheduler.max_num_seqs, decode.cache.kv_cache_memory_gb) == (32, 4)
+    assert (prefill.scheduler.max_num_batched_tokens, prefill.scheduler.max_num_seqs) == (4096, 256)
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["cluster"]["properties"]
+    assert all(sorted(schema[pool]["properties"]["engine"]["properties"]) == sorted(POOL_ENGINE_KEYS)
+               for pool in ("prefill", "decode"))
     off = render_case("defaults")
+    assert "engine" not in cluster_yaml(off)["decode"] and "engine" not in cluster_yaml(off)["prefill"]
     assert one(off, "RayCluster")["spec"]["enableInTreeAutoscaling"] is False
     assert "scaling" not in cluster_yaml(off) and not cluster_config_from(cluster_yaml(off)).scaling.enabled

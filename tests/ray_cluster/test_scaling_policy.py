@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.common.loads import BucketCounts, WorkerLoad
@@ -87,6 +89,28 @@ def test_an_idle_pool_shrinks_after_sustain_s_but_never_below_min_workers() -> N
     assert all(at_min.decide(PoolSignals(workers=1), now) is None for now in (0.0, 10.0, 100.0))
 
 
+def test_a_pool_whose_slots_are_busy_does_not_shrink_though_nothing_waits() -> None:
+    """No queue is no idleness: one worker fewer must run what the pool holds within the low water
+    of its slots (2 workers of 4 slots, low water 0.3: at most 1 request held in all)."""
+    pool = PoolHysteresis("decode", CONFIG)
+    busy = PoolSignals(workers=2, held=4, slots=8)  # nothing waits, half the slots run
+    assert all(pool.decide(busy, now) is None for now in (0.0, 10.0, 100.0))
+    quiet = PoolSignals(workers=2, held=1, slots=8)
+    pool.decide(quiet, 200.0)
+    decision = pool.decide(quiet, 205.0)
+    assert decision is not None and (decision.direction, decision.reason) == (DOWN, "idle")
+    assert "1 held" in decision.detail
+
+
+def test_the_signals_count_the_requests_held_and_the_slots() -> None:
+    loads = [load("decode-0", running=2, held=3), load("decode-1", running=1, held=1)]
+    loads = [replace(one, max_num_seqs=4) for one in loads]
+    signals = pool_signals("decode", {}, loads)
+    assert (signals.held, signals.slots) == (4, 8)
+    prefill = replace(load("prefill-0", running=2, waiting=5), role="prefill", max_num_seqs=8)
+    assert pool_signals("prefill", {}, [prefill]).held == 7  # its engine's queue: nothing held apart
+
+
 def test_a_calm_pool_between_low_water_and_target_stays() -> None:
     pool = PoolHysteresis("decode", CONFIG)
     calm = PoolSignals(workers=2, queue_depth=1.0, itl_s=0.05)  # 0.3 of the targets would be 0.6 and 0.03
@@ -129,6 +153,15 @@ def test_a_decode_worker_queues_what_it_holds_beyond_its_running_requests() -> N
     assert signals.queue_depth == 2.5
 
 
+def test_requests_reserved_for_their_kv_within_the_free_slots_do_not_queue() -> None:
+    """A decode worker holding prompts that still compute elsewhere has no queue while its slots
+    can take them all: a prefill-bound load must not grow the decode pool."""
+    awaiting = replace(load("decode-0", running=0, held=2), max_num_seqs=2)  # both run once their KV lands
+    assert pool_signals("decode", {}, [awaiting]).queue_depth == 0
+    beyond = replace(load("decode-0", running=2, held=5), max_num_seqs=2)  # 3 wait for a slot
+    assert pool_signals("decode", {}, [beyond]).queue_depth == 3
+
+
 def test_a_restarted_worker_is_counted_from_zero() -> None:
     before = {"prefill-0": load("prefill-0", started_at=1.0, queue=[9, 0, 0, 0, 0])}
     restarted = load("prefill-0", started_at=2.0, queue=[0, 0, 0, 3, 0], prefill=[0, 1, 0, 0, 0])
@@ -168,3 +201,18 @@ def test_pdserve_status_prints_the_pools_and_the_last_decision() -> None:
     assert scaling_line(status) == "scaling: 2 decode, 1 prefill; last: decode up (queue_depth: queue_depth 3 > 2), " \
                                    "decode-1"
     assert scaling_line({"pools": {"decode": 1}, "last": {}}) == "scaling: 1 decode; no decision yet"
+
+
+def test_a_colocated_pool_is_judged_by_ttft_and_itl_within_the_decode_bounds() -> None:
+    """Its workers run both phases: slow prompts or slow tokens grow it, up to decode's max_workers."""
+    for signals in (PoolSignals(workers=1, ttft_s=3.0), PoolSignals(workers=1, itl_s=0.5)):
+        pool = PoolHysteresis("colocated", CONFIG)
+        pool.decide(signals, 0.0)
+        decision = pool.decide(signals, 10.0)
+        assert decision is not None and decision.direction == UP, signals
+    full = PoolHysteresis("colocated", replace(CONFIG, decode=PoolBounds(1, 1), prefill=PoolBounds(1, 3)))
+    assert all(full.decide(PoolSignals(workers=1, ttft_s=3.0), now) is None for now in (0.0, 10.0))
+    loads = [replace(load("colocated-0", queue=[10, 0, 0, 0, 0], prefill=[0, 0, 10, 0, 0], decode=[0, 0, 1, 0, 0],
+                          tokens=[0, 0, 0, 0, 0, 1]), role="colocated")]
+    signals = pool_signals("colocated", {}, loads)
+    assert signals.ttft_s == pytest.approx(0.1 + 1.0) and signals.itl_s == pytest.approx(1.0 / 10.0)

@@ -1,0 +1,294 @@
+"""The live controller through a load step (issue 22, "done when"): fixed pools against `scaling:` on.
+
+    python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.4] [--phases 20 70 40]
+
+Both arms start as 1 prefill + 1 decode worker of the default model, one torch thread each, decode
+batches capped at `--max-num-seqs` (2) running requests per worker (`decode: {engine: {max_num_seqs}}`).
+First, one decode worker's capacity is measured (requests per second with its slots full, after the
+warm-up): the same Poisson arrivals then drive both arms at `--low-load` (0.3) times it, then at
+`--high-load` (1.4) times it (the step), then at the low load again (or `--low-rate`/`--high-rate`
+fixed; the rates follow the machine, so a quiet or a busy one both see a step one worker cannot
+hold and two can); prompts of 64-192 random ids, `--output-tokens` (32) greedy tokens, EOS ignored.
+- `fixed`: the pools never change;
+- `scaling`: the controller may grow the decode pool to `--max-decode` (2) workers when requests
+  wait for a decode slot (queue depth per worker over 1 for 2 s) and shrink it when the pool idles.
+Admission limits are off in both arms (`max_*_wait_s: 0`): a request past what the pool holds
+waits rather than being refused, so every request ends in its tokens and the step shows as latency.
+
+Measured at the client, per `--window` (10 s) of arrival time: TTFT and TPOT (seconds per output
+token after the first) p50/p90, and SLO attainment (TTFT <= `--slo-ttft`, TPOT <= `--slo-tpot`);
+the decode pool's size sampled every 0.5 s and every decision of the controller. Every request is
+accounted for: its tokens counted, each event's index checked, errors listed.
+
+Why more workers help on a 2-core machine: a decode worker here is bound by its running slots
+(`max_num_seqs` 2, standing for a worker whose KV cache or batch limit is full), not by its core:
+at batch 2 a step of this model costs little more than at batch 1, so a second worker on the
+second core adds slots and cores the first could not use. It shows the controller's loop (signal,
+decision, warm-up, routing, drain) closing under a step and the SLO recovering; it does not show
+CPU-bound scaling (with every core busy, a worker more adds nothing) nor node provisioning.
+Results: benchmarks/results/scaling-step.json and .png. About 5-7 minutes on the 2-core box (the
+fixed arm's queue drains after the step); docs/deploy.md has the figures.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and Ray: the workers inherit it
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import RESULTS, console, machine, print_table, save  # noqa: E402
+from benchmarks.disaggregation import Record, Spec, one, warm_up  # noqa: E402
+from cluster.common.sampling_params import SamplingParams  # noqa: E402
+from cluster.ray_cluster.config import ClusterConfig, PoolBounds, PoolConfig, ScalingConfig, engine_config_from  # noqa: E402
+from cluster.ray_cluster.launcher import Cluster  # noqa: E402
+
+NAME = "scaling-step"
+ARMS = ("fixed", "scaling")
+SAMPLE_S = 0.5  # how often the pools' sizes are read
+
+
+def workload(args: argparse.Namespace) -> list[Spec]:
+    """Poisson arrivals at the low rate, then the high rate, then the low rate again."""
+    rng = np.random.default_rng(args.seed)
+    specs: list[Spec] = []
+    begin = 0.0
+    for duration, rate in zip(args.phases, (args.low_rate, args.high_rate, args.low_rate), strict=True):
+        at = begin + float(rng.exponential(1 / rate))
+        while at < begin + duration:
+            prompt = rng.integers(1000, 30000, int(rng.integers(64, 193))).tolist()
+            specs.append(Spec(f"r{len(specs)}", "short", at, prompt, args.output_tokens))
+            at += float(rng.exponential(1 / rate))
+        begin += duration
+    return specs
+
+
+def cluster_config(arm: str, args: argparse.Namespace) -> ClusterConfig:
+    engine = engine_config_from({"kv_cache_memory_gb": 1.0})
+    scaling = ScalingConfig(enabled=arm == "scaling", prefill=PoolBounds(1, 1), decode=PoolBounds(1, args.max_decode),
+                            queue_depth=1.0, ttft_s=0, itl_s=0, scale_down_below=0.3, sustain_s=2.0,
+                            cooldown_s=args.cooldown, interval_s=0.5, drain_timeout_s=60.0)
+    prefill = PoolConfig(replicas=1, num_cpus=0.5, threads=1)
+    decode = PoolConfig(replicas=1, num_cpus=0.5, threads=1, engine={"max_num_seqs": args.max_num_seqs})
+    return ClusterConfig(prefill=prefill, decode=decode, engine=engine, max_prefill_wait_s=0, max_decode_wait_s=0,
+                         scaling=scaling)
+
+
+async def sample_pools(cluster: Cluster, start: float, samples: list[tuple[float, int]]) -> None:
+    """Until cancelled: the decode pool's size every SAMPLE_S (seconds from the arm's start, workers)."""
+    while True:
+        sizes = (await cluster.scaling()).get("pools", {}) if cluster.scaler is not None else {}
+        samples.append((time.perf_counter() - start, sizes.get("decode", len(cluster.decode))))
+        await asyncio.sleep(SAMPLE_S)
+
+
+async def drive(cluster: Cluster, specs: list[Spec], args: argparse.Namespace, arm: str) -> dict[str, Any]:
+    """Send every request at its time, read the pools meanwhile; the records and the pool samples."""
+    records = [Record(s.request_id, s.kind, len(s.prompt), s.arrival_s) for s in specs]
+    samples: list[tuple[float, int]] = []
+    start, start_wall = time.perf_counter(), time.time()
+    sampler = asyncio.create_task(sample_pools(cluster, start, samples))
+    tasks = [asyncio.create_task(one(cluster, s, r, start, arm)) for s, r in zip(specs, records, strict=True)]
+    deadline = sum(args.phases) + args.drain
+    with console.status(arm) as status:
+        while not all(task.done() for task in tasks) and time.perf_counter() - start < deadline:
+            status.update(f"{arm}: {time.perf_counter() - start:5.1f} s, {sum(t.done() for t in tasks)}/{len(tasks)}"
+                          f" done, decode workers {samples[-1][1] if samples else '?'}")
+            await asyncio.sleep(0.5)
+    sampler.cancel()
+    for task, record in zip(tasks, records, strict=True):
+        if not task.done():
+            task.cancel()
+            record.error = record.error or f"unfinished after {deadline:.0f} s"
+        elif task.exception() is not None:
+            record.error = record.error or f"{type(task.exception()).__name__}: {task.exception()}"
+    await asyncio.gather(*tasks, sampler, return_exceptions=True)
+    scaling = await cluster.scaling()
+    return {"records": records, "pool_samples": samples, "scaling": scaling,
+            "decisions": decisions(scaling, start_wall)}
+
+
+def tpot(record: Record) -> float | None:
+    """Seconds per output token after the first (the request's mean ITL)."""
+    if record.num_tokens < 2 or not record.events:
+        return None
+    return (record.events[-1][0] - record.events[0][0]) / (record.num_tokens - 1)
+
+
+def meets(record: Record, args: argparse.Namespace) -> bool:
+    per_token = tpot(record)
+    return record.error is None and record.ttft_s is not None and record.ttft_s <= args.slo_ttft \
+        and per_token is not None and per_token <= args.slo_tpot
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def windows(records: list[Record], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """TTFT, TPOT and attainment of the requests sent in each window."""
+    rows = []
+    for begin in np.arange(0, sum(args.phases), args.window):
+        sent = [r for r in records if begin <= r.planned_s < begin + args.window]
+        ttft = [r.ttft_s for r in sent if r.ttft_s is not None]
+        per_token = [t for r in sent if (t := tpot(r)) is not None]
+        rows.append({"begin_s": float(begin), "requests": len(sent), "ttft_p50_s": pct(ttft, 50),
+                     "ttft_p90_s": pct(ttft, 90), "tpot_p50_s": pct(per_token, 50), "tpot_p90_s": pct(per_token, 90),
+                     "attainment": sum(meets(r, args) for r in sent) / len(sent) if sent else None})
+    return rows
+
+
+def decisions(scaling: dict[str, Any], start_wall: float) -> list[dict[str, Any]]:
+    """The controller's decisions (`Scaler.status()["history"]`), each with its time from the arm's
+    start (`at` is the scaler's wall clock: one host)."""
+    return [{**entry, "t_s": entry["at"] - start_wall} for entry in scaling.get("history", [])]
+
+
+async def capacity(cluster: Cluster, args: argparse.Namespace) -> float:
+    """Requests per second one decode worker completes with its slots full: `--max-num-seqs`
+    requests of 128-token prompts and `--output-tokens` tokens sent at once, twice; the second."""
+    rng = np.random.default_rng(7)
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+
+    async def one_request(request_id: str) -> None:
+        async for _ in cluster.generate(rng.integers(1000, 30000, 128).tolist(), params, request_id=request_id):
+            pass
+
+    seconds = 0.0
+    for round_ in range(2):
+        begin = time.perf_counter()
+        await asyncio.gather(*(one_request(f"calibrate-{round_}-{i}") for i in range(args.max_num_seqs)))
+        seconds = time.perf_counter() - begin
+    return args.max_num_seqs / seconds
+
+
+def rates(args: argparse.Namespace, measured: float) -> None:
+    """The step's rates: given, or `--low-load` and `--high-load` times one decode worker's capacity."""
+    args.capacity = measured
+    args.low_rate = args.low_rate or round(args.low_load * measured, 3)
+    args.high_rate = args.high_rate or round(args.high_load * measured, 3)
+    console.print(f"one decode worker: {measured:.2f} requests/s with its {args.max_num_seqs} slots full; "
+                  f"rates {args.low_rate:g} -> {args.high_rate:g} -> {args.low_rate:g} requests/s")
+
+
+def run_arm(arm: str, specs: list[Spec], args: argparse.Namespace) -> dict[str, Any]:
+    """One arm; the first one measures the capacity and makes the workload (`specs`, filled in)."""
+    console.rule(f"[bold]{arm}")
+    cluster = Cluster(cluster_config(arm, args)).start()
+    try:
+        async def run() -> dict[str, Any]:
+            await warm_up(cluster, args)
+            measured = await capacity(cluster, args)
+            if not specs:
+                rates(args, measured)
+                specs.extend(workload(args))
+                console.print(f"{len(specs)} requests over {sum(args.phases):.0f} s")
+            return {**await drive(cluster, specs, args, arm), "capacity": measured}
+
+        driven = asyncio.run(run())
+    finally:
+        cluster.stop()
+    records: list[Record] = driven["records"]
+    ok = [r for r in records if r.error is None]
+    return {
+        "capacity_requests_per_s": driven["capacity"], "requests": len(records), "completed": len(ok),
+        "errors": {r.request_id: r.error for r in records if r.error},
+        "tokens": sum(r.num_tokens for r in records), "tokens_expected": len(records) * args.output_tokens,
+        "attainment": sum(meets(r, args) for r in records) / len(records),
+        "ttft_p90_s": pct([r.ttft_s for r in ok if r.ttft_s is not None], 90),
+        "tpot_p90_s": pct([t for r in ok if (t := tpot(r)) is not None], 90),
+        "windows": windows(records, args), "pool_samples": driven["pool_samples"],
+        "decisions": driven["decisions"], "scaling_status": driven["scaling"],
+        "workers_used": sorted({w for r in records for w in r.worker_ids}),
+        "load_average_after": os.getloadavg(),
+        "records": [{"id": r.request_id, "sent_s": r.sent_s, "ttft_s": r.ttft_s, "tpot_s": tpot(r),
+                     "tokens": r.num_tokens, "workers": r.worker_ids, "error": r.error} for r in records],
+    }
+
+
+def plot(results: dict[str, Any], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (latency, pools) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=(3, 1))
+    for arm, color in zip(ARMS, ("tab:red", "tab:blue"), strict=True):
+        if arm not in results:
+            continue
+        records = results[arm]["records"]
+        latency.scatter([r["sent_s"] for r in records if r["tpot_s"]], [r["tpot_s"] * 1000 for r in records
+                                                                         if r["tpot_s"]], s=6, color=color, alpha=0.35)
+        rows = [w for w in results[arm]["windows"] if w["tpot_p90_s"] is not None]
+        latency.step([w["begin_s"] for w in rows], [w["tpot_p90_s"] * 1000 for w in rows], where="post", color=color,
+                     label=f"{arm}: TPOT p90 per {args.window:g} s (attainment {results[arm]['attainment']:.0%})")
+        seconds, sizes = zip(*results[arm]["pool_samples"], strict=True) if results[arm]["pool_samples"] else ((), ())
+        pools.step(seconds, sizes, where="post", color=color, label=arm)
+        for decision in results[arm]["decisions"]:
+            for ax in (latency, pools):
+                ax.axvline(decision["t_s"], color=color, ls=":", lw=1)
+            latency.annotate(f"{decision['direction']} ({decision['reason']})", (decision["t_s"], args.slo_tpot * 1000),
+                             rotation=90, fontsize=7, color=color, va="bottom")
+    step_begin, step_end = args.phases[0], args.phases[0] + args.phases[1]
+    for ax in (latency, pools):
+        ax.axvspan(step_begin, step_end, color="0.92", zorder=0)
+    latency.axhline(args.slo_tpot * 1000, color="0.4", ls="--", lw=1, label=f"SLO TPOT {args.slo_tpot * 1000:g} ms")
+    latency.set(ylabel="TPOT ms (dots: requests by send time)", yscale="log",
+                title=f"load step {args.low_rate:g} -> {args.high_rate:g} -> {args.low_rate:g} req/s (shaded): "
+                      "fixed 1P+1D vs the live controller")
+    latency.legend(fontsize=8, loc="upper left")
+    pools.set(xlabel="seconds", ylabel="decode workers", yticks=range(1, args.max_decode + 1))
+    pools.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{NAME}.png", dpi=110)
+    plt.close(fig)
+    console.print(f"[green]wrote {RESULTS / f'{NAME}.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--low-load", type=float, default=0.3, help="before and after the step: this times the "
+                        "requests per second one decode worker completes (measured first)")
+    parser.add_argument("--high-load", type=float, default=1.4, help="during the step: this times that capacity")
+    parser.add_argument("--low-rate", type=float, default=0.0, help="requests per second instead of --low-load")
+    parser.add_argument("--high-rate", type=float, default=0.0, help="requests per second instead of --high-load")
+    parser.add_argument("--phases", type=float, nargs=3, default=[20.0, 70.0, 40.0], help="seconds of each phase")
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=2, help="running requests per decode worker")
+    parser.add_argument("--max-decode", type=int, default=2, help="the scaling arm's decode pool bound")
+    parser.add_argument("--cooldown", type=float, default=10.0, help="the controller's cooldown_s")
+    parser.add_argument("--slo-ttft", type=float, default=2.0)
+    parser.add_argument("--slo-tpot", type=float, default=0.15)
+    parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument("--drain", type=float, default=90.0, help="seconds past the last phase to finish")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    args = parser.parse_args()
+    info = machine("benchmarks.scaling_step")
+    specs: list[Spec] = []  # made by the first arm, from the capacity it measures
+    results = {arm: run_arm(arm, specs, args) for arm in args.arms}
+    rows = [[arm, f"{r['completed']}/{r['requests']}", f"{r['tokens']}/{r['tokens_expected']}",
+             f"{r['attainment']:.0%}", f"{(r['ttft_p90_s'] or 0) * 1000:.0f}", f"{(r['tpot_p90_s'] or 0) * 1000:.0f}",
+             ", ".join(f"{d['direction']}@{d['t_s']:.0f}s" for d in r["decisions"]) or "-"]
+            for arm, r in results.items()]
+    print_table("load step", ["arm", "completed", "tokens", "attainment", "TTFT p90 ms", "TPOT p90 ms", "decisions"],
+                rows)
+    for arm, r in results.items():
+        print_table(f"{arm} per {args.window:g} s window", ["from s", "requests", "TTFT p90 ms", "TPOT p90 ms",
+                                                             "attainment"],
+                    [[f"{w['begin_s']:.0f}", w["requests"], f"{(w['ttft_p90_s'] or 0) * 1000:.0f}",
+                      f"{(w['tpot_p90_s'] or 0) * 1000:.0f}",
+                      "-" if w["attainment"] is None else f"{w['attainment']:.0%}"] for w in r["windows"]])
+    save(NAME, {"arguments": vars(args), "results": results}, info)
+    plot(results, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Per-pool engine limits: a pool's `engine:` overrides merged over the cluster's `engine:` section,
+checked with errors that name the field, and what each pool's workers are made with."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.ray_cluster.config import cluster_config_from
+from cluster.ray_cluster.worker_pool import worker_arguments, worker_spec
+
+CONFIG = {"engine": {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "kv_cache_memory_gb": 0.5},
+          "prefill": {"engine": {"max_num_batched_tokens": 4096}},
+          "decode": {"engine": {"max_num_seqs": 8, "kv_cache_memory_gb": 2.0, "enable_prefix_caching": False}}}
+
+
+def test_each_pool_takes_its_overrides_over_the_shared_engine_section() -> None:
+    config = cluster_config_from(CONFIG)
+    prefill, decode = config.engine_for("prefill"), config.engine_for("decode")
+    assert (prefill.scheduler.max_num_batched_tokens, prefill.scheduler.max_num_seqs) == (4096, 64)
+    assert prefill.cache.kv_cache_memory_gb == 0.5 and prefill.cache.enable_prefix_caching
+    assert (decode.scheduler.max_num_batched_tokens, decode.scheduler.max_num_seqs) == (1024, 8)
+    assert decode.cache.kv_cache_memory_gb == 2.0 and not decode.cache.enable_prefix_caching
+    assert decode.model == prefill.model == config.engine.model  # one model, one KV layout
+    assert config.engine_for("colocated") == decode  # a colocated pool is the decode pool's
+    plain = cluster_config_from({"engine": {"max_num_seqs": 64}})
+    assert plain.engine_for("prefill") == plain.engine_for("decode") == plain.engine
+
+
+def test_the_workers_of_each_pool_are_made_with_its_engine() -> None:
+    config = cluster_config_from(CONFIG)
+    decode_spec = worker_spec(config, "decode", config.decode, 0.0)
+    prefill_spec = worker_spec(config, "prefill", config.prefill, 0.0)
+    assert decode_spec[1].scheduler.max_num_seqs == 8 and prefill_spec[1].scheduler.max_num_seqs == 64
+    made = {role: worker_arguments(config, "c1", role, 1, 0.0) for role in ("prefill", "decode")}
+    assert made["decode"]["engine_config"] == config.engine_for("decode") != made["prefill"]["engine_config"]
+    assert made["decode"]["spec"] == decode_spec and made["decode"]["address"] == "pdserve-c1-decode-1"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"decode": {"engine": {"max_num_seqz": 4}}}, r"decode\.engine\.max_num_seqz: unknown engine key"),
+    ({"prefill": {"engine": {"block_size": 32}}},
+     r"prefill\.engine\.block_size cannot differ between pools"),
+    ({"decode": {"engine": {"model": "other"}}}, r"decode\.engine\.model cannot differ between pools"),
+    ({"decode": {"engine": {"max_num_seqs": 0}}}, r"decode\.engine: .*max_num_seqs"),
+    ({"decode": {"engine": ["max_num_seqs", 4]}}, r"decode\.engine must be a mapping"),
+])
+def test_a_bad_pool_override_names_its_field(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cluster_config_from(overrides)
