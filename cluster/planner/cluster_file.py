@@ -11,27 +11,30 @@ from typing import Any
 
 import yaml
 
-from cluster.planner.simulator import COLOCATED, Topology
+from cluster.planner.simulator import COLOCATED, PoolLimits, Topology
 from cluster.ray_cluster.config import ClusterConfig, cluster_config_from
 
 
 def cluster_values(topology: Topology, model: str = "default", dtype: str = "auto") -> dict[str, Any]:
-    """The cluster.yaml mapping. Both pools share one `engine:` section, so a plan whose pools
-    differ in limits cannot be written (a ValueError says so)."""
-    if topology.prefill_limits != topology.decode_limits and topology.mode != COLOCATED:
-        raise ValueError("the plan sets different limits per pool, but cluster.yaml has one engine section for "
-                         "both: plan without --per-pool to write it")
-    limits = topology.decode_limits
+    """The cluster.yaml mapping. Limits both pools share go in `engine:`; a plan whose pools differ
+    (`--per-pool`) gives each pool its own `engine:` over it (`ClusterConfig.engine_for`)."""
+    shared = topology.mode == COLOCATED or topology.prefill_limits == topology.decode_limits
     values: dict[str, Any] = {
         "mode": topology.mode,
         "decode": {"replicas": topology.num_decode},
-        "engine": {"model": model, "dtype": dtype, "max_num_batched_tokens": limits.max_num_batched_tokens,
-                   "max_num_seqs": limits.max_num_seqs},
+        "engine": {"model": model, "dtype": dtype} | (_limits(topology.decode_limits) if shared else {}),
         "kv_overlap": topology.kv_overlap,
     }
     if topology.mode != COLOCATED:
         values["prefill"] = {"replicas": topology.num_prefill}
+    if not shared:
+        values["prefill"]["engine"] = _limits(topology.prefill_limits)
+        values["decode"]["engine"] = _limits(topology.decode_limits)
     return values
+
+
+def _limits(limits: PoolLimits) -> dict[str, int]:
+    return {"max_num_batched_tokens": limits.max_num_batched_tokens, "max_num_seqs": limits.max_num_seqs}
 
 
 def to_cluster_config(topology: Topology, model: str = "default", dtype: str = "auto") -> ClusterConfig:
@@ -50,14 +53,15 @@ def write_cluster_file(path: str | Path, topology: Topology, model: str = "defau
 
 def helm_flags(topology: Topology) -> list[str]:
     """`--set` flags for helm/pdserve, one worker per pod: a group's replicas (and its autoscaling
-    bounds, which default to 1) make its pool's size."""
-    limits = topology.decode_limits
+    bounds, which default to 1) make its pool's size; limits per pool go to `cluster.<pool>.engine`."""
     groups = [("ray.decodeGroups[0]", topology.num_decode)]
     if topology.mode != COLOCATED:
         groups.insert(0, ("ray.prefill", topology.num_prefill))
     flags = [f"cluster.mode={topology.mode}"]
     for group, replicas in groups:
         flags += [f"{group}.{key}={replicas}" for key in ("replicas", "minReplicas", "maxReplicas")]
-    flags += [f"cluster.engine.max_num_batched_tokens={limits.max_num_batched_tokens}",
-              f"cluster.engine.max_num_seqs={limits.max_num_seqs}"]
+    pools = [("engine", topology.decode_limits)]
+    if topology.mode != COLOCATED and topology.prefill_limits != topology.decode_limits:
+        pools = [("prefill.engine", topology.prefill_limits), ("decode.engine", topology.decode_limits)]
+    flags += [f"cluster.{section}.{key}={value}" for section, limits in pools for key, value in _limits(limits).items()]
     return [item for flag in flags for item in ("--set", flag)]

@@ -9,9 +9,9 @@ nothing is a knob to explain). With none eligible it reports the best attainment
 says so. Every candidate is simulated on the same requests (`cluster.planner.simulator`).
 
 The search: colocated with 1..budget workers, and every prefill/decode split of 2..budget workers;
-for each, the token budgets and batch limits in `SearchSpace`. `cluster.yaml` has one `engine:`
-section for both pools, so by default both pools share their limits; `per_pool` searches them
-apart (for a deployment that sets them per pool; `to_cluster_config` refuses such a plan).
+for each, the token budgets and batch limits in `SearchSpace`. By default both pools share their
+limits (one `engine:` section); `per_pool` searches them apart, and `to_cluster_config` writes such
+a plan as each pool's own `engine:` section.
 """
 
 from __future__ import annotations

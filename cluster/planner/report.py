@@ -48,8 +48,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_num_batched_tokens values to try")
     parser.add_argument("--max-num-seqs", type=int_list, default=(16, 64, 256), help="max_num_seqs values to try")
     parser.add_argument("--mode", choices=["both", COLOCATED, DISAGGREGATED], default="both")
-    parser.add_argument("--per-pool", action="store_true", help="search each pool's limits apart (cannot be "
-                        "--written: cluster.yaml has one engine section)")
+    parser.add_argument("--per-pool", action="store_true", help="search each pool's limits apart (written "
+                        "as each pool's own engine: section)")
     parser.add_argument("--write", default="", metavar="CLUSTER_YAML", help="write the choice as a cluster config")
     parser.add_argument("--model", default="default", help="the model written into --write's engine section")
 

@@ -92,8 +92,18 @@ def test_cluster_config_and_helm_flags_of_a_topology():
     assert config.engine.scheduler.max_num_batched_tokens == 512
     flags = helm_flags(Topology(DISAGGREGATED, 2, 1))
     assert "ray.prefill.maxReplicas=2" in flags and "ray.decodeGroups[0].replicas=1" in flags
-    with pytest.raises(ValueError, match="per pool"):
-        to_cluster_config(Topology(DISAGGREGATED, 1, 1, prefill_limits=PoolLimits(512), decode_limits=PoolLimits(64)))
+
+
+
+def test_a_plan_with_limits_per_pool_writes_each_pools_engine():
+    topology = Topology(DISAGGREGATED, 1, 2, prefill_limits=PoolLimits(4096, 16), decode_limits=PoolLimits(256, 64))
+    config = to_cluster_config(topology)
+    prefill, decode = config.engine_for("prefill").scheduler, config.engine_for("decode").scheduler
+    assert (prefill.max_num_batched_tokens, prefill.max_num_seqs) == (4096, 16)
+    assert (decode.max_num_batched_tokens, decode.max_num_seqs) == (256, 64)
+    flags = helm_flags(topology)
+    assert "cluster.prefill.engine.max_num_batched_tokens=4096" in flags
+    assert "cluster.decode.engine.max_num_seqs=64" in flags
 
 
 def test_a_version_1_profile_loads_with_zero_serving_latencies(tmp_path):
