@@ -23,6 +23,7 @@ from cluster.state.connect import connect_state
 from cluster.state.interface import WorkerInfo
 from cluster.transfer.addresses import interface_address
 from cluster.worker.node_cores import NodeCores, host_cores
+from cluster.worker.own_thread import in_own_thread
 from cluster.worker.worker import Worker, event_of
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,7 @@ def node_cores(threads: int) -> NodeCores | None:
     node that no other busy worker holds, at least its own share of Ray's CPUs."""
     import ray
 
-    if threads > 0:
-        import torch
-
-        torch.set_num_threads(threads)
+    if threads > 0:  # the engine thread sets them (torch's count is per thread)
         return None
     context = ray.get_runtime_context()
     node: dict[str, Any] = next((n for n in ray.nodes() if n["NodeID"] == context.get_node_id()), {})
@@ -110,7 +108,8 @@ class WorkerActor(ChannelHost):
         receiver = UCXReceiver(host=host, transports=transports, shared_memory=kv_shared_memory) \
             if role == Role.DECODE else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
-        engine = LLMEngine(engine_config)
+        # Loaded on a thread that ends: its OpenMP team must not outlive it (`cluster.worker.own_thread`).
+        engine = in_own_thread(lambda: LLMEngine(engine_config))
         self.made_as = spec  # how the launcher made it: a gateway taking a named worker over compares
         # Router replicas find the worker in the registry by its Ray actor name.
         # The actor id tells routers a new actor under a name they know (a named worker made again).
@@ -121,7 +120,7 @@ class WorkerActor(ChannelHost):
                               "actor_id": ray.get_runtime_context().get_actor_id() or ""})
         self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
                              overlap_transfer=overlap_transfer, state=state, listing=listing, on_fatal=_end_process,
-                             cores=node_cores(threads))
+                             cores=node_cores(threads), threads=threads)
         self.started: asyncio.Task[None] | None = None
         # The event loop the worker lives on: that of Ray's default concurrency group, where the
         # first call of that group starts it. Control calls (`control` group: aborts, load polls)

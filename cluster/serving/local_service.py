@@ -14,6 +14,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.observability import tracing
 from cluster.serving.service import check_prompt
+from cluster.worker.own_thread import in_own_thread
 from cluster.worker.worker import Worker, event_of
 
 
@@ -30,7 +31,8 @@ class LocalService:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LocalService:
-        return cls(LLMEngine(config))
+        # Loaded on a thread that ends: its OpenMP team must not outlive it (`cluster.worker.own_thread`).
+        return cls(in_own_thread(lambda: LLMEngine(config)))
 
     @property
     def ready(self) -> bool:

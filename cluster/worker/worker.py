@@ -43,6 +43,7 @@ from cluster.transfer.connector import KVHeader, KVReceiver, KVSender, TransferE
 from cluster.worker.kv_staging import landing_buffer, sends_device_memory, wire_bytes
 from cluster.worker.node_cores import NodeCores
 from cluster.worker.output_stream import OutputStream
+from cluster.worker.own_thread import in_own_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,7 +73,8 @@ class Worker:
     def __init__(self, worker_id: str, role: str, engine: LLMEngine, *, sender: KVSender | None = None,  # noqa: PLR0913
                  receiver: KVReceiver | None = None, overlap_transfer: bool = True,
                  state: SharedState | None = None, listing: WorkerInfo | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None, cores: NodeCores | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, cores: NodeCores | None = None,
+                 threads: int = 0) -> None:
         if role not in tuple(Role):
             raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
         self.worker_id, self.role, self.engine = worker_id, Role(role), engine
@@ -83,6 +85,7 @@ class Worker:
         self.claiming = False  # whether this worker holds a claim on cores now
         # The engine thread's torch threads (torch's thread count is per thread: another one's says nothing).
         self.threads = 0
+        self.fixed_threads = threads  # > 0: the engine thread computes on these, whatever the load (no `cores`)
         # Send a prefill's blocks as they are computed (else all at once at its end: the baseline).
         self.overlap_transfer = overlap_transfer
         # Where this worker publishes the blocks its prefix cache stores and evicts (KV-aware routing).
@@ -129,7 +132,8 @@ class Worker:
                  self.engine.dtype_reason)
         try:
             # Its prefill rate: what the routers admit prompts by until real steps have been timed.
-            self.tokens_per_s = await asyncio.to_thread(self.engine.warm_up)  # until the first timed step
+            # On a thread that ends: its OpenMP team must not outlive it (`cluster.worker.own_thread`).
+            self.tokens_per_s = await asyncio.to_thread(in_own_thread, self._warm_up)  # until the first timed step
         except Exception as error:
             self.failure = f"warm-up failed on {self.engine.device}: {error!r}"
             log.error("%s: %s", self.worker_id, self.failure)
@@ -265,7 +269,14 @@ class Worker:
         for future in list(self.pending):
             _set_exception(future, RuntimeError(f"{self.worker_id}: {self.failure}"))
 
+    def _warm_up(self) -> float:
+        if self.fixed_threads:
+            torch.set_num_threads(self.fixed_threads)
+        return self.engine.warm_up()
+
     def _serve(self) -> None:
+        if self.fixed_threads:
+            torch.set_num_threads(self.fixed_threads)
         self.threads = torch.get_num_threads()
         while not self.stopped:
             while not self.commands.empty():
