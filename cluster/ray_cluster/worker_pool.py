@@ -8,7 +8,6 @@ from typing import Any
 
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, worker_actor_class
-from cluster.worker.malloc_env import engine_process_env
 
 
 def pool_threads(pool: PoolConfig) -> int:
@@ -43,8 +42,7 @@ def make_worker(config: ClusterConfig, uid: str, role: str, index: int, num_gpus
     options = worker_actor_class().options(num_cpus=pool.num_cpus, num_gpus=num_gpus, resources=dict(pool.resources),
                                            name=name, namespace=RAY_NAMESPACE, max_restarts=config.worker_max_restarts,
                                            max_task_retries=0, max_concurrency=pool.max_concurrency,
-                                           lifetime="detached" if config.name or detached else None,
-                                           runtime_env={"env_vars": engine_process_env()})
+                                           lifetime="detached" if config.name or detached else None)
     return options.remote(**worker_arguments(config, uid, role, index, num_gpus))
 
 
