@@ -193,7 +193,11 @@ def test_an_abort_frees_the_request_on_both_workers_within_two_of_their_steps(ch
         return before, after, freed, reasons
 
     try:
-        ray.get([worker.__ray_call__.remote(pace_steps(LONG_STEP_S)) for worker in workers], timeout=30)
+        # While the prompt computes, the decode worker holds only a reservation and its steps are idle
+        # ticks: paced slower, so that the bound counts steps, not the abort's round trip through the
+        # router (CI once saw 3 ticks of 0.2 s pass during it on a loaded 2-core machine).
+        ray.get([cluster.prefill[0].__ray_call__.remote(pace_steps(LONG_STEP_S)),
+                 cluster.decode[0].__ray_call__.remote(pace_steps(2 * LONG_STEP_S))], timeout=30)
         prefilling = asyncio.run(abort_when("mid-prefill", lambda now: now[0].num_running == 1
                                             and now[1].num_free_blocks < now[1].num_blocks))
         decoding = asyncio.run(abort_when("mid-decode", lambda now: now[1].num_running == 1))
