@@ -44,7 +44,9 @@ def _build(compiler: str, source: Path, march: str) -> Path:
     """The shared library for this source, flags and CPU, compiled if not cached yet. Written under a
     temporary name and renamed, so processes building at once never load a half-written file."""
     options = flags(march)
-    key = hashlib.sha256(source.read_bytes() + " ".join(options).encode() + cpu_flags().encode()).hexdigest()[:16]
+    # The headers next to it are part of what it compiles (`#include "cpu_common.h"`).
+    code = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(code + " ".join(options).encode() + cpu_flags().encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
