@@ -66,9 +66,6 @@ typedef struct {
     int num_threads;
 } DecodeShape;
 
-#if defined(__AVX512F__)
-#endif
-
 /* x[0:n] becomes softmax(x) in place (n >= 1). */
 static inline void softmax(float *x, int64_t n) {
     float top = x[0], total = 0.0f;
