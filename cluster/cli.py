@@ -193,6 +193,8 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         overrides["name"] = args.name
     if args.routers is not None:
         overrides["routers"] = args.routers
+    if getattr(args, "reserved_cpus", None) is not None:
+        overrides["reserved_cpus"] = args.reserved_cpus
     for pool in ("prefill", "decode"):
         replicas = getattr(args, f"num_{pool}")
         if replicas is not None:
@@ -446,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "they are shown, as vLLM)")
     serve.add_argument("--mode", choices=[str(mode) for mode in Mode], default=None)
     serve.add_argument("--routers", type=int, default=None, help="router replicas (Ray actors) to spread requests over")
+    serve.add_argument("--reserved-cpus", type=int, default=None,
+                       help="cores of each host kept for the gateway, router and Ray: the engines compute on the rest "
+                       "(0: no binding; docs/performance.md says when it pays)")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "
                        "listed in --redis-url's registry (a second gateway; needs --ray-address and --redis-url)")
     serve.add_argument("--name", default="", help="name the cluster: its workers outlive this process, and a "

@@ -31,6 +31,7 @@ scaling:                   # the live controller (docs/deploy.md, Scaling live);
   drain_timeout_s: 120     # a draining worker's requests still there then are handed off (resumed)
 attach: false              # start no workers: route to those listed in redis_url's registry
 name: ""                   # with ray_address: workers outlive the gateway; one started again takes them over
+reserved_cpus: 0           # cores of each host kept for the front door (gateway, router, Ray); engines use the rest
 engine:
   model: default
   dtype: auto               # bf16 where the worker's CPU (AMX, AVX512-BF16) or GPU has it natively, else fp32
@@ -182,6 +183,9 @@ class ClusterConfig:
     # off (and free) without one.
     tracing: TracingConfig = field(default_factory=TracingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)  # the live controller; off by default
+    # Cores of each host kept for the front door: the gateway and every process it starts run on the
+    # first K, each worker's engine threads on the others (`cluster.worker.cpu_binding`); 0: no binding.
+    reserved_cpus: int = 0
 
     def __post_init__(self) -> None:
         for key, choices in (("mode", tuple(map(str, Mode))), ("transport", TRANSPORTS),
@@ -190,6 +194,8 @@ class ClusterConfig:
                 raise ValueError(f"{key} must be one of {choices}, got {getattr(self, key)!r}")
         if self.routers < 1:
             raise ValueError(f"routers must be >= 1, got {self.routers}")
+        if self.reserved_cpus < 0:
+            raise ValueError(f"reserved_cpus must be >= 0 (0: none kept for the front door), got {self.reserved_cpus}")
         if self.worker_max_restarts < -1:
             raise ValueError(f"worker_max_restarts must be >= -1 (-1: always), got {self.worker_max_restarts}")
         if not 0 <= self.max_prefill_wait_s < self.kv_lease_s:

@@ -22,6 +22,7 @@ from cluster.ray_cluster.channels import ChannelHost
 from cluster.state.connect import connect_state
 from cluster.state.interface import WorkerInfo
 from cluster.transfer.addresses import interface_address
+from cluster.worker.cpu_binding import reserve_front_door
 from cluster.worker.node_cores import NodeCores, host_cores
 from cluster.worker.own_thread import in_own_thread
 from cluster.worker.worker import Worker, event_of
@@ -70,9 +71,10 @@ def kv_host(interface: str = "") -> str:
     return str(ray.util.get_node_ip_address())
 
 
-def node_cores(threads: int) -> NodeCores | None:
+def node_cores(threads: int, engine_cpus: frozenset[int] | None = None) -> NodeCores | None:
     """How many threads this worker's engine computes on: `threads` fixed, or (0) every core of its
-    node that no other busy worker holds, at least its own share of Ray's CPUs."""
+    node that no other busy worker holds, at least its own share of Ray's CPUs; of `engine_cpus`
+    alone where cores are kept for the front door."""
     import ray
 
     if threads > 0:  # the engine thread sets them (torch's count is per thread)
@@ -80,7 +82,8 @@ def node_cores(threads: int) -> NodeCores | None:
     context = ray.get_runtime_context()
     node: dict[str, Any] = next((n for n in ray.nodes() if n["NodeID"] == context.get_node_id()), {})
     own = int(context.get_assigned_resources().get("CPU", 1))  # Ray's OMP_NUM_THREADS: its share, at least 1
-    return NodeCores(host_cores(node.get("Resources", {}).get("CPU", 1)), own)
+    total = host_cores(node.get("Resources", {}).get("CPU", 1))
+    return NodeCores(min(total, len(engine_cpus)) if engine_cpus else total, own)
 
 
 class WorkerActor(ChannelHost):
@@ -95,10 +98,13 @@ class WorkerActor(ChannelHost):
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, kv_interface: str = "",  # noqa: PLR0913
                  overlap_transfer: bool = True, redis_url: str = "", address: str = "",
                  ucx_transports: str = "", spec: Any = None, traces: tracing.TracingConfig | None = None,
-                 threads: int = 0, kv_shared_memory: bool = True) -> None:
+                 threads: int = 0, kv_shared_memory: bool = True, reserved_cpus: int = 0) -> None:
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
+        # Every thread of this process on the front door's cores but the engine thread (`cpu_binding`).
+        split = reserve_front_door(reserved_cpus)
+        engine_cpus = split.engines if split is not None else None
         if traces is not None and traces.enabled:
             tracing.configure(traces, f"pdserve-{role}")  # this actor process's own tracer provider
         transports = ucx_transports or None  # UCX_TLS for this worker; None: the environment's, or UCX's default
@@ -120,7 +126,7 @@ class WorkerActor(ChannelHost):
                               "actor_id": ray.get_runtime_context().get_actor_id() or ""})
         self.worker = Worker(worker_id, role, engine, sender=sender, receiver=receiver,
                              overlap_transfer=overlap_transfer, state=state, listing=listing, on_fatal=_end_process,
-                             cores=node_cores(threads), threads=threads)
+                             cores=node_cores(threads, engine_cpus), threads=threads, engine_cpus=engine_cpus)
         self.started: asyncio.Task[None] | None = None
         # The event loop the worker lives on: that of Ray's default concurrency group, where the
         # first call of that group starts it. Control calls (`control` group: aborts, load polls)

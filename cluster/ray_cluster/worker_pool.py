@@ -54,4 +54,4 @@ def worker_arguments(config: ClusterConfig, uid: str, role: str, index: int, num
                 redis_url=config.redis_url, overlap_transfer=config.kv_overlap, address=actor_name(uid, role, index),
                 kv_interface=pool.kv_interface, ucx_transports=config.ucx_transports,
                 spec=worker_spec(config, role, pool, num_gpus), traces=config.tracing, threads=pool_threads(pool),
-                kv_shared_memory=config.kv_shared_memory)
+                kv_shared_memory=config.kv_shared_memory, reserved_cpus=config.reserved_cpus)

@@ -21,18 +21,19 @@ from cluster.worker.worker import Worker, event_of
 class LocalService:
     """A colocated worker in this process: the whole engine behind the same interface, no Ray."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, engine_cpus: frozenset[int] | None = None) -> None:
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
-        self.worker = Worker("local-0", Role.COLOCATED, engine)
+        self.worker = Worker("local-0", Role.COLOCATED, engine, engine_cpus=engine_cpus)
         self._started = False
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LocalService:
+    def from_config(cls, config: EngineConfig, engine_cpus: frozenset[int] | None = None) -> LocalService:
+        """`engine_cpus`: the cores its engine thread computes on (`cluster.worker.cpu_binding`)."""
         # Loaded on a thread that ends: its OpenMP team must not outlive it (`cluster.worker.own_thread`).
-        return cls(in_own_thread(lambda: LLMEngine(config)))
+        return cls(in_own_thread(lambda: LLMEngine(config)), engine_cpus)
 
     @property
     def ready(self) -> bool:

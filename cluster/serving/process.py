@@ -52,6 +52,7 @@ from cluster.serving.tools.template import ToolServing
 from cluster.state.connect import connect_state
 from cluster.state.interface import SharedState
 from cluster.weights.tokenizer import Tokenizer
+from cluster.worker.cpu_binding import reserve_front_door
 
 if TYPE_CHECKING:
     from cluster.serving.grpc.server import GrpcServer
@@ -132,9 +133,12 @@ class ServiceLauncher:
                 f"{self.config.decode.replicas} decode) on {where}")
 
     async def start(self) -> Service:
-        """Load the model everywhere (in a thread: Ray and the weights block) and return the service."""
+        """Load the model everywhere (in a thread: Ray and the weights block) and return the service.
+        With `reserved_cpus`, this process and all it starts first move to the front door's cores."""
+        split = reserve_front_door(self.config.reserved_cpus)
         if self.local:
-            self.local_service = await asyncio.to_thread(LocalService.from_config, self.config.engine)
+            self.local_service = await asyncio.to_thread(LocalService.from_config, self.config.engine,
+                                                         split.engines if split is not None else None)
             return await self.local_service.start()
         self.cluster = await asyncio.to_thread(Cluster(self.config).start)
         self.router_watch = asyncio.create_task(self.cluster.watch_routers())  # readiness follows them

@@ -40,6 +40,7 @@ from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
 from cluster.observability.tracing import WorkerTraces
 from cluster.state.interface import SharedState, WorkerInfo
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender, TransferError
+from cluster.worker.cpu_binding import bind_thread
 from cluster.worker.kv_staging import landing_buffer, sends_device_memory, wire_bytes
 from cluster.worker.node_cores import NodeCores
 from cluster.worker.output_stream import OutputStream
@@ -74,7 +75,7 @@ class Worker:
                  receiver: KVReceiver | None = None, overlap_transfer: bool = True,
                  state: SharedState | None = None, listing: WorkerInfo | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None, cores: NodeCores | None = None,
-                 threads: int = 0) -> None:
+                 threads: int = 0, engine_cpus: frozenset[int] | None = None) -> None:
         if role not in tuple(Role):
             raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {role!r}")
         self.worker_id, self.role, self.engine = worker_id, Role(role), engine
@@ -86,6 +87,9 @@ class Worker:
         # The engine thread's torch threads (torch's thread count is per thread: another one's says nothing).
         self.threads = 0
         self.fixed_threads = threads  # > 0: the engine thread computes on these, whatever the load (no `cores`)
+        # The cores the engine thread and its OpenMP threads run on, the front door's kept apart
+        # (`cluster.worker.cpu_binding`); None: wherever the process may run.
+        self.engine_cpus = engine_cpus
         # Send a prefill's blocks as they are computed (else all at once at its end: the baseline).
         self.overlap_transfer = overlap_transfer
         # Where this worker publishes the blocks its prefix cache stores and evicts (KV-aware routing).
@@ -270,13 +274,21 @@ class Worker:
             _set_exception(future, RuntimeError(f"{self.worker_id}: {self.failure}"))
 
     def _warm_up(self) -> float:
-        if self.fixed_threads:
-            torch.set_num_threads(self.fixed_threads)
+        self._place_engine_thread()
         return self.engine.warm_up()
 
+    def _place_engine_thread(self) -> None:
+        """The calling thread's cores and torch threads (both per thread), before its first op: the
+        OpenMP threads its first parallel op starts take its cores."""
+        if self.engine_cpus:
+            bind_thread(self.engine_cpus)
+        # Bound, and no `cores` to follow: one thread per core it may use (torch's default counts them all).
+        threads = self.fixed_threads or (len(self.engine_cpus) if self.engine_cpus and self.cores is None else 0)
+        if threads:
+            torch.set_num_threads(threads)
+
     def _serve(self) -> None:
-        if self.fixed_threads:
-            torch.set_num_threads(self.fixed_threads)
+        self._place_engine_thread()
         self.threads = torch.get_num_threads()
         while not self.stopped:
             while not self.commands.empty():

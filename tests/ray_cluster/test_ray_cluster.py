@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +19,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from, load_cluster_config
 from cluster.ray_cluster.launcher import Cluster
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from cluster.worker.cpu_binding import parse_cpu_list, split_cpus
 from tests.conftest import MAX_TOKENS
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
 from tests.helpers import fp32_engine
@@ -406,8 +409,12 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint:
     params = SamplingParams(max_tokens=120, temperature=0.8, seed=1234, ignore_eos=True)
     prompts = PROMPTS * 4
     expected = alone(engine_config, PROMPTS, params) * 4
+    # Colocated: with a core kept for the front door (the restarted worker too binds its engine anew).
+    split = split_cpus(1, sorted(os.sched_getaffinity(0))) if mode == "colocated" and len(os.sched_getaffinity(0)) > 1 \
+        else None
     config = ClusterConfig(mode=mode, prefill=PoolConfig(replicas=1 if mode == "disaggregated" else 0, num_cpus=0.1),
-                           decode=PoolConfig(replicas=2, num_cpus=0.1), engine=engine_config)
+                           decode=PoolConfig(replicas=2, num_cpus=0.1), engine=engine_config,
+                           reserved_cpus=1 if split is not None else 0)
     cluster = Cluster(config).start()
     received: list[list[int]] = [[] for _ in prompts]
 
@@ -442,8 +449,24 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint:
         wait_until_rejoined(cluster, 1)
         assert ("decode-0" if mode == "disaggregated" else "colocated-0") in asyncio.run(served_by())
         assert_pools_whole(cluster)
+        if split is not None:  # every thread of each worker on the front door's cores but its engine's
+            for handle in cluster.decode:
+                assert thread_cpus(handle) == {tuple(sorted(split.front_door)), tuple(sorted(split.engines))}
     finally:
         cluster.stop()
+
+
+def thread_cpus(handle: Any) -> set[tuple[int, ...]]:
+    """The CPU sets the threads of a worker actor's process may run on (it runs on this machine)."""
+    import ray
+
+    pid = ray.get(handle.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+    sets = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/status") as status:
+            line = next(line for line in status if line.startswith("Cpus_allowed_list"))
+            sets.add(tuple(parse_cpu_list(line.split()[1])))
+    return sets
 
 
 def test_the_only_decode_worker_killed_mid_stream_costs_time_not_answers(checkpoint: Path) -> None:
