@@ -19,7 +19,13 @@ alternating order so the machine's drift hits each alike, each one step further 
 - `transformers continuous batching` (only with `--arms`): the same requests through transformers'
   own continuous batching in this process, as `benchmarks.engine vs-transformers` runs it (its
   default dtype, fp32; every request given at once, EOS off): the peer issue 21 compares serving
-  with (`make serve` >= 3x it); `ratio_to_transformers_continuous` in the JSON when it ran.
+  with (`make serve` >= 3x it); `ratio_to_transformers_continuous` in the JSON when it ran;
+- `engine alone, on all cores but one` and `cluster, 1 colocated worker, 1 core kept for the front
+  door` (only with `--arms`): `reserved_cpus: 1` (`cluster.worker.cpu_binding`): the worker's engine
+  on the cores but the first, the gateway, router, Ray and this process's load client on the first;
+  the engine alone on the same cores. Their ratio is what serving costs when the front door does not
+  take the engine's cores: `python -m benchmarks.serve_threads --arms "engine alone, on all cores
+  but one" "cluster, 1 colocated worker, 1 core kept for the front door"`.
 Every pdserve arm uses dtype auto. Output tokens per second of each, and each arm over the engine alone, go
 to benchmarks/results/serve-threads.json.
 """
@@ -27,6 +33,7 @@ to benchmarks/results/serve-threads.json.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -37,13 +44,32 @@ from benchmarks.common import machine, print_table, save
 from benchmarks.serve import ServerSettings, measure, running_server
 from cluster.bench.serving import LoadConfig
 from cluster.bench.workloads import WorkloadConfig, build_workload
+from cluster.worker.cpu_binding import bind_process, bind_thread, split_cpus
+from cluster.worker.own_thread import in_own_thread
 
 ARMS = ("engine alone", "HTTP, engine in the gateway", "cluster, 1 colocated worker", "1 prefill + 1 decode")
-ALL_ARMS = (*ARMS, "1 prefill + 1 decode, 1 thread each", "transformers continuous batching")
+ALL_ARMS = (*ARMS, "1 prefill + 1 decode, 1 thread each", "transformers continuous batching",
+            "engine alone, on all cores but one", "cluster, 1 colocated worker, 1 core kept for the front door")
+RESERVED = 1  # the front door's cores in the last two arms
 
 
-def engine_alone(workload: WorkloadConfig) -> float:
-    """Output tokens per second of one engine given every request at once."""
+def engine_alone(workload: WorkloadConfig, cpus: frozenset[int] | None = None) -> float:
+    """Output tokens per second of one engine given every request at once; on `cpus` (one thread
+    each) when given, else on torch's threads (all cores). On a thread that ends, as a worker's
+    engine thread: no OpenMP team of this process's other arms outlives it (`own_thread`)."""
+
+    def bound() -> float:
+        import torch
+
+        if cpus is not None:
+            bind_thread(cpus)
+            torch.set_num_threads(len(cpus))
+        return _engine_alone(workload)
+
+    return in_own_thread(bound)
+
+
+def _engine_alone(workload: WorkloadConfig) -> float:
     from cluster.common.sampling_params import SamplingParams
     from cluster.engine.config import CacheConfig, EngineConfig
     from cluster.engine.llm_engine import LLMEngine
@@ -78,14 +104,22 @@ def transformers_continuous(workload: WorkloadConfig) -> float:
     return float(result["tokens_per_second"])
 
 
-def served(workload: WorkloadConfig, settings: ServerSettings) -> float:
+def served(workload: WorkloadConfig, settings: ServerSettings, reserved: int = 0) -> float:
     """Output tokens per second over HTTP. Admission by expected wait is off: the burst is the load
-    measured, and a request refused early (429) would count as throughput not served."""
+    measured, and a request refused early (429) would count as throughput not served. `reserved`:
+    cores kept for the front door, this process's load client with it."""
+    everywhere = frozenset(os.sched_getaffinity(0))
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as config:
-        config.write("max_prefill_wait_s: 0\nmax_decode_wait_s: 0\n")
+        config.write(f"max_prefill_wait_s: 0\nmax_decode_wait_s: 0\nreserved_cpus: {reserved}\n")
         config.flush()
         with running_server(replace(settings, config=config.name if settings.cluster else "")) as url:
-            point = measure(url, workload, LoadConfig(warmup=1))
+            split = split_cpus(reserved)
+            try:
+                if split is not None:
+                    bind_process(split.front_door)
+                point = measure(url, workload, LoadConfig(warmup=1))
+            finally:
+                bind_process(everywhere)
     if point["failed"]:
         raise RuntimeError(f"{point['failed']} requests failed: the arms would not compare")
     return float(point["output_throughput"])
@@ -102,6 +136,12 @@ def run_arm(arm: str, workload: WorkloadConfig) -> float:
         return engine_alone(workload)
     if arm == ALL_ARMS[5]:
         return transformers_continuous(workload)
+    if arm == ALL_ARMS[6]:
+        split = split_cpus(RESERVED)
+        assert split is not None
+        return engine_alone(workload, split.engines)
+    if arm == ALL_ARMS[7]:
+        return served(workload, ServerSettings(threads=0, cluster=True, colocated=True), RESERVED)
     return served(workload, settings[arm])
 
 
