@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import asyncio, json, os, sys, threading
 from cluster.common.sampling_params import SamplingParams
+from cluster.ray_cluster.config import ClusterConfig
 from cluster.serving.local_service import LocalService
+from cluster.serving.process import ServiceLauncher
 from cluster.worker.cpu_binding import bind_process, parse_cpu_list
 from tests.helpers import fp32_engine
 
@@ -31,9 +33,13 @@ def allowed(tid):
 
 async def main():
     front, engines = frozenset(json.loads(sys.argv[2])), frozenset(json.loads(sys.argv[3]))
-    bind_process(front)  # what `reserve_front_door` does in the gateway before the engine loads
-    service = await asyncio.to_thread(LocalService.from_config, fp32_engine(sys.argv[1], num_blocks=256), engines)
-    await service.start()
+    if sys.argv[4] == "launcher":  # as `pdserve serve --local --reserved-cpus 1` starts it
+        config = ClusterConfig(engine=fp32_engine(sys.argv[1], num_blocks=256), reserved_cpus=1)
+        service = await ServiceLauncher(config, local=True).start()
+    else:  # bound by hand: any split
+        bind_process(front)
+        service = await asyncio.to_thread(LocalService.from_config, fp32_engine(sys.argv[1], num_blocks=256), engines)
+        await service.start()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     async def one(index):
         return [e async for e in service.generate([3 + (index * 7 + i) % 300 for i in range(32)], params, f"r{index}")]
@@ -49,10 +55,10 @@ asyncio.run(main())
 """
 
 
-def run_bound(checkpoint: Path, front: list[int], engines: list[int]) -> dict[str, object]:
+def run_bound(checkpoint: Path, front: list[int], engines: list[int], how: str = "by hand") -> dict[str, object]:
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(checkpoint), json.dumps(front), json.dumps(engines)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    command = [sys.executable, "-c", SCRIPT, str(checkpoint), json.dumps(front), json.dumps(engines), how]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -70,7 +76,7 @@ CPUS = sorted(os.sched_getaffinity(0))
 def test_the_engine_computes_on_its_cores_and_the_front_door_on_the_others(wide_checkpoint: Path) -> None:
     split = split_cpus(1, CPUS)
     assert split is not None
-    report = run_bound(wide_checkpoint, sorted(split.front_door), sorted(split.engines))
+    report = run_bound(wide_checkpoint, sorted(split.front_door), sorted(split.engines), "launcher")
     assert report["engine"] == sorted(split.engines)
     assert report["loop"] == sorted(split.front_door)
     # One torch thread per core it may use (torch's own default would count the host's cores).
