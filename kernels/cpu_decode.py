@@ -21,13 +21,17 @@ import torch
 from kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+# 16 tokens at a time where the build has AVX-512 and heads are 64 or 128 wide (cpu_decode.c); False
+# gives session 10's one token at a time: the benchmarks' "before" arm (`benchmarks.engine`).
+use_tiled = True
 FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
 class DecodeShape(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
-                ("table_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int)]
+                ("table_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int),
+                ("tiled", ctypes.c_int)]
 
 
 @functools.cache
@@ -63,7 +67,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     shape = DecodeShape(batch, heads, kv_heads, head_dim, block_size, num_blocks, tables.stride(0) if batch else 0,
-                        scale, torch.get_num_threads())
+                        scale, torch.get_num_threads(), int(use_tiled))
     failed = getattr(library, FUNCTIONS[kv_cache.dtype])(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()), ctypes.c_void_p(tables.data_ptr()),
         ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.byref(shape))

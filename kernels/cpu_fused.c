@@ -38,10 +38,6 @@ int fused_isa(void) {
 
 #if defined(__AVX512F__)
 
-static inline __m512 load16_bf16(const uint16_t *x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-}
-
 static inline void store16_bf16(uint16_t *x, __m512 v) {  /* round to nearest even; NaN stays NaN */
 #if defined(__AVX512BF16__)
     _mm256_storeu_si256((__m256i *)x, (__m256i)_mm512_cvtneps_pbh(v));  /* one instruction where the CPU has it */
@@ -55,7 +51,6 @@ static inline void store16_bf16(uint16_t *x, __m512 v) {  /* round to nearest ev
 #endif
 }
 
-static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
 static inline void store16_f32(float *x, __m512 v) { _mm512_storeu_ps(x, v); }
 static inline __m512 round16_f32(__m512 v) { return v; }
 static inline __m512 round16_bf16(__m512 v) {  /* to the nearest bf16, kept in fp32 lanes */

@@ -1,10 +1,13 @@
 """The C decode kernel (`kernels/cpu_decode.c`) against the torch reference, on the paged cache as the
 runner lays it out: blocks scattered over the pool out of order, ragged lengths ending mid-block,
-padding rows of length 0, GQA groups, and every head size the kernel treats apart (64, 128, other)."""
+padding rows of length 0, GQA groups, and every head size the kernel treats apart (64, 128, other),
+through both of its loops (16 tokens at a time and one at a time) and for CPUs with and without
+AVX-512."""
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,18 +27,18 @@ MARCHES = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(not X86,
 
 
 def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-               seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               seed: int, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(query, kv_cache, block_tables, seq_lens): each sequence's tokens written into randomly chosen
     blocks; every slot left unwritten holds 1e4, so a read past a sequence's end shows."""
     generator = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-length // BLOCK_SIZE) for length in seq_lens) + 1  # one spare column of padding
+    max_blocks = max(-(-length // block_size) for length in seq_lens) + 1  # one spare column of padding
     num_blocks = len(seq_lens) * max_blocks + 3
-    kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim), 1e4).to(dtype)
+    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), 1e4).to(dtype)
     block_tables = torch.randperm(num_blocks, generator=generator)[:len(seq_lens) * max_blocks]
     block_tables = block_tables.view(len(seq_lens), max_blocks)
     for row, length in enumerate(seq_lens):
         for position in range(length):
-            block, offset = block_tables[row, position // BLOCK_SIZE], position % BLOCK_SIZE
+            block, offset = block_tables[row, position // block_size], position % block_size
             kv_cache[:, block, offset] = torch.randn(2, kv_heads, head_dim, generator=generator).to(dtype)
     query = torch.randn(len(seq_lens), heads, head_dim, generator=generator).to(dtype)
     return query, kv_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
@@ -45,13 +48,42 @@ def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64)])
 def test_decode_kernel_matches_the_reference(march: str, dtype: torch.dtype, heads: int, kv_heads: int,
-                                             head_dim: int) -> None:
+                                             head_dim: int, tiled: bool) -> None:
     seq_lens = [50, 1, 16, 0, 142, 33, 17]  # mid-block, one token, one exact block, padding, longer, ...
     query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=head_dim)
     scale = head_dim ** -0.5
     expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
     got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
     assert got.dtype == dtype and got.shape == query.shape
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
+
+
+@pytest.fixture(params=[True, False], ids=["tiled", "token-at-a-time"])
+def tiled(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Both loops of the kernel where the build has AVX-512: 16 tokens at a time (the default) and one."""
+    saved = cpu_decode.use_tiled
+    cpu_decode.use_tiled = request.param
+    yield request.param
+    cpu_decode.use_tiled = saved
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(12, 2, 64, 16), (6, 2, 128, 16), (9, 3, 64, 8), (9, 3, 64, 32), (5, 5, 64, 4)])
+def test_tiles_over_query_groups_and_block_sizes(march: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                                                 head_dim: int, block_size: int, tiled: bool) -> None:
+    """The tiled loops' seams: query groups split over register-sized chunks (6 heads of 64: 4 + 2; 3 of
+    128: 2 + 1), 16-token tiles that span several blocks (block size 4, 8) or sit inside one (32), and
+    tiles cut short at a sequence's end (lengths around 16 and 32)."""
+    seq_lens = [15, 16, 17, 0, 31, 32, 33, 77, 1]
+    query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=block_size,
+                                                     block_size=block_size)
+    scale = head_dim ** -0.5
+    expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
