@@ -26,8 +26,8 @@ MARCHES = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(not X86,
            pytest.param("skylake-avx512", marks=pytest.mark.skipif(not AVX512, reason="no AVX-512 here"))]
 
 
-def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-               seed: int, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
+               block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(query, kv_cache, block_tables, seq_lens): each sequence's tokens written into randomly chosen
     blocks; every slot left unwritten holds 1e4, so a read past a sequence's end shows."""
     generator = torch.Generator().manual_seed(seed)
