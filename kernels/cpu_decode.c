@@ -73,6 +73,7 @@ typedef struct {
     float scale;
     int num_threads;
     int tiled;              /* 1: 16 tokens at a time where the build and head size allow; 0: one at a time */
+    int64_t query_stride;   /* elements between two rows of the query (each row's heads contiguous) */
 } DecodeShape;
 
 /* x[0:n] becomes softmax(x) in place (n >= 1). */
@@ -346,7 +347,7 @@ int NAME(const T *query, const T *cache, const int64_t *block_tables, const int3
                 failed = 1;                                                                               \
                 continue;                                                                                 \
             }                                                                                             \
-            const T *q = query + b * row;                                                                 \
+            const T *q = query + b * s->query_stride;                                                     \
             const int64_t *table = block_tables + b * s->table_stride;                                    \
             /* The common head sizes as constants: the compiler unrolls the dot products. */               \
             if (s->head_dim == 64 && TILED(s))                                                            \

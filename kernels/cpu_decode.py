@@ -31,7 +31,7 @@ class DecodeShape(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
                 ("table_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int),
-                ("tiled", ctypes.c_int)]
+                ("tiled", ctypes.c_int), ("query_stride", ctypes.c_int64)]
 
 
 @functools.cache
@@ -62,12 +62,15 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     batch, heads, _ = query.shape
     _check(query, kv_cache, block_tables, seq_lens)
-    q = query.to(kv_cache.dtype).contiguous()
+    # The query's rows may be strided (a view into the step's rotated q + k): only each row's heads
+    # must lie contiguous, as they do there.
+    rows_contiguous = query.stride(2) == 1 and query.stride(1) == head_dim
+    q = query if query.dtype == kv_cache.dtype and rows_contiguous else query.to(kv_cache.dtype).contiguous()
     tables = block_tables.contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
+    lens = seq_lens.to(torch.int32).contiguous()  # no copy where it is already
+    out = q.new_empty((batch, heads, head_dim))
     shape = DecodeShape(batch, heads, kv_heads, head_dim, block_size, num_blocks, tables.stride(0) if batch else 0,
-                        scale, torch.get_num_threads(), int(use_tiled))
+                        scale, torch.get_num_threads(), int(use_tiled), q.stride(0) if batch else 0)
     failed = getattr(library, FUNCTIONS[kv_cache.dtype])(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()), ctypes.c_void_p(tables.data_ptr()),
         ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.byref(shape))
@@ -76,8 +79,15 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     return out.to(query.dtype)
 
 
+# The block tables and lengths last checked against a block size, held (so their memory cannot be
+# reused by other tensors) with their version counters: every layer of a step passes the same ones,
+# and the length check reads them all (`max`, then a sync to Python) for nothing after the first.
+_last_checked: tuple[torch.Tensor, int, torch.Tensor, int, int] | None = None
+
+
 def _check(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """The kernel trusts its pointers: shapes, devices and index types are checked here."""
+    global _last_checked
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
         raise ValueError("kv_cache must be a contiguous CPU tensor")
@@ -87,5 +97,11 @@ def _check(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
         raise ValueError("block_tables must be int64 with one row per query")
     if seq_lens.shape != (query.shape[0],):
         raise ValueError("seq_lens must hold one length per query")
+    checked = (block_tables, block_tables._version, seq_lens, seq_lens._version, block_size)
+    last = _last_checked
+    if last is not None and all(a is b if isinstance(a, torch.Tensor) else a == b
+                                for a, b in zip(checked, last, strict=True)):
+        return
     if query.shape[0] and int(seq_lens.max()) > block_tables.shape[1] * block_size:
         raise ValueError("a sequence is longer than its block table covers")
+    _last_checked = checked

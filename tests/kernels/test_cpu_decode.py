@@ -111,3 +111,23 @@ def test_decode_kernel_refuses_what_it_cannot_read() -> None:
         cpu_decode.paged_decode_attention(query, kv_cache, block_tables.int(), lens, 20, 0.125)
     with pytest.raises(ValueError, match="KV heads"):
         cpu_decode.paged_decode_attention(query[:, :8], kv_cache, block_tables, lens, 20, 0.125)
+
+
+def test_query_rows_may_be_strided() -> None:
+    """The model hands over a view into the step's rotated q + k rows: read in place, same result."""
+    query, kv_cache, block_tables, lens = paged_case([40, 0, 17], 9, 3, 64, torch.bfloat16, seed=3)
+    rows = torch.cat([query, torch.randn(3, 3, 64).bfloat16()], dim=1)  # q heads then k heads, per row
+    view = rows[:, :9]
+    assert not view.is_contiguous()
+    got = cpu_decode.paged_decode_attention(view, kv_cache, block_tables, lens, 40, 0.125)
+    assert torch.equal(got, cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 40, 0.125))
+
+
+def test_lengths_changed_in_place_are_checked_again() -> None:
+    """The length check runs once for the tables and lengths every layer of a step shares, and again
+    once either changes, even in place (the runner reuses its buffers)."""
+    query, kv_cache, block_tables, lens = paged_case([20, 5], 9, 3, 64, torch.float32, seed=2)
+    cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125)
+    lens[1] = block_tables.shape[1] * BLOCK_SIZE + 1
+    with pytest.raises(ValueError, match="longer than its block table"):
+        cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125)
