@@ -74,6 +74,7 @@ typedef struct {
     int num_threads;
     int tiled;              /* 1: 16 tokens at a time where the build and head size allow; 0: one at a time */
     int64_t query_stride;   /* elements between two rows of the query (each row's heads contiguous) */
+    int64_t table_width;    /* blocks in a row of the block table: no length may pass width * block_size */
 } DecodeShape;
 
 /* x[0:n] becomes softmax(x) in place (n >= 1). */
@@ -335,6 +336,8 @@ int NAME(const T *query, const T *cache, const int64_t *block_tables, const int3
     const T *keys = cache, *values = cache + s->num_blocks * s->block_size * s->kv_heads * s->head_dim;   \
     int64_t longest = 0;                                                                              \
     for (int64_t b = 0; b < s->batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;       \
+    for (int64_t b = 0; b < s->batch; b++)  /* checked here, not per layer in Python: nothing read past a table */ \
+        if (seq_lens[b] < 0 || seq_lens[b] > s->table_width * s->block_size) return 2;                    \
     const int64_t scratch_floats = s->heads * (2 * s->head_dim + longest);                                \
     int failed = 0;                                                                                       \
     _Pragma("omp parallel num_threads(s->num_threads)")                                                   \

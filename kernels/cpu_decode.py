@@ -24,6 +24,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 # 16 tokens at a time where the build has AVX-512 and heads are 64 or 128 wide (cpu_decode.c); False
 # gives session 10's one token at a time: the benchmarks' "before" arm (`benchmarks.engine`).
 use_tiled = True
+TOO_LONG = 2  # the kernel's answer when a length exceeds its block table: nothing read
 FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
@@ -31,7 +32,7 @@ class DecodeShape(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
                 ("table_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int),
-                ("tiled", ctypes.c_int), ("query_stride", ctypes.c_int64)]
+                ("tiled", ctypes.c_int), ("query_stride", ctypes.c_int64), ("table_width", ctypes.c_int64)]
 
 
 @functools.cache
@@ -70,24 +71,22 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     lens = seq_lens.to(torch.int32).contiguous()  # no copy where it is already
     out = q.new_empty((batch, heads, head_dim))
     shape = DecodeShape(batch, heads, kv_heads, head_dim, block_size, num_blocks, tables.stride(0) if batch else 0,
-                        scale, torch.get_num_threads(), int(use_tiled), q.stride(0) if batch else 0)
+                        scale, torch.get_num_threads(), int(use_tiled), q.stride(0) if batch else 0,
+                        tables.shape[1])
     failed = getattr(library, FUNCTIONS[kv_cache.dtype])(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()), ctypes.c_void_p(tables.data_ptr()),
         ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.byref(shape))
+    if failed == TOO_LONG:
+        raise ValueError("a sequence is longer than its block table covers (or its length is negative)")
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
     return out.to(query.dtype)
 
 
-# The block tables and lengths last checked against a block size, held (so their memory cannot be
-# reused by other tensors) with their version counters: every layer of a step passes the same ones,
-# and the length check reads them all (`max`, then a sync to Python) for nothing after the first.
-_last_checked: tuple[torch.Tensor, int, torch.Tensor, int, int] | None = None
 
 
 def _check(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """The kernel trusts its pointers: shapes, devices and index types are checked here."""
-    global _last_checked
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
         raise ValueError("kv_cache must be a contiguous CPU tensor")
@@ -97,11 +96,5 @@ def _check(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
         raise ValueError("block_tables must be int64 with one row per query")
     if seq_lens.shape != (query.shape[0],):
         raise ValueError("seq_lens must hold one length per query")
-    checked = (block_tables, block_tables._version, seq_lens, seq_lens._version, block_size)
-    last = _last_checked
-    if last is not None and all(a is b if isinstance(a, torch.Tensor) else a == b
-                                for a, b in zip(checked, last, strict=True)):
-        return
-    if query.shape[0] and int(seq_lens.max()) > block_tables.shape[1] * block_size:
-        raise ValueError("a sequence is longer than its block table covers")
-    _last_checked = checked
+    # Each length against its table's width is checked by the kernel itself, before it reads anything:
+    # here it cost a `max` and a sync to Python per layer (every layer of a step passes the same ones).

@@ -123,11 +123,14 @@ def test_query_rows_may_be_strided() -> None:
     assert torch.equal(got, cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 40, 0.125))
 
 
-def test_lengths_changed_in_place_are_checked_again() -> None:
-    """The length check runs once for the tables and lengths every layer of a step shares, and again
-    once either changes, even in place (the runner reuses its buffers)."""
+def test_the_kernel_refuses_a_length_past_its_table_or_negative() -> None:
+    """The kernel checks every length against its table (the wrapper no longer does, per layer) before
+    reading anything, in every build."""
     query, kv_cache, block_tables, lens = paged_case([20, 5], 9, 3, 64, torch.float32, seed=2)
-    cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125)
-    lens[1] = block_tables.shape[1] * BLOCK_SIZE + 1
-    with pytest.raises(ValueError, match="longer than its block table"):
-        cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125)
+    for march in ("native", "x86-64-v3") if X86 else ("native",):
+        for bad in (block_tables.shape[1] * BLOCK_SIZE + 1, -1):
+            lens[1] = bad
+            with pytest.raises(ValueError, match="longer than its block table"):
+                cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125, march=march)
+        lens[1] = block_tables.shape[1] * BLOCK_SIZE  # the whole table: allowed
+        cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125, march=march)
