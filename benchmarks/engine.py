@@ -1,7 +1,7 @@
 """Engine benchmarks, one subcommand each (or `all`); results go to benchmarks/results/<name>.json/.png.
 
     python -m benchmarks.engine step-vs-linear --attention sdpa kernels fused   # CPU kernels before / after
-    python -m benchmarks.engine --threads 1 step-vs-linear --dtypes bfloat16 --attention fused-token-loop fused
+    python -m benchmarks.engine --threads 1 step-vs-linear --dtypes bfloat16 --attention fused-s10 fused
     python -m benchmarks.engine scheduler-cost
     python -m benchmarks.engine static-vs-continuous --num-requests 500
     python -m benchmarks.engine vs-transformers
@@ -34,28 +34,28 @@ from kernels import cpu_decode, torch_prefill  # noqa: E402
 MS = 1e3
 
 
-ATTENTION_CHOICES = ("fused", "fused-token-loop", "kernels", "sdpa")
+ATTENTION_CHOICES = ("fused", "fused-s10", "kernels", "sdpa")
 
 
 @contextlib.contextmanager
 def cpu_attention(name: str) -> Iterator[str]:
     """CPU kernels for the engines built inside: "fused" (the default: "kernels" plus the fused C
-    elementwise ops, `kernels/cpu_fused.c`, and the C mask + softmax of bf16 prefill chunks),
-    "fused-token-loop" ("fused" with the C decode kernel one token at a time, as in session 10, instead
-    of 16: the before arm of its tiles), "kernels" (the C decode kernel where it builds and chunked bf16
-    prefill matmuls, the model's elementwise ops and the chunks' softmax in torch) or "sdpa" (the torch
-    path before any: gather + grouped matmuls or SDPA)."""
-    saved = (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill,
-             elementwise.use_c_kernels, torch_prefill.use_c_softmax, cpu_decode.use_tiled)
+    elementwise ops, `kernels/cpu_fused.c`, the C KV write and the C mask + softmax of bf16 prefill
+    chunks), "fused-s10" ("fused" as session 10 left it: the C decode kernel one token at a time
+    instead of 16 and the KV write in torch ops, the before arm of those two), "kernels" (the C decode
+    kernel where it builds and chunked bf16 prefill matmuls, the model's elementwise ops and the
+    chunks' softmax in torch) or "sdpa" (the torch path before any: gather + grouped matmuls or SDPA)."""
+    saved = (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill, elementwise.use_c_kernels,
+             torch_prefill.use_c_softmax, cpu_decode.use_tiled, elementwise.use_c_kv_write)
     fused = name.startswith("fused")
     TorchAttentionBackend.use_c_kernel = TorchAttentionBackend.use_chunked_prefill = name == "kernels" or fused
     elementwise.use_c_kernels = torch_prefill.use_c_softmax = fused
-    cpu_decode.use_tiled = name != "fused-token-loop"
+    cpu_decode.use_tiled = elementwise.use_c_kv_write = name != "fused-s10"
     try:
         yield name
     finally:
-        (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill,
-         elementwise.use_c_kernels, torch_prefill.use_c_softmax, cpu_decode.use_tiled) = saved
+        (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill, elementwise.use_c_kernels,
+         torch_prefill.use_c_softmax, cpu_decode.use_tiled, elementwise.use_c_kv_write) = saved
 
 
 def step_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--real-prefill", action="store_true", help="prefill with the model (default: scheduler only)")
     p.add_argument("--attention", nargs="+", choices=ATTENTION_CHOICES, default=["fused"],
-                   help="CPU kernels: fused, fused-token-loop (decode kernel untiled), kernels (no fused "
+                   help="CPU kernels: fused, fused-s10 (session 10's decode loop and KV write), kernels (no fused "
                         "elementwise ops) and/or sdpa, alternated")
     p.add_argument("--repeats", type=int, default=1, help="alternations of the dtypes and kernels")
     p = add(commands, "scheduler-cost", cmd_scheduler_cost, "host cost per step with the model stubbed")
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--attention", nargs="+", choices=ATTENTION_CHOICES, default=["fused"],
-                   help="CPU kernels: fused, fused-token-loop (decode kernel untiled), kernels (no fused "
+                   help="CPU kernels: fused, fused-s10 (session 10's decode loop and KV write), kernels (no fused "
                         "elementwise ops) and/or sdpa, alternated")
     p.add_argument("--repeats", type=int, default=1, help="alternations of the dtypes, lengths and arms")
     p = add(commands, "threads", cmd_threads, "the same step under 1 and 2 intra-op threads (machine noise)")
