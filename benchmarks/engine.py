@@ -8,6 +8,7 @@
     python -m benchmarks.engine preemption
     python -m benchmarks.engine threads        # how much the machine's noise costs 2 threads vs 1
     python -m benchmarks.engine prefill-vs-linear --lengths 512 2048 --attention sdpa kernels fused
+    python -m benchmarks.engine --threads 1 decode-kernel   # the C decode kernel alone, tiled vs not
 
 The default model (SmolLM2-135M-Instruct) is loaded from the local cache; nothing is downloaded.
 """
@@ -17,7 +18,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -183,6 +186,44 @@ def cmd_prefill_vs_linear(args: argparse.Namespace) -> None:
                                "load_average": os.getloadavg()}, info)
 
 
+def decode_kernel_case(in_order: bool, layers: int = 30, seqs: int = 64, context: int = 142) -> tuple[Any, ...]:
+    """The default model's decode attention at a 64-row step: 9 query and 3 KV heads of 64, bf16, blocks
+    of 16, lengths context-7 .. context; one cache per layer (cycled, so each is read from memory as
+    in a step); block tables in pool order (a fresh engine's) or shuffled (a pool after churn)."""
+    generator = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-context // 16)
+    num_blocks = seqs * blocks_per_seq + 8
+    caches = [torch.randn(2, num_blocks, 16, 3, 64, generator=generator).bfloat16() for _ in range(layers)]
+    order = torch.arange(num_blocks) if in_order else torch.randperm(num_blocks, generator=generator)
+    tables = order[:seqs * blocks_per_seq].view(seqs, blocks_per_seq).contiguous()
+    lens = (context - torch.randint(0, 8, (seqs,), generator=generator)).int()
+    return torch.randn(seqs, 9, 64, generator=generator).bfloat16(), caches, tables, lens, context
+
+
+def cmd_decode_kernel(args: argparse.Namespace) -> None:
+    """The C decode kernel alone, 16 tokens at a time against one at a time, alternated: CPU time per
+    layer (process time over one pass of every layer's cache)."""
+    info = machine()
+    runs = []
+    cases = {"tables in pool order": decode_kernel_case(True), "tables shuffled": decode_kernel_case(False)}
+    for case, (query, caches, tables, lens, context) in cases.items():
+        times: dict[str, list[float]] = {"one token at a time": [], "16 at a time": []}
+        for _ in range(args.repeats):
+            for arm in times:
+                cpu_decode.use_tiled = arm == "16 at a time"
+                start = time.process_time()
+                for cache in caches:
+                    cpu_decode.paged_decode_attention(query, cache, tables, lens, context, 0.125)
+                times[arm].append((time.process_time() - start) / len(caches))
+        cpu_decode.use_tiled = True
+        runs += [{"case": case, "arm": arm, "ms_per_layer": [t * MS for t in ts],
+                  "median_ms": statistics.median(ts) * MS, "min_ms": min(ts) * MS} for arm, ts in times.items()]
+    print_table("C decode kernel per layer, 64 rows x ~142 tokens, bf16, 1 thread (CPU ms)",
+                ["block tables", "loop", "median", "min"],
+                [[r["case"], r["arm"], r["median_ms"], r["min_ms"]] for r in runs])
+    save("decode-kernel", {"runs": runs, "load_average": os.getloadavg()}, info)
+
+
 def cmd_threads(args: argparse.Namespace) -> None:
     info = machine()
     data = micro.threads_one(args.num_seqs, args.prompt_len, args.counts, args.repeats)
@@ -244,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU kernels: fused, fused-s10 (session 10's decode loop and KV write), kernels (no fused "
                         "elementwise ops) and/or sdpa, alternated")
     p.add_argument("--repeats", type=int, default=1, help="alternations of the dtypes, lengths and arms")
+    p = add(commands, "decode-kernel", cmd_decode_kernel, "the C decode kernel, 16 tokens at a time vs one")
+    p.add_argument("--repeats", type=int, default=7, help="alternations of the two loops")
     p = add(commands, "threads", cmd_threads, "the same step under 1 and 2 intra-op threads (machine noise)")
     p.add_argument("--num-seqs", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
