@@ -1,12 +1,14 @@
 """Engine benchmarks, one subcommand each (or `all`); results go to benchmarks/results/<name>.json/.png.
 
     python -m benchmarks.engine step-vs-linear --attention sdpa kernels fused   # CPU kernels before / after
+    python -m benchmarks.engine --threads 1 step-vs-linear --dtypes bfloat16 --attention fused-s10 fused
     python -m benchmarks.engine scheduler-cost
     python -m benchmarks.engine static-vs-continuous --num-requests 500
     python -m benchmarks.engine vs-transformers
     python -m benchmarks.engine preemption
     python -m benchmarks.engine threads        # how much the machine's noise costs 2 threads vs 1
     python -m benchmarks.engine prefill-vs-linear --lengths 512 2048 --attention sdpa kernels fused
+    python -m benchmarks.engine --threads 1 decode-kernel   # the C decode kernel alone, tiled vs not
 
 The default model (SmolLM2-135M-Instruct) is loaded from the local cache; nothing is downloaded.
 """
@@ -16,7 +18,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,29 +32,33 @@ from benchmarks import micro, plots, workloads  # noqa: E402
 from benchmarks.common import machine, print_table, save  # noqa: E402
 from cluster.model import elementwise  # noqa: E402
 from cluster.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kernels import torch_prefill  # noqa: E402
+from kernels import cpu_decode, torch_prefill  # noqa: E402
 
 MS = 1e3
 
 
-ATTENTION_CHOICES = ("fused", "kernels", "sdpa")
+ATTENTION_CHOICES = ("fused", "fused-s10", "kernels", "sdpa")
 
 
 @contextlib.contextmanager
 def cpu_attention(name: str) -> Iterator[str]:
     """CPU kernels for the engines built inside: "fused" (the default: "kernels" plus the fused C
-    elementwise ops, `kernels/cpu_fused.c`, and the C mask + softmax of bf16 prefill chunks), "kernels"
-    (the C decode kernel where it builds and chunked bf16 prefill matmuls, the model's elementwise ops
-    and the chunks' softmax in torch) or "sdpa" (the torch path before any: gather + grouped matmuls or SDPA)."""
-    saved = (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill,
-             elementwise.use_c_kernels, torch_prefill.use_c_softmax)
-    TorchAttentionBackend.use_c_kernel = TorchAttentionBackend.use_chunked_prefill = name in ("kernels", "fused")
-    elementwise.use_c_kernels = torch_prefill.use_c_softmax = name == "fused"
+    elementwise ops, `kernels/cpu_fused.c`, the C KV write and the C mask + softmax of bf16 prefill
+    chunks), "fused-s10" ("fused" as session 10 left it: the C decode kernel one token at a time
+    instead of 16 and the KV write in torch ops, the before arm of those two), "kernels" (the C decode
+    kernel where it builds and chunked bf16 prefill matmuls, the model's elementwise ops and the
+    chunks' softmax in torch) or "sdpa" (the torch path before any: gather + grouped matmuls or SDPA)."""
+    saved = (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill, elementwise.use_c_kernels,
+             torch_prefill.use_c_softmax, cpu_decode.use_tiled, elementwise.use_c_kv_write)
+    fused = name.startswith("fused")
+    TorchAttentionBackend.use_c_kernel = TorchAttentionBackend.use_chunked_prefill = name == "kernels" or fused
+    elementwise.use_c_kernels = torch_prefill.use_c_softmax = fused
+    cpu_decode.use_tiled = elementwise.use_c_kv_write = name != "fused-s10"
     try:
         yield name
     finally:
-        (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill,
-         elementwise.use_c_kernels, torch_prefill.use_c_softmax) = saved
+        (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill, elementwise.use_c_kernels,
+         torch_prefill.use_c_softmax, cpu_decode.use_tiled, elementwise.use_c_kv_write) = saved
 
 
 def step_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -178,6 +186,44 @@ def cmd_prefill_vs_linear(args: argparse.Namespace) -> None:
                                "load_average": os.getloadavg()}, info)
 
 
+def decode_kernel_case(in_order: bool, layers: int = 30, seqs: int = 64, context: int = 142) -> tuple[Any, ...]:
+    """The default model's decode attention at a 64-row step: 9 query and 3 KV heads of 64, bf16, blocks
+    of 16, lengths context-7 .. context; one cache per layer (cycled, so each is read from memory as
+    in a step); block tables in pool order (a fresh engine's) or shuffled (a pool after churn)."""
+    generator = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-context // 16)
+    num_blocks = seqs * blocks_per_seq + 8
+    caches = [torch.randn(2, num_blocks, 16, 3, 64, generator=generator).bfloat16() for _ in range(layers)]
+    order = torch.arange(num_blocks) if in_order else torch.randperm(num_blocks, generator=generator)
+    tables = order[:seqs * blocks_per_seq].view(seqs, blocks_per_seq).contiguous()
+    lens = (context - torch.randint(0, 8, (seqs,), generator=generator)).int()
+    return torch.randn(seqs, 9, 64, generator=generator).bfloat16(), caches, tables, lens, context
+
+
+def cmd_decode_kernel(args: argparse.Namespace) -> None:
+    """The C decode kernel alone, 16 tokens at a time against one at a time, alternated: CPU time per
+    layer (process time over one pass of every layer's cache)."""
+    info = machine()
+    runs = []
+    cases = {"tables in pool order": decode_kernel_case(True), "tables shuffled": decode_kernel_case(False)}
+    for case, (query, caches, tables, lens, context) in cases.items():
+        times: dict[str, list[float]] = {"one token at a time": [], "16 at a time": []}
+        for _ in range(args.repeats):
+            for arm in times:
+                cpu_decode.use_tiled = arm == "16 at a time"
+                start = time.process_time()
+                for cache in caches:
+                    cpu_decode.paged_decode_attention(query, cache, tables, lens, context, 0.125)
+                times[arm].append((time.process_time() - start) / len(caches))
+        cpu_decode.use_tiled = True
+        runs += [{"case": case, "arm": arm, "ms_per_layer": [t * MS for t in ts],
+                  "median_ms": statistics.median(ts) * MS, "min_ms": min(ts) * MS} for arm, ts in times.items()]
+    print_table("C decode kernel per layer, 64 rows x ~142 tokens, bf16, 1 thread (CPU ms)",
+                ["block tables", "loop", "median", "min"],
+                [[r["case"], r["arm"], r["median_ms"], r["min_ms"]] for r in runs])
+    save("decode-kernel", {"runs": runs, "load_average": os.getloadavg()}, info)
+
+
 def cmd_threads(args: argparse.Namespace) -> None:
     info = machine()
     data = micro.threads_one(args.num_seqs, args.prompt_len, args.counts, args.repeats)
@@ -213,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--real-prefill", action="store_true", help="prefill with the model (default: scheduler only)")
     p.add_argument("--attention", nargs="+", choices=ATTENTION_CHOICES, default=["fused"],
-                   help="CPU kernels: fused, kernels (no fused elementwise ops) and/or sdpa, alternated")
+                   help="CPU kernels: fused, fused-s10 (session 10's decode loop and KV write), kernels (no fused "
+                        "elementwise ops) and/or sdpa, alternated")
     p.add_argument("--repeats", type=int, default=1, help="alternations of the dtypes and kernels")
     p = add(commands, "scheduler-cost", cmd_scheduler_cost, "host cost per step with the model stubbed")
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 256])
@@ -235,8 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--attention", nargs="+", choices=ATTENTION_CHOICES, default=["fused"],
-                   help="CPU kernels: fused, kernels (no fused elementwise ops) and/or sdpa, alternated")
+                   help="CPU kernels: fused, fused-s10 (session 10's decode loop and KV write), kernels (no fused "
+                        "elementwise ops) and/or sdpa, alternated")
     p.add_argument("--repeats", type=int, default=1, help="alternations of the dtypes, lengths and arms")
+    p = add(commands, "decode-kernel", cmd_decode_kernel, "the C decode kernel, 16 tokens at a time vs one")
+    p.add_argument("--repeats", type=int, default=7, help="alternations of the two loops")
     p = add(commands, "threads", cmd_threads, "the same step under 1 and 2 intra-op threads (machine noise)")
     p.add_argument("--num-seqs", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)

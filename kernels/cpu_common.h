@@ -1,5 +1,5 @@
 /* What the CPU kernels (kernels/cpu_*.c) share: bf16 <-> fp32 as torch converts, the fp32
- * load/store pair their dtype-generic macros use, and a vectorized e^x. Included by path ("cpu_common.h"), next to them;
+ * load/store pair their dtype-generic macros use, a vectorized e^x and 16-lane loads widened to fp32. Included by path ("cpu_common.h"), next to them;
  * kernels/cpu_build.py keys its cache on this header too. */
 #ifndef PDSERVE_CPU_COMMON_H
 #define PDSERVE_CPU_COMMON_H
@@ -43,6 +43,13 @@ static inline __m512 exp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* 16 elements widened to fp32 (bf16 -> fp32 is exact: the bits moved up). */
+static inline __m512 load16_bf16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
 #endif
 
 #endif

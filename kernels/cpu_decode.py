@@ -21,13 +21,18 @@ import torch
 from kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+# 16 tokens at a time where the build has AVX-512 and heads are 64 or 128 wide (cpu_decode.c); False
+# gives session 10's one token at a time: the benchmarks' "before" arm (`benchmarks.engine`).
+use_tiled = True
+TOO_LONG = 2  # the kernel's answer when a length exceeds its block table: nothing read
 FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
 class DecodeShape(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
-                ("table_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int)]
+                ("table_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int),
+                ("tiled", ctypes.c_int), ("query_stride", ctypes.c_int64), ("table_width", ctypes.c_int64)]
 
 
 @functools.cache
@@ -58,18 +63,26 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     batch, heads, _ = query.shape
     _check(query, kv_cache, block_tables, seq_lens)
-    q = query.to(kv_cache.dtype).contiguous()
+    # The query's rows may be strided (a view into the step's rotated q + k): only each row's heads
+    # must lie contiguous, as they do there.
+    rows_contiguous = query.stride(2) == 1 and query.stride(1) == head_dim
+    q = query if query.dtype == kv_cache.dtype and rows_contiguous else query.to(kv_cache.dtype).contiguous()
     tables = block_tables.contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
+    lens = seq_lens.to(torch.int32).contiguous()  # no copy where it is already
+    out = q.new_empty((batch, heads, head_dim))
     shape = DecodeShape(batch, heads, kv_heads, head_dim, block_size, num_blocks, tables.stride(0) if batch else 0,
-                        scale, torch.get_num_threads())
+                        scale, torch.get_num_threads(), int(use_tiled), q.stride(0) if batch else 0,
+                        tables.shape[1])
     failed = getattr(library, FUNCTIONS[kv_cache.dtype])(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()), ctypes.c_void_p(tables.data_ptr()),
         ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.byref(shape))
+    if failed == TOO_LONG:
+        raise ValueError("a sequence is longer than its block table covers (or its length is negative)")
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
     return out.to(query.dtype)
+
+
 
 
 def _check(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -83,5 +96,5 @@ def _check(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
         raise ValueError("block_tables must be int64 with one row per query")
     if seq_lens.shape != (query.shape[0],):
         raise ValueError("seq_lens must hold one length per query")
-    if query.shape[0] and int(seq_lens.max()) > block_tables.shape[1] * block_size:
-        raise ValueError("a sequence is longer than its block table covers")
+    # Each length against its table's width is checked by the kernel itself, before it reads anything:
+    # here it cost a `max` and a sync to Python per layer (every layer of a step passes the same ones).

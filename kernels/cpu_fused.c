@@ -4,6 +4,8 @@
  *   add_rms_norm: residual' = x + residual (rounded to the dtype), out = weight * norm(residual')
  *   silu_mul:     out = silu(gate) * up, gate and up the two halves of each row of gate_up
  *   rotary:       Hugging Face's rotary (non-interleaved halves) of the query and key heads of qkv
+ *   write_kv:     the step's new keys and values into their slots of the paged cache (one call for
+ *                 what took torch two index_copy_ and their dispatch)
  *   causal_softmax_bf16: softmax of a chunk of prefill scores, in place, each row over the keys its
  *                 query sees (the rest set to 0): the mask and the softmax in one pass, and no exp
  *                 of a masked score
@@ -16,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -38,10 +41,6 @@ int fused_isa(void) {
 
 #if defined(__AVX512F__)
 
-static inline __m512 load16_bf16(const uint16_t *x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-}
-
 static inline void store16_bf16(uint16_t *x, __m512 v) {  /* round to nearest even; NaN stays NaN */
 #if defined(__AVX512BF16__)
     _mm256_storeu_si256((__m256i *)x, (__m256i)_mm512_cvtneps_pbh(v));  /* one instruction where the CPU has it */
@@ -55,7 +54,6 @@ static inline void store16_bf16(uint16_t *x, __m512 v) {  /* round to nearest ev
 #endif
 }
 
-static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
 static inline void store16_f32(float *x, __m512 v) { _mm512_storeu_ps(x, v); }
 static inline __m512 round16_f32(__m512 v) { return v; }
 static inline __m512 round16_bf16(__m512 v) {  /* to the nearest bf16, kept in fp32 lanes */
@@ -283,4 +281,19 @@ void argmax_rows_bf16(const uint16_t *logits, int64_t rows, int64_t cols, int64_
         }
         out[r] = best;
     }
+}
+
+/* Row t of `key` (`key_stride` bytes apart) to slot slots[t] of the cache's key half, row t of `value`
+ * to the same slot of its value half (`num_slots` rows on); rows of `row_bytes`. Nothing is written
+ * and 1 returned if a slot lies outside [0, num_slots): the cache would be written out of bounds. */
+int write_kv(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *cache,
+             const int64_t *slots, int64_t tokens, int64_t row_bytes, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+    char *values = cache + num_slots * row_bytes;
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(cache + slots[t] * row_bytes, key + t * key_stride, (size_t)row_bytes);
+        memcpy(values + slots[t] * row_bytes, value + t * value_stride, (size_t)row_bytes);
+    }
+    return 0;
 }

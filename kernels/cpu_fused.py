@@ -1,6 +1,7 @@
 """Fused elementwise ops for CPUs (`cpu_fused.c`), called through ctypes: the residual add with the
-RMSNorm after it, SiLU(gate) * up, the rotary embedding of queries and keys, the masked softmax
-of a bf16 prefill chunk, and the greedy argmax over bf16 logits.
+RMSNorm after it, SiLU(gate) * up, the rotary embedding of queries and keys, the step's KV write
+into the paged cache, the masked softmax of a bf16 prefill chunk, and the greedy argmax over bf16
+logits.
 
 At a decode step's 64 rows each torch op costs 10-60 us of dispatch and the model ran ~30 of them per
 layer between its matmuls; here each group is one call. Compiled at first use (`kernels/cpu_build.py`);
@@ -43,6 +44,7 @@ def library(march: str = "native") -> ctypes.CDLL | None:
             function.argtypes, function.restype = signature, None
     lib.causal_softmax_bf16.argtypes, lib.causal_softmax_bf16.restype = (_P, _I64, _I64, _I64, _I64, _INT), _INT
     lib.argmax_rows_bf16.argtypes, lib.argmax_rows_bf16.restype = (_P, _I64, _I64, _I64, _P, _INT), None
+    lib.write_kv.argtypes, lib.write_kv.restype = (_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64), _INT
     lib.fused_isa.restype = ctypes.c_int
     return lib
 
@@ -141,3 +143,25 @@ def argmax_rows(logits: torch.Tensor, march: str = "native") -> torch.Tensor:
     _lib(march).argmax_rows_bf16(logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr(),
                                  torch.get_num_threads())
     return out
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   march: str = "native") -> None:
+    """`reference.write_kv_cache` in one call: key and value [tokens, kv_heads, head_dim] of the cache's
+    dtype, each token's heads contiguous (rows may be strided: views into the step's qkv), into the
+    slots of slot_mapping (int64). An out-of-range slot raises IndexError and writes nothing."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    row = kv_heads * head_dim
+    for x in (key, value):
+        fits = x.shape == (slot_mapping.shape[0], kv_heads, head_dim) and x.stride(2) == 1 and x.stride(1) == head_dim
+        if x.dtype != kv_cache.dtype or x.device.type != "cpu" or not fits:
+            raise ValueError(f"key/value {tuple(x.shape)} {x.dtype} do not fit the cache's rows of {kv_heads} x "
+                             f"{head_dim} {kv_cache.dtype} (dtype and shape; each row's heads contiguous)")
+    if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64:
+        raise ValueError("kv_cache must be a contiguous CPU tensor and slot_mapping int64")
+    slots = slot_mapping.contiguous()
+    size = kv_cache.element_size()
+    if _lib(march).write_kv(key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size,
+                            kv_cache.data_ptr(), slots.data_ptr(), slots.shape[0], row * size,
+                            num_blocks * block_size):
+        raise IndexError(f"a KV slot lies outside the cache's {num_blocks * block_size} slots")

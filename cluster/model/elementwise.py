@@ -10,6 +10,8 @@ import torch
 from kernels import cpu_fused, reference
 
 use_c_kernels = True
+# False: the KV write in torch ops even where the C kernels serve (the benchmarks' before arm).
+use_c_kv_write = True
 
 
 def uses_c_kernels(x: torch.Tensor) -> bool:
@@ -37,3 +39,13 @@ def rotate_heads(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor
     if uses_c_kernels(qkv) and qkv.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous():
         return cpu_fused.rotary(qkv, heads, head_dim, cos, sin)
     return reference.rotary(qkv[:, :heads * head_dim].view(-1, heads, head_dim), cos, sin)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The step's keys and values [tokens, kv_heads, head_dim] into their cache slots: one C call where
+    they are already in the cache's dtype with each row's heads contiguous, else torch's index_copy_."""
+    if use_c_kv_write and uses_c_kernels(kv_cache) and key.dtype == value.dtype == kv_cache.dtype \
+            and kv_cache.is_contiguous() and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (key, value)):
+        cpu_fused.write_kv_cache(key, value, kv_cache, slot_mapping)
+    else:
+        reference.write_kv_cache(key, value, kv_cache, slot_mapping)

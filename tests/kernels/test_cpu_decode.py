@@ -1,10 +1,13 @@
 """The C decode kernel (`kernels/cpu_decode.c`) against the torch reference, on the paged cache as the
 runner lays it out: blocks scattered over the pool out of order, ragged lengths ending mid-block,
-padding rows of length 0, GQA groups, and every head size the kernel treats apart (64, 128, other)."""
+padding rows of length 0, GQA groups, and every head size the kernel treats apart (64, 128, other),
+through both of its loops (16 tokens at a time and one at a time) and for CPUs with and without
+AVX-512."""
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,19 +26,19 @@ MARCHES = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(not X86,
            pytest.param("skylake-avx512", marks=pytest.mark.skipif(not AVX512, reason="no AVX-512 here"))]
 
 
-def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-               seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
+               block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(query, kv_cache, block_tables, seq_lens): each sequence's tokens written into randomly chosen
     blocks; every slot left unwritten holds 1e4, so a read past a sequence's end shows."""
     generator = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-length // BLOCK_SIZE) for length in seq_lens) + 1  # one spare column of padding
+    max_blocks = max(-(-length // block_size) for length in seq_lens) + 1  # one spare column of padding
     num_blocks = len(seq_lens) * max_blocks + 3
-    kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim), 1e4).to(dtype)
+    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), 1e4).to(dtype)
     block_tables = torch.randperm(num_blocks, generator=generator)[:len(seq_lens) * max_blocks]
     block_tables = block_tables.view(len(seq_lens), max_blocks)
     for row, length in enumerate(seq_lens):
         for position in range(length):
-            block, offset = block_tables[row, position // BLOCK_SIZE], position % BLOCK_SIZE
+            block, offset = block_tables[row, position // block_size], position % block_size
             kv_cache[:, block, offset] = torch.randn(2, kv_heads, head_dim, generator=generator).to(dtype)
     query = torch.randn(len(seq_lens), heads, head_dim, generator=generator).to(dtype)
     return query, kv_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
@@ -45,13 +48,42 @@ def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64)])
 def test_decode_kernel_matches_the_reference(march: str, dtype: torch.dtype, heads: int, kv_heads: int,
-                                             head_dim: int) -> None:
+                                             head_dim: int, tiled: bool) -> None:
     seq_lens = [50, 1, 16, 0, 142, 33, 17]  # mid-block, one token, one exact block, padding, longer, ...
     query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=head_dim)
     scale = head_dim ** -0.5
     expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
     got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
     assert got.dtype == dtype and got.shape == query.shape
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
+
+
+@pytest.fixture(params=[True, False], ids=["tiled", "token-at-a-time"])
+def tiled(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Both loops of the kernel where the build has AVX-512: 16 tokens at a time (the default) and one."""
+    saved = cpu_decode.use_tiled
+    cpu_decode.use_tiled = request.param
+    yield request.param
+    cpu_decode.use_tiled = saved
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(12, 2, 64, 16), (6, 2, 128, 16), (9, 3, 64, 8), (9, 3, 64, 32), (5, 5, 64, 4)])
+def test_tiles_over_query_groups_and_block_sizes(march: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                                                 head_dim: int, block_size: int, tiled: bool) -> None:
+    """The tiled loops' seams: query groups split over register-sized chunks (6 heads of 64: 4 + 2; 3 of
+    128: 2 + 1), 16-token tiles that span several blocks (block size 4, 8) or sit inside one (32), and
+    tiles cut short at a sequence's end (lengths around 16 and 32)."""
+    seq_lens = [15, 16, 17, 0, 31, 32, 33, 77, 1]
+    query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=block_size,
+                                                     block_size=block_size)
+    scale = head_dim ** -0.5
+    expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
@@ -79,3 +111,26 @@ def test_decode_kernel_refuses_what_it_cannot_read() -> None:
         cpu_decode.paged_decode_attention(query, kv_cache, block_tables.int(), lens, 20, 0.125)
     with pytest.raises(ValueError, match="KV heads"):
         cpu_decode.paged_decode_attention(query[:, :8], kv_cache, block_tables, lens, 20, 0.125)
+
+
+def test_query_rows_may_be_strided() -> None:
+    """The model hands over a view into the step's rotated q + k rows: read in place, same result."""
+    query, kv_cache, block_tables, lens = paged_case([40, 0, 17], 9, 3, 64, torch.bfloat16, seed=3)
+    rows = torch.cat([query, torch.randn(3, 3, 64).bfloat16()], dim=1)  # q heads then k heads, per row
+    view = rows[:, :9]
+    assert not view.is_contiguous()
+    got = cpu_decode.paged_decode_attention(view, kv_cache, block_tables, lens, 40, 0.125)
+    assert torch.equal(got, cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 40, 0.125))
+
+
+def test_the_kernel_refuses_a_length_past_its_table_or_negative() -> None:
+    """The kernel checks every length against its table (the wrapper no longer does, per layer) before
+    reading anything, in every build."""
+    query, kv_cache, block_tables, lens = paged_case([20, 5], 9, 3, 64, torch.float32, seed=2)
+    for march in ("native", "x86-64-v3") if X86 else ("native",):
+        for bad in (block_tables.shape[1] * BLOCK_SIZE + 1, -1):
+            lens[1] = bad
+            with pytest.raises(ValueError, match="longer than its block table"):
+                cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125, march=march)
+        lens[1] = block_tables.shape[1] * BLOCK_SIZE  # the whole table: allowed
+        cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125, march=march)

@@ -118,3 +118,31 @@ def test_argmax_rows_is_torchs_argmax_on_the_widened_logits(march: str) -> None:
     got = cpu_fused.argmax_rows(logits, march=march)
     assert got.tolist() == logits.float().argmax(dim=-1).tolist()
     assert got.tolist()[1:5] == [3, 0, 10, 700]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_the_reference(dtype: torch.dtype) -> None:
+    """The step's keys and values as the model hands them over (views into one row of rotated q + k and
+    one of qkv: rows strided) land in out-of-order slots as `reference.write_kv_cache` puts them."""
+    tokens, heads, kv_heads, dim, blocks, block_size = 21, 9, 3, 64, 7, 4
+    rotated = torch.randn(tokens, heads + kv_heads, dim).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    key = rotated[:, heads:]
+    value = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    expected = torch.randn(2, blocks, block_size, kv_heads, dim).to(dtype)
+    got = expected.clone()
+    reference.write_kv_cache(key, value, expected, slots)
+    cpu_fused.write_kv_cache(key, value, got, slots)
+    assert torch.equal(got, expected)
+
+
+def test_write_kv_cache_refuses_a_slot_outside_the_cache() -> None:
+    key = value = torch.randn(2, 3, 64)
+    cache = torch.zeros(2, 4, 16, 3, 64)
+    for bad in (64, -1):
+        with pytest.raises(IndexError, match="slot"):
+            cpu_fused.write_kv_cache(key, value, cache, torch.tensor([5, bad]))
+        assert not cache.any(), "nothing written when a slot is out of range"
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_fused.write_kv_cache(key.bfloat16(), value, cache, torch.tensor([5, 6]))

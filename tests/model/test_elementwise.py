@@ -40,3 +40,18 @@ def test_what_the_kernels_do_not_serve_takes_the_torch_ops() -> None:
     weight = torch.rand(64).bfloat16()
     assert torch.equal(elementwise.add_rms_norm(strided, None, weight, 1e-5)[0],
                        reference.rms_norm(strided, weight, 1e-5))
+
+
+def test_the_kv_write_takes_the_c_kernel_where_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same cache either way; fp16 and a key in another dtype than the cache take torch's index_copy_."""
+    key, value = torch.randn(5, 3, 64).bfloat16(), torch.randn(5, 3, 64).bfloat16()
+    slots = torch.tensor([9, 2, 7, 0, 4])
+    calls, real = [], cpu_fused.write_kv_cache
+    monkeypatch.setattr(cpu_fused, "write_kv_cache", lambda *args: calls.append(args) or real(*args))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got, expected = torch.zeros(2, 3, 4, 3, 64, dtype=dtype), torch.zeros(2, 3, 4, 3, 64, dtype=dtype)
+        elementwise.write_kv_cache(key, value, got, slots)
+        reference.write_kv_cache(key, value, expected, slots)
+        assert torch.equal(got, expected)
+    assert len(calls) == 1, "only the bf16 cache (the keys' own dtype) takes the C kernel"
+

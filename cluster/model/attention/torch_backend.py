@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from cluster.model import elementwise
 from cluster.model.attention.backend import AttentionMetadata
 from kernels import cpu_decode, reference, torch_decode, torch_prefill
 
@@ -23,7 +24,7 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        elementwise.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         decode = decode_attention(kv_cache.dtype, self.use_c_kernel and kv_cache.device.type == "cpu")
         decodes = metadata.num_decodes
         if decodes == len(metadata.seq_lens_list):
