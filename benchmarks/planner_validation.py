@@ -10,8 +10,10 @@
    every token event timestamped at the client (`benchmarks.disaggregation.one`). Before the
    workload, a few requests alone time what serving adds to the profile's steps on that cluster
    (`benchmarks.planner_runs.measure_serving`: the first token's hops, each step's dispatch).
-3. Simulate the same requests on the same topology from the profile with those serving latencies,
-   and compare TTFT, ITL and TPOT p50/p90, predicted against measured.
+3. Simulate the same requests on the same topology from the profile with those serving latencies
+   (and the front door's CPU measured over the run: `benchmarks.planner_runs`), and compare TTFT,
+   ITL and TPOT p50/p90, predicted against measured; and every request's TTFT against its own
+   simulated one (`per_request`: where the percentiles hide a queue the model gets wrong).
 The helpers shared with `benchmarks.planner_goodput` are in `benchmarks.planner_runs`.
 Results: benchmarks/results/planner-validation.json and .png (predicted against measured, with the
 ±25% band). About 6 minutes on the 2-core box at the defaults: the profile ~25 s, each
@@ -35,10 +37,25 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import RESULTS, machine, print_table, save  # noqa: E402
 from benchmarks.disaggregation import Spec  # noqa: E402
-from benchmarks.planner_runs import FIGURES, compare, measured_run, predicted_run, profile_here, with_serving  # noqa: E402
+from benchmarks.planner_runs import (  # noqa: E402
+    FIGURES,
+    compare,
+    measured_run,
+    per_request,
+    predicted_run,
+    profile_here,
+    with_serving,
+)
 from cluster.planner.measure import MeasureGrid  # noqa: E402
 from cluster.planner.profile import Profile, Serving  # noqa: E402
-from cluster.planner.simulator import COLOCATED, DISAGGREGATED, Topology, simulate  # noqa: E402
+from cluster.planner.simulator import (  # noqa: E402
+    COLOCATED,
+    DISAGGREGATED,
+    Topology,
+    front_door_cores,
+    oversubscription,
+    simulate,
+)
 from cluster.planner.workload import RequestSpec  # noqa: E402
 
 NAME = "planner-validation"
@@ -67,8 +84,12 @@ def validate(name: str, profile: Profile, specs: list[Spec], requests: list[Requ
     topology = CONFIGS[name]
     measured = measured_run(name, topology, specs, args, profile)
     served = with_serving(profile, topology.mode, measured["serving"])
-    predicted = predicted_run(simulate(served, topology, requests))
-    return {"comparison": compare(measured, predicted), "serving": asdict(measured["serving"]),
+    result = simulate(served, topology, requests)
+    front_door = front_door_cores(measured["serving"], requests)
+    return {"comparison": compare(measured, predicted_run(result)), "serving": asdict(measured["serving"]),
+            "front_door_cores": front_door, "slowdown": oversubscription(served, topology, front_door),
+            "front_door_windows": measured["front_door_windows"],
+            "per_request": per_request(measured["requests"], result, specs),
             "failed": measured["failed"], "errors": measured["errors"], "load_average_after": os.getloadavg()}
 
 
@@ -118,6 +139,13 @@ def main() -> None:
     rows = [[name, key, f"{v['measured_s'] * 1000:.0f}", f"{v['predicted_s'] * 1000:.0f}", f"{v['error']:+.0%}"]
             for name, run in results.items() for key, v in run["comparison"].items()]
     print_table("planner validation (ms)", ["config", "figure", "measured", "predicted", "error"], rows)
+    print_table("each request's TTFT, simulated against measured",
+                ["config", "median error", "within 25%", "rank correlation", "step factor", "front door cores"],
+                [[name, f"{run['per_request'].get('median_error', float('nan')):+.0%}",
+                  f"{run['per_request'].get('within_25pct', float('nan')):.0%}",
+                  f"{run['per_request'].get('rank_correlation', float('nan')):.2f}",
+                  f"{run['serving']['step_factor']:.2f}", f"{run['front_door_cores']:.2f}"]
+                 for name, run in results.items()])
     save(NAME, {"results": results, "workload": {"rate": args.rate, "num_requests": args.num_requests,
                                                  "seed": args.seed}, "profile": profile.as_dict()}, info)
     plot(results, RESULTS / f"{NAME}.png")
