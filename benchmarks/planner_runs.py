@@ -29,7 +29,7 @@ from benchmarks.common import RESULTS, console
 from benchmarks.disaggregation import Record, Spec, drive, one, warm_up
 from cluster.planner.accuracy import per_request_agreement
 from cluster.planner.cluster_file import cluster_values
-from cluster.planner.front_door import CpuMeter, CpuWindow, front_door_costs
+from cluster.planner.front_door import CpuMeter, CpuWindow, OtherLoad, cores_between, front_door_costs
 from cluster.planner.measure import MeasureGrid, engine_for, measure
 from cluster.planner.profile import Profile, Serving, load_profile
 from cluster.planner.simulator import SimResult, Topology, percentile, serving_from_lone_requests
@@ -42,6 +42,8 @@ PROBE_PROMPT = 32  # tokens of the requests that time serving's fixed latencies
 LONG_PROBE_PROMPT = 256  # a prompt whose TTFT over the short one's gives the served step factor
 PROBE_TOKENS = 12
 IDLE_WINDOW_S = 2.0  # the front door's CPU with nothing served
+OTHER_LOAD_PERIOD_S = 1.0  # how often the other processes' cores are sampled during the workload
+QUIET_OTHER_CORES = 0.25  # a request is in a quiet spell when other processes took less than this
 
 
 def profile_here(path: str, grid: MeasureGrid, name: str) -> Profile:
@@ -113,6 +115,13 @@ async def idle_window(meter: CpuMeter, seconds: float = IDLE_WINDOW_S) -> CpuWin
     return CpuWindow(meter.window(before, meter.sample())[0], time.perf_counter() - started)
 
 
+async def sample_other_load(other: OtherLoad, started: float) -> None:
+    """Until cancelled: the other processes' cores, on the clock of the workload's records."""
+    while True:
+        other.sample(time.perf_counter() - started)
+        await asyncio.sleep(OTHER_LOAD_PERIOD_S)
+
+
 def with_serving(profile: Profile, mode: str, serving: Serving) -> Profile:
     return replace(profile, serving={**profile.serving, mode: serving})
 
@@ -124,13 +133,16 @@ def measured_run(name: str, topology: Topology, specs: list[Spec], args: argpars
     console.rule(f"[bold]{name}")
     cluster = Cluster(cluster_config(topology)).start()
     meter = CpuMeter()
+    other = OtherLoad()
     try:
         async def run() -> tuple[Serving, list[CpuWindow], list[Record]]:
             await warm_up(cluster, args)
             idle = await idle_window(meter)
             serving, lone = await measure_serving(cluster, profile, topology, meter)
             before, started = meter.sample(), time.perf_counter()
+            sampler = asyncio.create_task(sample_other_load(other, started))
             records = await drive(cluster, specs, args, name)
+            sampler.cancel()
             front_door = meter.window(before, meter.sample())[0]
             served = [r for r in records if r.error is None and r.events]
             loaded = CpuWindow(front_door, time.perf_counter() - started, len(served),
@@ -151,6 +163,7 @@ def measured_run(name: str, topology: Topology, specs: list[Spec], args: argpars
                           if r.num_tokens > 1 else 0.0, "finished_s": r.finished_s, "sent_s": r.sent_s}
                          for r in ok],
             "serving": serving, "front_door_windows": [asdict(window) for window in windows],
+            "other_load": other.timeline(),
             "failed": len(records) - len(ok), "errors": sorted({r.error for r in records if r.error})[:5]}
 
 
@@ -159,16 +172,24 @@ def predicted_run(result: SimResult) -> dict[str, list[float]]:
             "tpot": [r.tpot_s for r in result.requests if len(r.token_times) > 1]}
 
 
-def per_request(measured: list[dict[str, Any]], result: SimResult, specs: list[Spec]) -> dict[str, Any]:
+def per_request(measured: dict[str, Any], result: SimResult, specs: list[Spec]) -> dict[str, Any]:
     """Each measured request's TTFT next to its simulated one (by id; the simulation keeps the specs'
-    order), and how well they agree (`accuracy.per_request_agreement`)."""
+    order) and the cores other processes on the host took while it waited for its first token; how
+    well they agree (`accuracy.per_request_agreement`), over all and over the requests that waited in
+    a quiet spell (other processes under `QUIET_OTHER_CORES`): on a loaded machine those say what
+    the model gets wrong, the rest what the machine did."""
     simulated = {spec.request_id: (spec, r.ttft_s) for spec, r in zip(specs, result.requests, strict=True)}
     rows = [{"id": m["id"], "arrival_s": simulated[m["id"]][0].arrival_s, "prompt": len(simulated[m["id"]][0].prompt),
              "output": simulated[m["id"]][0].max_tokens, "measured_ttft_s": m["ttft_s"],
-             "predicted_ttft_s": simulated[m["id"]][1]} for m in measured if m["id"] in simulated]
+             "predicted_ttft_s": simulated[m["id"]][1],
+             "other_cores": cores_between(measured["other_load"], m["sent_s"], m["sent_s"] + m["ttft_s"])}
+            for m in measured["requests"] if m["id"] in simulated]
+    quiet = [row for row in rows if row["other_cores"] < QUIET_OTHER_CORES]
     agreement = per_request_agreement({row["id"]: row["measured_ttft_s"] for row in rows},
                                       {row["id"]: row["predicted_ttft_s"] for row in rows})
-    return {**agreement, "rows": rows}
+    in_quiet = per_request_agreement({row["id"]: row["measured_ttft_s"] for row in quiet},
+                                     {row["id"]: row["predicted_ttft_s"] for row in quiet})
+    return {**agreement, "quiet": in_quiet, "rows": rows}
 
 
 def compare(measured: dict[str, Any], predicted: dict[str, list[float]]) -> dict[str, Any]:

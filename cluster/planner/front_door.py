@@ -117,3 +117,49 @@ def _fields(stat: Path) -> list[str]:
     except OSError:
         return []
     return text[text.rfind(")") + 2:].split()
+
+
+def machine_busy_s() -> float:
+    """CPU seconds this machine's cores have been busy since boot, whoever ran (user, nice, system,
+    irq, softirq and steal time: /proc/stat's first line)."""
+    fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:9]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(value) for value in fields)
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def processes_cpu_s(pids: list[int]) -> float:
+    """CPU seconds the processes `pids` have used so far (all their threads); one that ended counts 0."""
+    total = 0
+    for pid in pids:
+        fields = _fields(PROC / str(pid) / "stat")
+        if fields:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """Cores taken by processes outside the tree under `root` (other jobs on the host), over time:
+    what a loaded machine's run must be read against (the simulator does not model them)."""
+
+    def __init__(self, root: int | None = None) -> None:
+        self.pids = process_tree(os.getpid() if root is None else root)  # the cluster's: started already
+        self.samples: list[tuple[float, float, float]] = []  # (wall, machine busy, the tree's CPU)
+
+    def sample(self, wall_s: float) -> None:
+        self.samples.append((wall_s, machine_busy_s(), processes_cpu_s(self.pids)))
+
+    def timeline(self) -> list[tuple[float, float, float]]:
+        """(start, end, cores the other processes took) between consecutive samples."""
+        return [(t0, t1, max((m1 - m0) - (c1 - c0), 0.0) / (t1 - t0))
+                for (t0, m0, c0), (t1, m1, c1) in zip(self.samples, self.samples[1:], strict=False) if t1 > t0]
+
+
+def cores_between(timeline: list[tuple[float, float, float]], start: float, end: float) -> float:
+    """The time-weighted mean of a timeline's cores over [start, end] (the part it covers; 0 if none)."""
+    weighted = covered = 0.0
+    for t0, t1, cores in timeline:
+        overlap = min(t1, end) - max(t0, start)
+        if overlap > 0:
+            weighted += cores * overlap
+            covered += overlap
+    return weighted / covered if covered else 0.0
