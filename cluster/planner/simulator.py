@@ -16,7 +16,8 @@ What it models, as the code decides it:
 - serving's fixed latencies (`Profile.serving_for(mode)`): a request reaches its worker's queue
   `first_token_s` after it arrives (its hops there and its first token's way back, taken together:
   a constant delay of every token leaves the gaps alone), and a served worker's step lasts
-  `step_factor` times the engine's alone, plus `step_s`;
+  `step_factor` times the engine's alone (a colocated or prefill worker: the factor is timed on
+  prompts), plus `step_s`;
 - workers sharing cores: when the workers' threads (`Profile.threads` each) and the front door's
   CPU (`front_door_cores`: the router, Ray, the workers' event loops, the client, in cores, from
   the workload's average request and token rates) outnumber the cores (`Topology.cores`, or the
@@ -235,7 +236,8 @@ def serving_from_lone_requests(profile: Profile, topology: Topology, prompt_toke
     row at about that context) and, given, a `long_prompt_tokens`-token request's TTFT. The inverse
     of `Simulation` for lone requests: the two TTFTs differ by factor x (their prefill steps'
     difference) x slowdown, the fixed latencies cancelling, which gives `step_factor`; the gap is
-    (factor x decode step + `step_s`) x slowdown, the TTFT `first_token_s` + (factor x prefill +
+    (factor x decode step + `step_s`) x slowdown (disaggregated: the decode worker's, without the
+    factor, `Simulation.step_factor`), the TTFT `first_token_s` + (factor x prefill +
     `step_s`) x slowdown. What the profile already explains is never negative serving, nor a factor
     under 1 (a served worker is never faster than the engine alone): clamped."""
     slowdown = oversubscription(profile, topology)
@@ -244,7 +246,8 @@ def serving_from_lone_requests(profile: Profile, topology: Topology, prompt_toke
         profiled = profile.prefill_seconds(long_prompt_tokens, 0) - profile.prefill_seconds(prompt_tokens, 0)
         if profiled > 0:
             factor = max((long_ttft_s - ttft_s) / slowdown / profiled, 1.0)
-    step_s = max(token_gap_s / slowdown - factor * profile.decode_seconds(1, prompt_tokens), 0.0)
+    decode_factor = factor if topology.mode == COLOCATED else 1.0  # see `Simulation.step_factor`
+    step_s = max(token_gap_s / slowdown - decode_factor * profile.decode_seconds(1, prompt_tokens), 0.0)
     first_token_s = ttft_s - (factor * profile.prefill_seconds(prompt_tokens, 0) + step_s) * slowdown
     return Serving(first_token_s=max(first_token_s, 0.0), step_s=step_s, step_factor=factor)
 
@@ -312,9 +315,14 @@ class Simulation:
         contexts = [request.spec.prompt_tokens + request.generated for request, _ in rows if not request.prefilling]
         worker.busy = True
         self.steps[id(worker)] = rows
-        engine_s = self.profile.step_seconds(chunks, contexts) * self.serving.step_factor
+        engine_s = self.profile.step_seconds(chunks, contexts) * self.step_factor(worker)
         seconds = (engine_s + self.serving.step_s) * self.slowdown
         self._push(now + seconds, "step_done", worker)
+
+    def step_factor(self, worker: SimWorker) -> float:
+        """The served step factor is timed on prompts, which a colocated or prefill worker runs; a
+        disaggregated decode worker's served cost is `step_s` alone, timed on its own token gap."""
+        return 1.0 if self.prefill and worker not in self.prefill else self.serving.step_factor
 
     def _on_step_done(self, now: float, worker: SimWorker) -> None:
         worker.busy = False

@@ -197,3 +197,18 @@ def test_front_door_costs_split_the_cpu_into_idle_per_request_and_per_token():
         pytest.approx((0.1, 0.2 / 40, 0.0))
     assert front_door_costs(idle, CpuWindow(0.103, 1.0, 3, 3), CpuWindow(6.0, 10.0, 40, 1000)) == \
         pytest.approx((0.1, 0.0, 5 / 1000))
+
+
+def test_disaggregated_the_factor_is_the_prefill_workers_and_the_decode_worker_keeps_its_timed_gap():
+    # The factor comes from prompts, which only the prefill worker runs: there each step is 1.5 x the
+    # engine's + 2 ms (200-token prompt: 1.5 x 0.21 + 0.002 = 0.317 s); the decode worker's steps are
+    # the engine's + 2 ms (0.011 + 0.002), its own gap timed alone.
+    profile = replace(linear_profile(), serving={DISAGGREGATED: Serving(step_s=0.002, step_factor=1.5)})
+    (request,) = simulate(profile, Topology(DISAGGREGATED, 1, 1, kv_overlap=False), [RequestSpec(0.0, 200, 3)]).requests
+    assert request.ttft_s == pytest.approx(0.317)
+    assert request.itls_s == pytest.approx([0.013, 0.013])
+    # The inverse: lone TTFTs 0.1 and 0.4 s (factor 1.5), a gap of 0.02 s: step_s 0.02 - 0.011, unscaled.
+    serving = serving_from_lone_requests(linear_profile(), Topology(DISAGGREGATED, 1, 1), 32, ttft_s=0.1,
+                                         token_gap_s=0.02, long_prompt_tokens=232, long_ttft_s=0.4)
+    assert (serving.step_factor, serving.step_s, serving.first_token_s) == \
+        pytest.approx((1.5, 0.009, 0.1 - (1.5 * 0.042 + 0.009)))
