@@ -7,8 +7,10 @@ Three tables, each of wall seconds on one worker of the machine recorded in `mac
 - transfer: moving `bytes` of KV out of one worker's cache and into another's.
 And what serving adds around the steps (`Serving`, per mode): the fixed latency of a request's first
 token (the client's call through Ray to the router, the decode worker's reservation round trip in
-disaggregated mode, the worker's queue, the first token's event back) and what a served worker adds
-to each step (its event loop dispatching the step's tokens). `pdserve profile` times one engine and
+disaggregated mode, the worker's queue, the first token's event back), what a served worker adds
+to each step (its event loop dispatching the step's tokens), how much longer a served worker's
+engine step takes than the engine alone's (`step_factor`), and the front door's CPU on the cores
+the workers share (`front_door.py`). `pdserve profile` times one engine and
 leaves them zero; `benchmarks.planner_runs.measure_serving` times them on a cluster it started.
 
 Between measured points the tables are interpolated linearly (bilinearly for the two-axis ones),
@@ -26,8 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROFILE_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no `serving`, read as zeros
+PROFILE_VERSION = 3
+# version 1: no `serving`, read as zeros; version 2: `serving` without the step factor and the front
+# door's costs, read as a factor of 1 and a front door that costs nothing
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +80,17 @@ class Serving:
 
     first_token_s: float = 0.0  # the request's hops to its worker and its first token's back
     step_s: float = 0.0  # added to every step of a served worker (the event loop's dispatch)
+    step_factor: float = 1.0  # a served worker's engine step over the engine alone's (the profile's)
+    # The front door's CPU on the cores the workers share (`front_door.py`): idle, in cores; per
+    # request and per streamed token, in CPU seconds.
+    front_door_idle_cores: float = 0.0
+    front_door_request_cpu_s: float = 0.0
+    front_door_token_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.first_token_s < 0 or self.step_s < 0:
-            raise ValueError(f"serving latencies must be >= 0, got {self}")
+        if min(self.first_token_s, self.step_s, self.front_door_idle_cores, self.front_door_request_cpu_s,
+               self.front_door_token_cpu_s) < 0 or self.step_factor <= 0:
+            raise ValueError(f"serving latencies and costs must be >= 0 and the step factor > 0, got {self}")
 
 
 @dataclass(frozen=True, slots=True)

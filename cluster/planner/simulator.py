@@ -16,13 +16,16 @@ What it models, as the code decides it:
 - serving's fixed latencies (`Profile.serving_for(mode)`): a request reaches its worker's queue
   `first_token_s` after it arrives (its hops there and its first token's way back, taken together:
   a constant delay of every token leaves the gaps alone), and a served worker's step lasts
-  `step_s` longer than the engine's alone;
-- workers sharing cores: when the workers' threads (`Profile.threads` each) outnumber the cores
-  (`Topology.cores`, or the profiled machine's), every step takes workers x threads / cores times
-  its profiled time (`oversubscription`): each worker gets that share of the cores it was profiled
-  with. Pessimistic while some workers idle, as their cores then go to the busy ones.
+  `step_factor` times the engine's alone (a colocated or prefill worker: the factor is timed on
+  prompts), plus `step_s`;
+- workers sharing cores: when the workers' threads (`Profile.threads` each) and the front door's
+  CPU (`front_door_cores`: the router, Ray, the workers' event loops, the client, in cores, from
+  the workload's average request and token rates) outnumber the cores (`Topology.cores`, or the
+  profiled machine's), every step takes (workers x threads + front door) / cores times its profiled
+  time (`oversubscription`): each worker gets that share of the cores it was profiled with.
+  Pessimistic while some workers idle, as their cores then go to the busy ones.
 What it leaves out (docs/planner.md): preemption and KV capacity, prefix caching, the admission
-limits (429s), the router's load polls, and cores taken by processes other than the workers.
+limits (429s), the router's load polls, and cores taken by processes outside the cluster.
 Standard library only: a plan simulates hundreds of configurations in seconds.
 """
 
@@ -202,28 +205,51 @@ class SimResult:
         return figures
 
 
-def oversubscription(profile: Profile, topology: Topology) -> float:
-    """How much longer each step takes because the workers' threads outnumber the cores: each of
-    `workers x threads` threads gets `cores / (workers x threads)` of a core, so a step profiled on
-    `threads` cores of its own takes `workers x threads / cores` times as long. 1 when they fit, or
-    when the profile does not say its threads or cores."""
+def oversubscription(profile: Profile, topology: Topology, front_door: float = 0.0) -> float:
+    """How much longer each step takes because the workers' threads and the front door's CPU
+    (`front_door`, in cores) outnumber the cores: each of `workers x threads` threads gets
+    `cores / (workers x threads + front door)` of a core, so a step profiled on `threads` cores of
+    its own takes `(workers x threads + front door) / cores` times as long. 1 when they fit, or when
+    the profile does not say its threads or cores."""
     cores = topology.cores or profile.cores
     if not cores or not profile.threads:
         return 1.0
-    return max(1.0, topology.num_workers * profile.threads / cores)
+    return max(1.0, (topology.num_workers * profile.threads + front_door) / cores)
+
+
+def front_door_cores(serving: Serving, specs: list[RequestSpec]) -> float:
+    """The cores the front door takes while the workload runs: its idle rate, plus its per-request
+    and per-token CPU at the workload's average rates (requests and output tokens over the span of
+    the arrivals: as if the cluster keeps up). A burst at one instant has no span: the idle rate."""
+    span = max(spec.arrival_s for spec in specs) - min(spec.arrival_s for spec in specs) if specs else 0.0
+    if span <= 0:
+        return serving.front_door_idle_cores
+    cpu_s = len(specs) * serving.front_door_request_cpu_s \
+        + sum(spec.output_tokens for spec in specs) * serving.front_door_token_cpu_s
+    return serving.front_door_idle_cores + cpu_s / span
 
 
 def serving_from_lone_requests(profile: Profile, topology: Topology, prompt_tokens: int, ttft_s: float,
-                               token_gap_s: float) -> Serving:
+                               token_gap_s: float, long_prompt_tokens: int = 0, long_ttft_s: float = 0.0) -> Serving:
     """The serving latencies that make the simulator reproduce what a client timed on requests sent
-    alone to that cluster: a `prompt_tokens`-token request's TTFT, and its steady token gap (one
-    decode row at about that context). The inverse of `Simulation` for one request: the gap is
-    (decode step + `step_s`) x slowdown, the TTFT `first_token_s` + (prefill + `step_s`) x slowdown.
-    What the profile already explains is never negative serving: clamped at 0."""
+    alone to that cluster: a `prompt_tokens`-token request's TTFT, its steady token gap (one decode
+    row at about that context) and, given, a `long_prompt_tokens`-token request's TTFT. The inverse
+    of `Simulation` for lone requests: the two TTFTs differ by factor x (their prefill steps'
+    difference) x slowdown, the fixed latencies cancelling, which gives `step_factor`; the gap is
+    (factor x decode step + `step_s`) x slowdown (disaggregated: the decode worker's, without the
+    factor, `Simulation.step_factor`), the TTFT `first_token_s` + (factor x prefill +
+    `step_s`) x slowdown. What the profile already explains is never negative serving, nor a factor
+    under 1 (a served worker is never faster than the engine alone): clamped."""
     slowdown = oversubscription(profile, topology)
-    step_s = max(token_gap_s / slowdown - profile.decode_seconds(1, prompt_tokens), 0.0)
-    first_token_s = ttft_s - (profile.prefill_seconds(prompt_tokens, 0) + step_s) * slowdown
-    return Serving(first_token_s=max(first_token_s, 0.0), step_s=step_s)
+    factor = 1.0
+    if long_prompt_tokens > prompt_tokens:
+        profiled = profile.prefill_seconds(long_prompt_tokens, 0) - profile.prefill_seconds(prompt_tokens, 0)
+        if profiled > 0:
+            factor = max((long_ttft_s - ttft_s) / slowdown / profiled, 1.0)
+    decode_factor = factor if topology.mode == COLOCATED else 1.0  # see `Simulation.step_factor`
+    step_s = max(token_gap_s / slowdown - decode_factor * profile.decode_seconds(1, prompt_tokens), 0.0)
+    first_token_s = ttft_s - (factor * profile.prefill_seconds(prompt_tokens, 0) + step_s) * slowdown
+    return Serving(first_token_s=max(first_token_s, 0.0), step_s=step_s, step_factor=factor)
 
 
 class Simulation:
@@ -244,6 +270,7 @@ class Simulation:
         self.slowdown = oversubscription(profile, topology)
 
     def run(self, specs: list[RequestSpec]) -> SimResult:
+        self.slowdown = oversubscription(self.profile, self.topology, front_door_cores(self.serving, specs))
         requests = [SimRequest(spec) for spec in specs]
         for request in requests:
             self._push(request.spec.arrival_s + self.serving.first_token_s, "arrival", request)
@@ -288,8 +315,14 @@ class Simulation:
         contexts = [request.spec.prompt_tokens + request.generated for request, _ in rows if not request.prefilling]
         worker.busy = True
         self.steps[id(worker)] = rows
-        seconds = (self.profile.step_seconds(chunks, contexts) + self.serving.step_s) * self.slowdown
+        engine_s = self.profile.step_seconds(chunks, contexts) * self.step_factor(worker)
+        seconds = (engine_s + self.serving.step_s) * self.slowdown
         self._push(now + seconds, "step_done", worker)
+
+    def step_factor(self, worker: SimWorker) -> float:
+        """The served step factor is timed on prompts, which a colocated or prefill worker runs; a
+        disaggregated decode worker's served cost is `step_s` alone, timed on its own token gap."""
+        return 1.0 if self.prefill and worker not in self.prefill else self.serving.step_factor
 
     def _on_step_done(self, now: float, worker: SimWorker) -> None:
         worker.busy = False

@@ -7,12 +7,14 @@ from dataclasses import replace
 
 import pytest
 
+from cluster.planner.front_door import CpuWindow, front_door_costs
 from cluster.planner.profile import Serving
 from cluster.planner.simulator import (
     COLOCATED,
     DISAGGREGATED,
     PoolLimits,
     Topology,
+    front_door_cores,
     oversubscription,
     percentile,
     serving_from_lone_requests,
@@ -134,3 +136,79 @@ def test_serving_latencies_from_lone_requests_make_the_simulator_reproduce_them(
     assert request.itls_s == pytest.approx([gap] * 3)
     # A cluster faster than the profile adds nothing (never a negative latency).
     assert serving_from_lone_requests(profile, topology, 32, ttft_s=0.01, token_gap_s=0.001) == Serving(0.0, 0.0)
+
+
+def test_a_served_step_factor_lengthens_every_engine_step_of_its_mode_before_the_step_latency():
+    # Colocated, factor 1.5 and 2 ms a step: the 100-token prompt's step 1.5 x 0.11 + 0.002 = 0.167 s,
+    # each one-row decode step 1.5 x 0.011 + 0.002 = 0.0185 s. The disaggregated factor is not used.
+    profile = replace(linear_profile(), serving={COLOCATED: Serving(step_s=0.002, step_factor=1.5),
+                                                 DISAGGREGATED: Serving(step_factor=9.0)})
+    (request,) = simulate(profile, Topology(COLOCATED, 0, 1), [RequestSpec(0.0, 100, 3)]).requests
+    assert request.ttft_s == pytest.approx(0.167)
+    assert request.itls_s == pytest.approx([0.0185, 0.0185])
+
+
+def test_the_front_doors_cpu_on_shared_cores_slows_every_step_by_its_share():
+    # Two 1-thread colocated workers on 2 cores, and a front door using 0.2 of a core idle, 0.05 CPU-s
+    # a request and 0.01 a token. Two requests 2 s apart, 4 tokens each: 0.2 + (2 x 0.05 + 8 x 0.01) / 2
+    # = 0.29 of a core, so 2.29 threads' worth of work on 2 cores: every step 1.145x.
+    serving = Serving(front_door_idle_cores=0.2, front_door_request_cpu_s=0.05, front_door_token_cpu_s=0.01)
+    profile = replace(linear_profile(), threads=1, machine={"cores": 2}, serving={COLOCATED: serving})
+    specs = [RequestSpec(0.0, 100, 4), RequestSpec(2.0, 100, 4)]
+    assert front_door_cores(serving, specs) == pytest.approx(0.29)
+    first, _ = simulate(profile, Topology(COLOCATED, 0, 2), specs).requests
+    assert first.ttft_s == pytest.approx(0.11 * 1.145)
+    assert first.itls_s == pytest.approx([0.011 * 1.145] * 3)
+    # One such worker leaves a core to the front door: no slowdown.
+    alone, _ = simulate(profile, Topology(COLOCATED, 0, 1), specs).requests
+    assert alone.ttft_s == pytest.approx(0.11)
+    assert oversubscription(profile, Topology(COLOCATED, 0, 1), front_door=0.29) == 1.0
+    assert oversubscription(profile, Topology(COLOCATED, 0, 2), front_door=0.29) == pytest.approx(1.145)
+
+
+def test_a_long_lone_prompt_gives_the_served_step_factor_and_the_simulator_reproduces_all_three():
+    # Lone requests: a 32-token prompt's TTFT 0.1 s, a 232-token one's 0.4 s, a token gap of 0.02 s.
+    # Profile prefill 0.042 and 0.242 s: 0.3 s measured for 0.2 s profiled, factor 1.5 (the fixed
+    # latencies cancel in the difference); step_s 0.02 - 1.5 x 0.011 = 0.0035; first token
+    # 0.1 - (1.5 x 0.042 + 0.0035) = 0.0335.
+    profile = linear_profile()
+    topology = Topology(COLOCATED, 0, 1)
+    serving = serving_from_lone_requests(profile, topology, 32, ttft_s=0.1, token_gap_s=0.02,
+                                         long_prompt_tokens=232, long_ttft_s=0.4)
+    assert (serving.step_factor, serving.step_s, serving.first_token_s) == pytest.approx((1.5, 0.0035, 0.0335))
+    served = replace(profile, serving={COLOCATED: serving})
+    short, long = simulate(served, topology, [RequestSpec(0.0, 32, 3), RequestSpec(10.0, 232, 1)]).requests
+    assert (short.ttft_s, long.ttft_s) == pytest.approx((0.1, 0.4))
+    assert short.itls_s == pytest.approx([0.02, 0.02])
+    # A served worker is never faster than the engine alone: a smaller difference is noise, factor 1.
+    assert serving_from_lone_requests(profile, topology, 32, ttft_s=0.1, token_gap_s=0.02, long_prompt_tokens=232,
+                                      long_ttft_s=0.2).step_factor == 1.0
+
+
+def test_front_door_costs_split_the_cpu_into_idle_per_request_and_per_token():
+    # Idle: 0.2 CPU-s in 2 s, 0.1 of a core. Three one-token probes in 1 s: 0.4 CPU-s, 0.3 above idle,
+    # 0.1 per request-with-one-token. The run: 10 s, 40 requests, 1,000 tokens, 6 CPU-s, 5 above idle:
+    # 40 r + 1000 t = 5 and r + t = 0.1, so t = (5 - 4) / 960 and r = 0.1 - t.
+    idle = CpuWindow(cpu_s=0.2, wall_s=2.0)
+    costs = front_door_costs(idle, CpuWindow(0.4, 1.0, requests=3, tokens=3), CpuWindow(6.0, 10.0, 40, 1000))
+    assert costs == pytest.approx((0.1, 0.1 - 1 / 960, 1 / 960))
+    # Noise that would make a cost negative puts it all on the other: never below 0.
+    assert front_door_costs(idle, CpuWindow(0.4, 1.0, 3, 3), CpuWindow(1.2, 10.0, 40, 1000)) == \
+        pytest.approx((0.1, 0.2 / 40, 0.0))
+    assert front_door_costs(idle, CpuWindow(0.103, 1.0, 3, 3), CpuWindow(6.0, 10.0, 40, 1000)) == \
+        pytest.approx((0.1, 0.0, 5 / 1000))
+
+
+def test_disaggregated_the_factor_is_the_prefill_workers_and_the_decode_worker_keeps_its_timed_gap():
+    # The factor comes from prompts, which only the prefill worker runs: there each step is 1.5 x the
+    # engine's + 2 ms (200-token prompt: 1.5 x 0.21 + 0.002 = 0.317 s); the decode worker's steps are
+    # the engine's + 2 ms (0.011 + 0.002), its own gap timed alone.
+    profile = replace(linear_profile(), serving={DISAGGREGATED: Serving(step_s=0.002, step_factor=1.5)})
+    (request,) = simulate(profile, Topology(DISAGGREGATED, 1, 1, kv_overlap=False), [RequestSpec(0.0, 200, 3)]).requests
+    assert request.ttft_s == pytest.approx(0.317)
+    assert request.itls_s == pytest.approx([0.013, 0.013])
+    # The inverse: lone TTFTs 0.1 and 0.4 s (factor 1.5), a gap of 0.02 s: step_s 0.02 - 0.011, unscaled.
+    serving = serving_from_lone_requests(linear_profile(), Topology(DISAGGREGATED, 1, 1), 32, ttft_s=0.1,
+                                         token_gap_s=0.02, long_prompt_tokens=232, long_ttft_s=0.4)
+    assert (serving.step_factor, serving.step_s, serving.first_token_s) == \
+        pytest.approx((1.5, 0.009, 0.1 - (1.5 * 0.042 + 0.009)))

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.planner.cluster_file import helm_flags, to_cluster_config
-from cluster.planner.profile import Grid, Serving, interpolate, load_profile
+from cluster.planner.profile import PROFILE_VERSION, Grid, Serving, interpolate, load_profile
 from cluster.planner.simulator import COLOCATED, DISAGGREGATED, PoolLimits, Topology
 from cluster.planner.workload import load_workload, workload_from_dict
 from tests.planner.profiles import linear_profile
@@ -113,7 +113,20 @@ def test_a_version_1_profile_loads_with_zero_serving_latencies(tmp_path):
     (tmp_path / "v1.json").write_text(json.dumps({**old, "version": 1}))
     loaded = load_profile(tmp_path / "v1.json")
     assert loaded.serving_for("colocated") == Serving(0.0, 0.0) and loaded == linear_profile()
-    assert load_profile(tmp_path / "v1.json").version == 2
+    assert load_profile(tmp_path / "v1.json").version == PROFILE_VERSION
+
+
+def test_a_version_2_profile_loads_with_no_step_factor_and_no_front_door(tmp_path):
+    # Version 2's serving had only the two latencies: a served step as the engine's, the front door free.
+    values = {**linear_profile().as_dict(), "version": 2,
+              "serving": {"colocated": {"first_token_s": 0.07, "step_s": 0.003}}}
+    (tmp_path / "v2.json").write_text(json.dumps(values))
+    serving = load_profile(tmp_path / "v2.json").serving_for("colocated")
+    assert serving == Serving(first_token_s=0.07, step_s=0.003)
+    assert (serving.step_factor, serving.front_door_idle_cores, serving.front_door_request_cpu_s,
+            serving.front_door_token_cpu_s) == (1.0, 0.0, 0.0, 0.0)
+    full = replace(linear_profile(), serving={"colocated": Serving(0.07, 0.003, 1.4, 0.1, 0.02, 0.001)})
+    assert load_profile(full.save(tmp_path / "v3.json")) == full
 
 
 @pytest.mark.parametrize("text, message", [("[1, 2]", "a workload is a JSON object"),
