@@ -17,8 +17,8 @@ Arms:
   handling: TCP (what workers on two hosts use).
 - tcp-poll1: the same with UCX_TCP_MAX_POLL=1 (UCX drains a socket less greedily per progress call).
 - sm: raw ucxx with worker-address endpoints, error handling off and UCX_TLS=sm,self (shared memory,
-  see docs/performance.md, "UCX's transports here"): the same four messages per transfer as the connector's wire
-  format, minus the payload size probe, awaited the same way (`cluster.transfer.ucx.complete`). Not
+  see docs/performance.md, "UCX's transports here"): the same three messages per transfer as the connector's
+  wire format, minus the payload size probe, awaited the same way (`cluster.transfer.ucx.complete`). Not
   part of the connector: a dead peer hangs it, so every operation here runs under a deadline.
 Killed peers (`--kill-trials`, the shm arm): a sender streams 64 MiB transfers to a receiver; the
 receiver process is killed with SIGKILL (the sender must raise TransferError), then, in another
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.transfer.connector import KVHeader
+from cluster.transfer.connector import MAX_HEADER_BYTES, KVHeader
 from cluster.transfer.phases import breakdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -313,12 +313,10 @@ async def sm_receiver(sizes: list[int], transfers: int) -> dict[str, Any]:
 
 
 async def sm_receive_frame(ucxx: Any, buffer: np.ndarray) -> None:
-    """Length prefix, header (validated), payload straight into `buffer`."""
-    prefix = bytearray(8)
-    await _recv(ucxx, prefix, TAG_FRAME)
-    header_bytes = bytearray(int.from_bytes(prefix, "little"))
-    await _recv(ucxx, header_bytes, TAG_FRAME)
-    header = KVHeader.from_bytes(bytes(header_bytes))
+    """Length prefix and header (one message; validated), payload straight into `buffer`."""
+    opening = bytearray(8 + MAX_HEADER_BYTES)  # a shorter message fills its start
+    await _recv(ucxx, opening, TAG_FRAME)
+    header = KVHeader.from_bytes(bytes(opening[8:8 + int.from_bytes(opening[:8], "little")]))
     assert header.nbytes == buffer.nbytes, "the benchmark's own frames are well formed"
     await _recv(ucxx, buffer, TAG_FRAME)
 
@@ -335,7 +333,7 @@ async def sm_sender(address: str, sizes: list[int], transfers: int) -> dict[str,
     for request_id, nbytes in request_ids(sizes, transfers):
         header = header_for(request_id, nbytes).to_bytes()
         started = time.perf_counter()
-        for message in (bytearray(len(header).to_bytes(8, "little")), bytearray(header), payloads[nbytes]):
+        for message in (bytearray(len(header).to_bytes(8, "little") + header), payloads[nbytes]):
             await _send(endpoint, message, TAG_FRAME)
         await _recv(ucxx, bytearray(1), TAG_ACK)
         seconds.setdefault(str(nbytes), []).append(time.perf_counter() - started)
