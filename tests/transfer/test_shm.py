@@ -442,6 +442,53 @@ def test_segments_prefaulted_ahead_are_pooled_and_handed_out(loop: asyncio.Abstr
     loop.run_until_complete(asyncio.wait_for(body(), 20))
 
 
+def test_segments_of_every_size_class_up_to_a_size_are_made_ahead(loop: asyncio.AbstractEventLoop,
+                                                                   segment_dir: Path) -> None:
+    """`prefault_up_to` makes one segment per size class from 1 MiB up to the given size's (what a
+    decode worker does at start), skips classes already pooled, and stops where the pool is full."""
+    segments = shm.Segments(str(segment_dir), pool_bytes=24 << 20)
+
+    def pooled_sizes() -> list[int]:
+        return sorted(os.path.getsize(segment_dir / name) >> 20 for name in os.listdir(segment_dir))
+
+    async def body() -> None:
+        assert await segments.prefault_up_to(5 << 20) == 4
+        assert pooled_sizes() == [1, 2, 4, 8]
+        assert await segments.prefault_up_to(3 << 20) == 0  # every class up to 4 MiB is pooled already
+        assert await segments.prefault_up_to(40 << 20) == 0  # 16 MiB more would pass the pool's 24
+        assert pooled_sizes() == [1, 2, 4, 8]
+        landing = await segments.allocate("fe01", 6 << 20)  # takes the pooled 8 MiB one
+        assert landing is not None and pooled_sizes() == [1, 2, 4, 8] and segments.pooled_bytes == 7 << 20
+        segments.close()
+
+    loop.run_until_complete(asyncio.wait_for(body(), 20))
+
+
+def test_a_decode_worker_makes_its_landing_segments_at_start(loop: asyncio.AbstractEventLoop, checkpoint: Path,
+                                                             segment_dir: Path) -> None:
+    """A decode worker on a CPU makes the landing segments of prompts up to one prefill step's tokens
+    when it starts (one per size class): its first reservation takes one, it does not wait for a new
+    one to be faulted in."""
+    from cluster.transfer.ucx import UCXReceiver
+
+    async def body() -> None:
+        decode = Worker("decode-0", "decode", make_engine(checkpoint, budget=512),
+                        receiver=UCXReceiver(timeout_s=TIMEOUT_S, segment_dir=str(segment_dir)))
+        await decode.start()
+        try:
+            made_at_start = {os.stat(segment_dir / name).st_ino for name in os.listdir(segment_dir)}
+            assert made_at_start, "no landing segment was made at start"
+            ticket = await decode.reserve("first", [3 + i % 240 for i in range(500)], GREEDY)  # ~a whole step
+            assert ticket is not None
+            landing = named_for(ticket.token, segment_dir)
+            assert len(landing) == 1 and os.stat(segment_dir / landing[0]).st_ino in made_at_start
+            assert len(os.listdir(segment_dir)) == len(made_at_start)  # none made since
+        finally:
+            await decode.stop()
+
+    loop.run_until_complete(asyncio.wait_for(body(), 60))
+
+
 def test_the_phase_marks_of_a_frame_line_up_across_both_sides(shm_pair: Pair, segment_dir: Path) -> None:
     """What benchmarks/kv_transfer.py reports per step: every step of an in-place frame is marked on
     its side, in order, and the breakdown has each span."""
