@@ -64,6 +64,7 @@ from urllib.parse import parse_qs, urlencode
 
 import numpy as np
 
+from cluster.transfer import stream_copy
 from cluster.transfer.connector import TransferError
 from cluster.transfer.loopback import is_device_bytes
 
@@ -467,9 +468,11 @@ def _alive(pid: int) -> bool:
 
 async def copy_in_chunks(target: memoryview, payload: memoryview) -> None:
     """Copy `payload` into `target` (as long), yielding to the event loop between chunks: a cancelled
-    send stops there, and the loop stays responsive during a large frame."""
+    send stops there, and the loop stays responsive during a large frame. Streaming stores
+    (`stream_copy`): the segment is memory this process has not written lately."""
+    await stream_copy.ready()
     for start in range(0, payload.nbytes, COPY_CHUNK):
         stop = min(start + COPY_CHUNK, payload.nbytes)
-        target[start:stop] = payload[start:stop]
+        stream_copy.copy(target[start:stop], payload[start:stop])
         if stop < payload.nbytes:
             await asyncio.sleep(0)

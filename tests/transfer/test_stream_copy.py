@@ -1,0 +1,62 @@
+"""The streaming-store copy into landing segments (cluster/transfer/stream_copy.py): exact bytes for
+every length and alignment, nothing written outside the target, bad arguments refused."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+
+import numpy as np
+import pytest
+
+from cluster.transfer import stream_copy
+
+# Lengths around the C loop's 128-byte steps and the 64-byte head, and around STREAM_MIN.
+LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 1000, 4096 + 5, stream_copy.STREAM_MIN - 1, stream_copy.STREAM_MIN,
+           stream_copy.STREAM_MIN + 129, (3 << 20) + 17]
+OFFSETS = [(0, 0), (1, 0), (0, 3), (31, 7), (64, 64), (17, 63)]  # (target's, source's) misalignment
+
+
+@pytest.fixture(scope="module")
+def library() -> ctypes.CDLL:
+    asyncio.run(stream_copy.ready())
+    lib = stream_copy.library()
+    if lib is None:
+        pytest.skip("no C compiler here: the copy is a plain one")
+    return lib
+
+
+def around(length: int, offset: int, seed: int) -> np.ndarray:
+    """Random bytes with `offset` bytes before and 64 after the `length` the copy should touch."""
+    return np.random.default_rng(seed).integers(0, 256, offset + length + 64, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_the_copy_is_exact_and_stays_inside_its_target(library: ctypes.CDLL, length: int) -> None:
+    for target_offset, source_offset in OFFSETS:
+        target, source = around(length, target_offset, 1), around(length, source_offset, 2)
+        before = target.copy()
+        window = memoryview(target)[target_offset:target_offset + length]
+        payload = memoryview(source)[source_offset:source_offset + length]
+        def through_c(target: memoryview, source: memoryview) -> None:  # the C path at every length too
+            library.stream_copy(stream_copy._address(target), stream_copy._address(source), source.nbytes)
+
+        for copy in (stream_copy.copy, through_c):
+            target[:] = before
+            copy(window, payload)
+            assert np.array_equal(target[target_offset:target_offset + length],
+                                  source[source_offset:source_offset + length]), (length, target_offset, source_offset)
+            assert np.array_equal(target[:target_offset], before[:target_offset])
+            assert np.array_equal(target[target_offset + length:], before[target_offset + length:])
+
+
+def test_a_large_copy_takes_the_streaming_path_once_ready(library: ctypes.CDLL) -> None:
+    assert stream_copy._loaded() is library  # what `copy` uses from STREAM_MIN bytes on
+
+
+def test_a_copy_of_another_length_or_into_read_only_memory_is_refused() -> None:
+    source = np.arange(100, dtype=np.uint8)
+    with pytest.raises(ValueError, match="99"):
+        stream_copy.copy(memoryview(np.zeros(99, dtype=np.uint8)), memoryview(source))
+    with pytest.raises(ValueError, match="read-only"):
+        stream_copy.copy(memoryview(bytes(100)), memoryview(source))
