@@ -27,7 +27,7 @@ the kill to the survivor's TransferError (CLOCK_MONOTONIC is shared by the proce
 Baselines, in the same run (`measure_memcpy`): `memcpy`, np.copyto into one destination again and
 again (as every run reported; at 16 MiB partly within the L3), and `copies`: memcpy into as many
 destinations in turn as the shm arm's landing segments (`ROTATING`, the transfer's shape), and the
-shm arm's own copy (`cluster.transfer.stream_copy`, streaming stores) into them.
+shm arm's own copy (`cluster.transfer.stream_copy`: streaming stores from 16 MiB) into them.
 Results go to benchmarks/results/kv-transfer.json and kv-transfer.png.
 """
 
@@ -475,7 +475,7 @@ def measure_memcpy(sizes: list[int], repeats: int, destinations: int = 1,
     destination (32 MiB) fit this CPU's 32 MiB L3, so much of it is copied within the cache. The shm
     arm writes into LOOKAHEAD + 1 landing segments in turn (`ROTATING`), which the cache does not
     hold: `copies` in the JSON has memcpy into as many destinations (the transfer's shape) and the
-    shm arm's own copy (`cluster.transfer.stream_copy`, streaming stores) into them."""
+    shm arm's own copy (`cluster.transfer.stream_copy`: streaming stores from 16 MiB) into them."""
     per_size = {}
     for nbytes in sizes:
         source = payload_for(nbytes)
@@ -493,10 +493,11 @@ def measure_copies(sizes: list[int], repeats: int) -> dict[str, Any]:
     from cluster.transfer import stream_copy
 
     asyncio.run(stream_copy.ready())
-    stream = "streaming stores" if stream_copy.library() is not None else "plain (no C compiler here)"
+    stream = "streaming stores from 16 MiB" if stream_copy.library() is not None else "plain (no C compiler here)"
     return {"memcpy_rotating": measure_memcpy(sizes, repeats, ROTATING),
             "stream_rotating": measure_memcpy(sizes, repeats, ROTATING,
-                                              lambda t, s: stream_copy.copy(memoryview(t), memoryview(s))),
+                                              lambda t, s: stream_copy.copy(memoryview(t), memoryview(s),
+                                                                            stream_copy.streams(s.nbytes))),
             "destinations": ROTATING, "stream_copy": stream}
 
 

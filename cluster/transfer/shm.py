@@ -468,11 +468,13 @@ def _alive(pid: int) -> bool:
 
 async def copy_in_chunks(target: memoryview, payload: memoryview) -> None:
     """Copy `payload` into `target` (as long), yielding to the event loop between chunks: a cancelled
-    send stops there, and the loop stays responsive during a large frame. Streaming stores
-    (`stream_copy`): the segment is memory this process has not written lately."""
-    await stream_copy.ready()
+    send stops there, and the loop stays responsive during a large frame. A large frame is copied with
+    streaming stores (`stream_copy`): the segment is memory this process has not written lately."""
+    streaming = stream_copy.streams(payload.nbytes)
+    if streaming:
+        await stream_copy.ready()
     for start in range(0, payload.nbytes, COPY_CHUNK):
         stop = min(start + COPY_CHUNK, payload.nbytes)
-        stream_copy.copy(target[start:stop], payload[start:stop])
+        stream_copy.copy(target[start:stop], payload[start:stop], streaming)
         if stop < payload.nbytes:
             await asyncio.sleep(0)

@@ -99,6 +99,28 @@ def test_kv_of_any_dtype_lands_bit_for_bit_through_shared_memory(shm_pair: Pair,
     shm_pair.run(body())
 
 
+def test_frames_large_enough_to_stream_land_bit_for_bit_at_their_offsets(shm_pair: Pair, segment_dir: Path) -> None:
+    """Two frames each over `stream_copy.STREAM_MIN` (copied with streaming stores, in chunks), of a
+    length no multiple of any vector, the second at an unaligned offset: every byte lands."""
+    from cluster.transfer import stream_copy
+
+    frame_nbytes = stream_copy.STREAM_MIN + 4096 + 77
+    nbytes, data = 2 * frame_nbytes, payload(2 * frame_nbytes, seed=9)
+    assert stream_copy.streams(frame_nbytes)
+
+    async def body() -> None:
+        landing = await shm_pair.receiver.landing_memory("ab34", nbytes)
+        assert landing is not None
+        done = shm_pair.receiver.expect("big", landing, "ab34")
+        for index, header in enumerate(frames("big", nbytes, "ab34")):
+            view = memoryview(data)[index * frame_nbytes:(index + 1) * frame_nbytes]
+            assert await shm_pair.sender.send(shm_pair.receiver.address, header, view) == shm.TRANSPORT_SHM
+        await done
+        assert np.array_equal(np.frombuffer(landing, dtype=np.uint8), data)
+
+    shm_pair.run(body())
+
+
 def test_a_buffer_that_is_no_segment_gets_its_bytes_over_ucx(shm_pair: Pair, segment_dir: Path) -> None:
     """The fallback: a receiver on this host whose caller gave ordinary memory gets the payload on the wire."""
     data = payload(2 * 4096, seed=5)

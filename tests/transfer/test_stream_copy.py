@@ -11,9 +11,8 @@ import pytest
 
 from cluster.transfer import stream_copy
 
-# Lengths around the C loop's 128-byte steps and the 64-byte head, and around STREAM_MIN.
-LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 1000, 4096 + 5, stream_copy.STREAM_MIN - 1, stream_copy.STREAM_MIN,
-           stream_copy.STREAM_MIN + 129, (3 << 20) + 17]
+# Lengths around the C loop's 128-byte steps and the 64-byte head, and a few MiB.
+LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 1000, 4096 + 5, (1 << 20) - 1, 1 << 20, (3 << 20) + 17]
 OFFSETS = [(0, 0), (1, 0), (0, 3), (31, 7), (64, 64), (17, 63)]  # (target's, source's) misalignment
 
 
@@ -41,7 +40,7 @@ def test_the_copy_is_exact_and_stays_inside_its_target(library: ctypes.CDLL, len
         def through_c(target: memoryview, source: memoryview) -> None:  # the C path at every length too
             library.stream_copy(stream_copy._address(target), stream_copy._address(source), source.nbytes)
 
-        for copy in (stream_copy.copy, through_c):
+        for copy in (stream_copy.copy, through_c, lambda t, s: stream_copy.copy(t, s, streaming=False)):
             target[:] = before
             copy(window, payload)
             assert np.array_equal(target[target_offset:target_offset + length],
@@ -50,8 +49,9 @@ def test_the_copy_is_exact_and_stays_inside_its_target(library: ctypes.CDLL, len
             assert np.array_equal(target[target_offset + length:], before[target_offset + length:])
 
 
-def test_a_large_copy_takes_the_streaming_path_once_ready(library: ctypes.CDLL) -> None:
-    assert stream_copy._loaded() is library  # what `copy` uses from STREAM_MIN bytes on
+def test_large_frames_take_the_streaming_path_once_ready(library: ctypes.CDLL) -> None:
+    assert stream_copy._loaded() is library  # what `copy` uses when streaming
+    assert stream_copy.streams(16 << 20) and not stream_copy.streams(4 << 20)
 
 
 def test_a_copy_of_another_length_or_into_read_only_memory_is_refused() -> None:
