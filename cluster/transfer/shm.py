@@ -8,14 +8,18 @@ dead peer are detected exactly as on the TCP path. Only the payload takes anothe
     landing = await receiver.landing_memory(t, n)   (the ticket's address names the receiver's
       a file /dev/shm/pdserve-kv-<rid>-<token>       host identity and id `rid`: `SameHost`)
       (0600, fallocated, mapped; pooled; a new
-      one faulted in on a thread): the staging
-      tensor `import_kv` reads from
+      one faulted in on a thread; a decode
+      worker makes one per size class at start:
+      `prefault_up_to`): the staging tensor
+      `import_kv` reads from
     expect(request_id, landing, token)
-                                    <── header (in_place=True), over UCX: posted, the ack's
-                                        receive posted too, nothing awaited
-    admit: RECEIVING                                map the segment (once: `Mappings`), copy the
-                                                    frame's bytes to its offset in chunks
-                                                    (cancellable between chunks)
+                                    <── length prefix and header (in_place=True), one UCX
+                                        message: posted, the ack's receive posted too,
+                                        nothing awaited
+    admit: RECEIVING                                map the segment (once: `Mappings`, found again
+                                                    by one stat), copy the frame's bytes to its
+                                                    offset in chunks (cancellable between chunks;
+                                                    streaming stores from 16 MiB: `stream_copy`)
                                     <── 1-byte marker, over UCX (posted)
     complete; ack ──>                               the send returns (one wait: the ack)
     (the token's name goes as soon as the transfer ends; the segment is pooled for another

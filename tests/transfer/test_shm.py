@@ -121,6 +121,37 @@ def test_frames_large_enough_to_stream_land_bit_for_bit_at_their_offsets(shm_pai
     shm_pair.run(body())
 
 
+def test_an_in_place_frame_costs_the_sender_two_messages(shm_pair: Pair, segment_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Length prefix and header go as one message, then the marker: each message is a wake-up of the
+    receiver (on a loaded 2-core host, often on the sender's own core), so there are no more. The
+    post is wrapped to record what it sends, and sends it as before."""
+    from cluster.transfer import ucx
+
+    posted: list[bytes] = []
+    post_send = ucx._Link.post_send
+
+    def counted(link: ucx._Link, buffer: bytearray) -> object:
+        posted.append(bytes(buffer))
+        return post_send(link, buffer)
+
+    monkeypatch.setattr(ucx._Link, "post_send", counted)
+    nbytes = 1 << 20
+    header = frames("one", nbytes, "ab56", count=1)[0]
+
+    async def body() -> None:
+        landing = await shm_pair.receiver.landing_memory("ab56", nbytes)
+        assert landing is not None
+        done = shm_pair.receiver.expect("one", landing, "ab56")
+        await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(payload(nbytes, seed=4)))
+        await done
+
+    shm_pair.run(body())
+    opening = replace(header, in_place=True).to_bytes()
+    # The receiver runs in this process too: its ack (0: landed) is the third message.
+    assert posted == [ucx.PREFIX.pack(len(opening)) + opening, ucx.WRITTEN, b"\x00"]
+
+
 def test_a_buffer_that_is_no_segment_gets_its_bytes_over_ucx(shm_pair: Pair, segment_dir: Path) -> None:
     """The fallback: a receiver on this host whose caller gave ordinary memory gets the payload on the wire."""
     data = payload(2 * 4096, seed=5)
