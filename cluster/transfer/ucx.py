@@ -872,9 +872,9 @@ class UCXSender:
 
     async def _exchange(self, link: _Link, address: str, header_bytes: bytes, payload: KVBytes,
                         length: int, write: Callable[[], Awaitable[None]] | None = None, request_id: str = "") -> int:
-        """Send prefix, header and payload (or, in place, write it and send the marker), wait for the
-        ack; the endpoint goes back to the pool only if the exchange completed (a broken one is
-        aborted: its stream is out of step)."""
+        """Send prefix and header (one message) and the payload (or, in place, write it and send the
+        marker), wait for the ack; the endpoint goes back to the pool only if the exchange completed
+        (a broken one is aborted: its stream is out of step)."""
         ack = bytearray(1)
         try:
             # One round trip: the control messages are posted, not awaited one by one (each wait is a
