@@ -245,6 +245,8 @@ async def connector_sender(address: str, sizes: list[int], transfers: int, share
     payloads = {nbytes: payload_for(nbytes) for nbytes in sizes}
     expected = "shm" if shared else "ucx"
     for request_id, nbytes in request_ids(sizes, transfers):
+        if shared:  # as in serving, where the ticket exists only once the decode worker reserved
+            await reserved(sender, address, request_id)
         started = time.perf_counter()
         try:
             transport = await sender.send(address, header_for(request_id, nbytes), memoryview(payloads[nbytes]))
@@ -260,6 +262,15 @@ async def connector_sender(address: str, sizes: list[int], transfers: int, share
     await sender.close()
     seconds["_phases"] = sender.phases.marks
     return seconds
+
+
+async def reserved(sender: Any, address: str, request_id: str) -> None:
+    """Until the receiver made the transfer's landing segment (and expected it, in the same step), not
+    timed: on a loaded machine the receiver's loop can fall a transfer or two behind the sender, which
+    would then send a frame not yet expected (refused) or not in place (no segment yet)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while sender.transport_to(address, token_for(request_id)) != "shm" and time.monotonic() < deadline:
+        await asyncio.sleep(0.0002)
 
 
 # ---- the shared-memory arm (raw ucxx, worker-address endpoints) ----------------------------------
