@@ -23,11 +23,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from kernels import cpu_build
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("stream_copy.c")
 # Frames below this are copied plainly: the receiver's read of them gains more from the cache than
@@ -39,6 +42,9 @@ STREAM_MIN = 16 << 20
 def library() -> ctypes.CDLL | None:
     """The compiled copy, or None where it cannot be built (then `copy` is a plain one). Blocks for the
     build the first time on a machine (~0.3 s): call it from a thread (`ready`)."""
+    if not SOURCE.exists():  # an install without it (package data): plain copies
+        log.info("%s is not installed: KV copies into shared memory are plain ones", SOURCE.name)
+        return None
     lib = cpu_build.load(SOURCE)
     if lib is not None:
         lib.stream_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
