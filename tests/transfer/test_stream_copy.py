@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import platform
 
 import numpy as np
 import pytest
 
 from cluster.transfer import stream_copy
+from kernels import cpu_build
 
 # Lengths around the C loop's 128-byte steps and the 64-byte head, and a few MiB.
 LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 1000, 4096 + 5, (1 << 20) - 1, 1 << 20, (3 << 20) + 17]
@@ -25,20 +27,33 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+@pytest.fixture(scope="module", params=["native", "x86-64"], ids=["this-cpu", "sse2-only"])
+def built_for(request: pytest.FixtureRequest, library: ctypes.CDLL) -> ctypes.CDLL:
+    """The copy built for this CPU (AVX2 here) and for a plain x86-64 one (its SSE2 loop)."""
+    if request.param == "native":
+        return library
+    if platform.machine() != "x86_64":
+        pytest.skip("not an x86-64 machine")
+    lib = cpu_build.load(stream_copy.SOURCE, request.param)
+    assert lib is not None, "a compiler that builds for this CPU builds for plain x86-64 too"
+    lib.stream_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
 def around(length: int, offset: int, seed: int) -> np.ndarray:
     """Random bytes with `offset` bytes before and 64 after the `length` the copy should touch."""
     return np.random.default_rng(seed).integers(0, 256, offset + length + 64, dtype=np.uint8)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-def test_the_copy_is_exact_and_stays_inside_its_target(library: ctypes.CDLL, length: int) -> None:
+def test_the_copy_is_exact_and_stays_inside_its_target(built_for: ctypes.CDLL, length: int) -> None:
     for target_offset, source_offset in OFFSETS:
         target, source = around(length, target_offset, 1), around(length, source_offset, 2)
         before = target.copy()
         window = memoryview(target)[target_offset:target_offset + length]
         payload = memoryview(source)[source_offset:source_offset + length]
         def through_c(target: memoryview, source: memoryview) -> None:  # the C path at every length too
-            library.stream_copy(stream_copy._address(target), stream_copy._address(source), source.nbytes)
+            built_for.stream_copy(stream_copy._address(target), stream_copy._address(source), source.nbytes)
 
         for copy in (stream_copy.copy, through_c, lambda t, s: stream_copy.copy(t, s, streaming=False)):
             target[:] = before
