@@ -17,13 +17,17 @@ Arms:
   handling: TCP (what workers on two hosts use).
 - tcp-poll1: the same with UCX_TCP_MAX_POLL=1 (UCX drains a socket less greedily per progress call).
 - sm: raw ucxx with worker-address endpoints, error handling off and UCX_TLS=sm,self (shared memory,
-  see docs/performance.md, "UCX's transports here"): the same four messages per transfer as the connector's wire
-  format, minus the payload size probe, awaited the same way (`cluster.transfer.ucx.complete`). Not
+  see docs/performance.md, "UCX's transports here"): the same three messages per transfer as the connector's
+  wire format, minus the payload size probe, awaited the same way (`cluster.transfer.ucx.complete`). Not
   part of the connector: a dead peer hangs it, so every operation here runs under a deadline.
 Killed peers (`--kill-trials`, the shm arm): a sender streams 64 MiB transfers to a receiver; the
 receiver process is killed with SIGKILL (the sender must raise TransferError), then, in another
 pair, the sender is (the receiver must fail the transfer it was receiving). Reported: seconds from
 the kill to the survivor's TransferError (CLOCK_MONOTONIC is shared by the processes).
+Baselines, in the same run (`measure_memcpy`): `memcpy`, np.copyto into one destination again and
+again (as every run reported; at 16 MiB partly within the L3), and `copies`: memcpy into as many
+destinations in turn as the shm arm's landing segments (`ROTATING`, the transfer's shape), and the
+shm arm's own copy (`cluster.transfer.stream_copy`: streaming stores from 16 MiB) into them.
 Results go to benchmarks/results/kv-transfer.json and kv-transfer.png.
 """
 
@@ -44,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.transfer.connector import KVHeader
+from cluster.transfer.connector import MAX_HEADER_BYTES, KVHeader
 from cluster.transfer.phases import breakdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +70,7 @@ CHILD_TIMEOUT_S = 600.0
 # Transfers of each size not timed (a sender maps each segment once, at its first use), and how many transfers
 # a receiver expects ahead (so that the sender never waits for an `expect`).
 WARMUP = LOOKAHEAD = 2
+ROTATING = LOOKAHEAD + 1  # landing segments of a size the shm arm's transfers write into, in turn
 KILL_NBYTES = 64 << 20
 KILL_TRANSFERS = 50  # more than a trial sends before its kill
 KILL_WAIT_S = 15.0  # a survivor that has not seen the kill by then: reported as not detected
@@ -154,7 +159,7 @@ async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kil
     receiver.phases.on = shared and not kill
     first_use = await new_segment_stall(receiver, max(sizes)) if shared and not kill else {}
     for nbytes in sizes if shared else []:  # the pool warmed up, as a decode worker's is after its first requests:
-        await receiver.prefault_landing(nbytes, LOOKAHEAD + 1)  # an `expect` never waits for a new segment
+        await receiver.prefault_landing(nbytes, ROTATING)  # an `expect` never waits for a new segment
     plain = {nbytes: np.zeros(nbytes, dtype=np.uint8) for nbytes in sizes} if not shared else {}
     alloc_ms: dict[str, list[float]] = {}
     done_at: dict[str, float] = {}
@@ -240,6 +245,8 @@ async def connector_sender(address: str, sizes: list[int], transfers: int, share
     payloads = {nbytes: payload_for(nbytes) for nbytes in sizes}
     expected = "shm" if shared else "ucx"
     for request_id, nbytes in request_ids(sizes, transfers):
+        if shared:  # as in serving, where the ticket exists only once the decode worker reserved
+            await reserved(sender, address, request_id)
         started = time.perf_counter()
         try:
             transport = await sender.send(address, header_for(request_id, nbytes), memoryview(payloads[nbytes]))
@@ -255,6 +262,15 @@ async def connector_sender(address: str, sizes: list[int], transfers: int, share
     await sender.close()
     seconds["_phases"] = sender.phases.marks
     return seconds
+
+
+async def reserved(sender: Any, address: str, request_id: str) -> None:
+    """Until the receiver made the transfer's landing segment (and expected it, in the same step), not
+    timed: on a loaded machine the receiver's loop can fall a transfer or two behind the sender, which
+    would then send a frame not yet expected (refused) or not in place (no segment yet)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while sender.transport_to(address, token_for(request_id)) != "shm" and time.monotonic() < deadline:
+        await asyncio.sleep(0.0002)
 
 
 # ---- the shared-memory arm (raw ucxx, worker-address endpoints) ----------------------------------
@@ -313,12 +329,10 @@ async def sm_receiver(sizes: list[int], transfers: int) -> dict[str, Any]:
 
 
 async def sm_receive_frame(ucxx: Any, buffer: np.ndarray) -> None:
-    """Length prefix, header (validated), payload straight into `buffer`."""
-    prefix = bytearray(8)
-    await _recv(ucxx, prefix, TAG_FRAME)
-    header_bytes = bytearray(int.from_bytes(prefix, "little"))
-    await _recv(ucxx, header_bytes, TAG_FRAME)
-    header = KVHeader.from_bytes(bytes(header_bytes))
+    """Length prefix and header (one message; validated), payload straight into `buffer`."""
+    opening = bytearray(8 + MAX_HEADER_BYTES)  # a shorter message fills its start
+    await _recv(ucxx, opening, TAG_FRAME)
+    header = KVHeader.from_bytes(bytes(opening[8:8 + int.from_bytes(opening[:8], "little")]))
     assert header.nbytes == buffer.nbytes, "the benchmark's own frames are well formed"
     await _recv(ucxx, buffer, TAG_FRAME)
 
@@ -335,7 +349,7 @@ async def sm_sender(address: str, sizes: list[int], transfers: int) -> dict[str,
     for request_id, nbytes in request_ids(sizes, transfers):
         header = header_for(request_id, nbytes).to_bytes()
         started = time.perf_counter()
-        for message in (bytearray(len(header).to_bytes(8, "little")), bytearray(header), payloads[nbytes]):
+        for message in (bytearray(len(header).to_bytes(8, "little") + header), payloads[nbytes]):
             await _send(endpoint, message, TAG_FRAME)
         await _recv(ucxx, bytearray(1), TAG_ACK)
         seconds.setdefault(str(nbytes), []).append(time.perf_counter() - started)
@@ -463,16 +477,39 @@ def summarize(sizes: list[int], seconds: dict[str, Any], received: dict[str, Any
     return per_size
 
 
-def measure_memcpy(sizes: list[int], repeats: int) -> dict[str, Any]:
-    """np.copyto of the same bytes into a buffer already written once (no page faults timed)."""
+def measure_memcpy(sizes: list[int], repeats: int, destinations: int = 1,
+                   copy: Callable[[np.ndarray, np.ndarray], object] = np.copyto) -> dict[str, Any]:
+    """`copy` (np.copyto: glibc's memcpy) of the same bytes into `destinations` buffers in turn, each
+    written once before (no page faults timed).
+
+    One destination is the `memcpy` baseline every run reported: at 16 MiB its source and
+    destination (32 MiB) fit this CPU's 32 MiB L3, so much of it is copied within the cache. The shm
+    arm writes into LOOKAHEAD + 1 landing segments in turn (`ROTATING`), which the cache does not
+    hold: `copies` in the JSON has memcpy into as many destinations (the transfer's shape) and the
+    shm arm's own copy (`cluster.transfer.stream_copy`: streaming stores from 16 MiB) into them."""
     per_size = {}
     for nbytes in sizes:
-        source, target = payload_for(nbytes), np.zeros(nbytes, dtype=np.uint8)
-        np.copyto(target, source)
-        timed = [timed_call(lambda s=source, t=target: np.copyto(t, s)) for _ in range(repeats)]
+        source = payload_for(nbytes)
+        targets = [np.zeros(nbytes, dtype=np.uint8) for _ in range(destinations)]
+        for target in targets:
+            np.copyto(target, source)
+        timed = [timed_call(lambda s=source, t=targets[index % destinations]: copy(t, s)) for index in range(repeats)]
         median_s = statistics.median(timed)
         per_size[str(nbytes)] = {"seconds": timed, "median_s": median_s, "gbps": nbytes / median_s / 1e9}
     return per_size
+
+
+def measure_copies(sizes: list[int], repeats: int) -> dict[str, Any]:
+    """The rotating-destination copies (`measure_memcpy`): glibc's memcpy and the shm arm's copy."""
+    from cluster.transfer import stream_copy
+
+    asyncio.run(stream_copy.ready())
+    stream = "streaming stores from 16 MiB" if stream_copy.library() is not None else "plain (no C compiler here)"
+    return {"memcpy_rotating": measure_memcpy(sizes, repeats, ROTATING),
+            "stream_rotating": measure_memcpy(sizes, repeats, ROTATING,
+                                              lambda t, s: stream_copy.copy(memoryview(t), memoryview(s),
+                                                                            stream_copy.streams(s.nbytes))),
+            "destinations": ROTATING, "stream_copy": stream}
 
 
 def lscpu_flags() -> str:
@@ -509,7 +546,8 @@ def ucx_version() -> str:
         return "unknown"
 
 
-def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], kills: list[dict[str, Any]]) -> None:
+def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], kills: list[dict[str, Any]],
+           copies: dict[str, Any]) -> None:
     from benchmarks.common import console, print_table
 
     columns = ["MiB", "memcpy GB/s", *(f"{arm} GB/s" for arm in arms), *(f"{arm} stall ms" for arm in arms)]
@@ -523,8 +561,12 @@ def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], kills
     if "shm" in arms:
         for nbytes in sizes:
             key = str(nbytes)
-            console.print(f"shm at {nbytes >> 20} MiB: {arms['shm'][key]['gbps'] / memcpy[key]['gbps']:.0%} of memcpy; "
-                          f"landing segment allocated in {arms['shm'][key]['segment_alloc_ms']:.1f} ms beforehand")
+            shm_gbps, rotating = arms["shm"][key]["gbps"], copies["memcpy_rotating"][key]["gbps"]
+            console.print(f"shm at {nbytes >> 20} MiB: {shm_gbps / memcpy[key]['gbps']:.0%} of memcpy, "
+                          f"{shm_gbps / rotating:.0%} of memcpy into {copies['destinations']} buffers in turn "
+                          f"({rotating:.2f} GB/s; the shm arm's copy alone: "
+                          f"{copies['stream_rotating'][key]['gbps']:.2f}, {copies['stream_copy']}); landing "
+                          f"segment allocated in {arms['shm'][key]['segment_alloc_ms']:.1f} ms beforehand")
             phases = arms["shm"][key].get("phases_ms", {})
             console.print("  phases (median ms): " + ", ".join(f"{name} {ms:.3f}" for name, ms in phases.items()))
         new = arms["shm"].get("new_segment")
@@ -536,7 +578,7 @@ def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], kills
         console.print(f"{kill['victim']} killed: the survivor raised TransferError after {seen} {kill['note']}")
 
 
-def plot(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any]) -> None:
+def plot(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], copies: dict[str, Any]) -> None:
     from benchmarks.plots import _pyplot, _save
 
     plt = _pyplot()
@@ -545,6 +587,8 @@ def plot(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any]) -> None
     mib = [nbytes >> 20 for nbytes in sizes]
     fig, (rate, stall) = plt.subplots(1, 2, figsize=(11, 5))
     rate.plot(mib, [memcpy[str(n)]["gbps"] for n in sizes], "k--o", label="memcpy (np.copyto)")
+    rate.plot(mib, [copies["memcpy_rotating"][str(n)]["gbps"] for n in sizes], "k:o",
+              label=f"memcpy into {copies['destinations']} buffers in turn")
     for arm, per_size in arms.items():
         rate.plot(mib, [per_size[str(n)]["gbps"] for n in sizes], "-o", label=DESCRIPTIONS[arm])
         stall.plot(mib, [per_size[str(n)]["max_loop_stall_ms"] for n in sizes], "-o", label=arm)
@@ -569,14 +613,14 @@ def main_parent(args: argparse.Namespace) -> None:
     for arm in args.arms:
         console.print(f"arm {arm}: {DESCRIPTIONS[arm]}")
         arms[arm] = run_arm(arm, sizes, args.repeats + WARMUP)
-    memcpy = measure_memcpy(sizes, args.repeats)
+    memcpy, copies = measure_memcpy(sizes, args.repeats), measure_copies(sizes, args.repeats)
     kills = [measure_kill(victim) for _ in range(args.kill_trials) for victim in ("receiver", "sender")]
-    report(sizes, arms, memcpy, kills)
+    report(sizes, arms, memcpy, kills, copies)
     save("kv-transfer", {"sizes_mib": args.sizes_mib, "repeats": args.repeats, "warmup": WARMUP,
                          "descriptions": {arm: DESCRIPTIONS[arm] for arm in arms},
                          "environment": {arm: ARMS[arm] for arm in arms}, "arms": arms, "memcpy": memcpy,
-                         "killed_peer": kills, "lscpu_flags": lscpu_flags()}, info)
-    plot(sizes, arms, memcpy)
+                         "copies": copies, "killed_peer": kills, "lscpu_flags": lscpu_flags()}, info)
+    plot(sizes, arms, memcpy, copies)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -181,6 +181,12 @@ class KVReceiver(Protocol):
         new shared memory is faulted in off the event loop."""
         ...
 
+    async def prefault_landing_up_to(self, largest: int) -> int:
+        """Make the shared memory that `landing_memory` hands out for transfers of up to `largest`
+        bytes now (off the event loop), so that the first transfers do not wait for it; how many
+        segments were made (0: none needed, or no shared memory)."""
+        ...
+
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """Accept one payload for `request_id`, of exactly `buffer.nbytes`, written into `buffer`, in
         frames whose header carries `token` (others are refused UNAUTHENTICATED, harmlessly).

@@ -335,6 +335,9 @@ class LoopbackReceiver:
     async def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
         return None  # in process: the sender copies into whatever buffer `expect` is given
 
+    async def prefault_landing_up_to(self, largest: int) -> int:
+        return 0  # no shared memory to make
+
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the transfers run in."""
         return self._table.expect(request_id, host_only(buffer), token)

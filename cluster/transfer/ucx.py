@@ -2,8 +2,9 @@
 
 Wire format, one transfer on one endpoint (UCX tag messages on the endpoint's own tags, in order):
 
-    sender -> receiver   8 bytes     header length, unsigned little-endian
-    sender -> receiver   N bytes     the header, `KVHeader.to_bytes()` (msgpack), N <= MAX_HEADER_BYTES
+    sender -> receiver   8 + N bytes the header's length N (unsigned little-endian), then the header,
+                                     `KVHeader.to_bytes()` (msgpack), N <= MAX_HEADER_BYTES: one message
+                                     (each message costs the sender a post and the receiver a wake-up)
     sender -> receiver   M bytes     the payload; the receiver probes its size, checks it against the
                                      header and the buffer given to `expect`, then receives it straight
                                      into that buffer (no intermediate copy)
@@ -15,11 +16,11 @@ the payload into the segment and sends a 1-byte marker (`WRITTEN`) where the pay
 receiver checks the marker and acks as above. Everything else (deadlines, refusals, aborts, a
 dead peer) is the same exchange on the same endpoint. `send` returns the transport used.
 
-A refused frame (id not expected, size differs, header too long or malformed, id already finished,
-cancelled, busy) is logged, its payload drained into a 1-byte scratch buffer (UCX discards the rest
-as a truncated message) and acked with the refusal code: it never touches a registered buffer, and
-the endpoint stays usable. A frame that breaks the message sequence (a missing or oversized
-length prefix, a missing message) ends in a timeout or a UCX error and aborts the endpoint instead.
+A refused frame (id not expected, size differs, header too long or malformed, a length prefix that
+is not the header's, id already finished, cancelled, busy) is logged, its payload drained into a
+1-byte scratch buffer (UCX discards the rest as a truncated message) and acked with the refusal
+code: it never touches a registered buffer, and the endpoint stays usable. A frame that breaks the
+message sequence (a missing message) ends in a timeout or a UCX error and aborts the endpoint instead.
 An endpoint carries one transfer at a time: the sender keeps a small pool of endpoints per address
 (`max_endpoints_per_peer`) for concurrency.
 
@@ -547,6 +548,13 @@ class UCXReceiver:
             return 0
         return await self._segments.prefault(nbytes, count)
 
+    async def prefault_landing_up_to(self, largest: int) -> int:
+        """See `KVReceiver.prefault_landing_up_to`: one pooled segment per size class up to `largest`
+        (`shm.Segments.prefault_up_to`); how many were made. Nothing without shared memory."""
+        if self._segments is None or self._closed:
+            return 0
+        return await self._segments.prefault_up_to(largest)
+
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the receiver started in. A `buffer` that
         is the segment `landing_memory(token, ...)` gave can take in-place frames; the segment's
@@ -620,10 +628,8 @@ class UCXReceiver:
         try:
             while not self._closed and not link.closed:
                 # Idle wait, no deadline: senders keep their endpoints open between transfers.
-                await link.next_message(remove=False, timeout_s=None)
-                prefix = bytearray(PREFIX.size)
-                await link.recv(prefix, self._timeout_s)
-                await self._handle_frame(link, PREFIX.unpack(prefix)[0])
+                opening = await link.next_message(remove=True, timeout_s=None)
+                await self._handle_frame(link, await self._recv_opening(link, opening))
         except Exception as error:
             # Peers leaving, timeouts and our own aborts (cancel, close) end up here alike.
             expected = _is_transport_error(error) or self._closed or link.closed
@@ -632,9 +638,8 @@ class UCXReceiver:
             self._links.discard(link)
             link.abort()
 
-    async def _handle_frame(self, link: _Link, length: int) -> None:
-        """Read one frame's header, then land or refuse its payload and ack."""
-        header_bytes = await self._recv_header(link, length)
+    async def _handle_frame(self, link: _Link, header_bytes: bytes) -> None:
+        """Parse one frame's header, then land or refuse its payload and ack."""
         try:
             header = KVHeader.from_bytes(header_bytes)
             self.phases.mark(header.request_id, "header_in")
@@ -649,17 +654,18 @@ class UCXReceiver:
             await link.send(bytearray([code]), self._timeout_s)
             self.phases.mark(header.request_id, "ack_out")
 
-    async def _recv_header(self, link: _Link, length: int) -> bytes:
-        """The header message; an impossible length yields b"" (refused as malformed)."""
-        if not 0 < length <= MAX_HEADER_BYTES:
-            await self._drain(link)
-            return b""
-        header = bytearray(length)
+    async def _recv_opening(self, link: _Link, probe: Any) -> bytes:
+        """A frame's first message (length prefix and header, probed off the queue): the header, or b""
+        (refused as malformed) when the message is too long or its prefix is not the header's length."""
+        length, longest = int(probe.length), PREFIX.size + MAX_HEADER_BYTES + 1  # + 1: one too long is refused
+        opening = bytearray(max(1, min(length, longest)))
         try:
-            await link.recv(header, self._timeout_s)
+            await link.recv_probed(opening, probe, self._timeout_s)
         except _ucx_errors().UCXMessageTruncatedError:
-            return b""  # longer than its prefix said: discarded by UCX, refused here
-        return bytes(header)
+            return b""  # longer than any header: discarded by UCX, refused here
+        if not PREFIX.size <= length <= longest or PREFIX.unpack_from(opening)[0] != length - PREFIX.size:
+            return b""
+        return bytes(opening[PREFIX.size:length])
 
     async def _refuse(self, link: _Link, code: Refusal, reason: str) -> None:
         """Drain a refused frame's payload into scratch and ack the refusal."""
@@ -866,15 +872,15 @@ class UCXSender:
 
     async def _exchange(self, link: _Link, address: str, header_bytes: bytes, payload: KVBytes,
                         length: int, write: Callable[[], Awaitable[None]] | None = None, request_id: str = "") -> int:
-        """Send prefix, header and payload (or, in place, write it and send the marker), wait for the
-        ack; the endpoint goes back to the pool only if the exchange completed (a broken one is
-        aborted: its stream is out of step)."""
+        """Send prefix and header (one message) and the payload (or, in place, write it and send the
+        marker), wait for the ack; the endpoint goes back to the pool only if the exchange completed
+        (a broken one is aborted: its stream is out of step)."""
         ack = bytearray(1)
         try:
             # One round trip: the control messages are posted, not awaited one by one (each wait is a
             # wake-up of this process: ~0.2 ms, as long as a 2 MiB copy). The ack's receive is posted
             # before the payload, so the ack completes at the very progress that brings it.
-            sends = [link.post_send(bytearray(PREFIX.pack(length))), link.post_send(bytearray(header_bytes))]
+            sends = [link.post_send(bytearray(PREFIX.pack(length) + header_bytes))]
             acked = link.post_recv(ack)
             self.phases.mark(request_id, "header_out")
             if write is None:

@@ -152,12 +152,29 @@ class Worker:
         if self.receiver is not None:
             await self.receiver.start()
             log.info("%s listens for KV at %s", self.worker_id, self.receiver.address)
+            await self._prefault_landing()
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
         if self.state is not None:
             if self.role in (Role.PREFILL, Role.COLOCATED):  # their prefix caches steer the routers
                 self.engine.kv_cache.pool.record_events()
             self.publisher = asyncio.create_task(self._publish())
+
+    async def _prefault_landing(self) -> None:
+        """Make the landing memory of prompts up to one prefill step's tokens now (shared memory, off the
+        loop): the first reservations then take pooled segments instead of waiting for new ones."""
+        assert self.receiver is not None
+        if self.engine.runner.device.type != "cpu":
+            return  # GPU KV lands in device or pinned memory, never in a segment
+        tokens = min(self.engine.config.scheduler.max_num_batched_tokens, self.engine.max_model_len)
+        shape = self._landing_shape(-(-tokens // self.engine.config.cache.block_size))
+        made = await self.receiver.prefault_landing_up_to(math.prod(shape) * self.engine.runner.dtype.itemsize)
+        log.info("%s: %d KV landing segments made ahead, for prompts of up to %d tokens", self.worker_id, made, tokens)
+
+    def _landing_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The staging buffer's shape for `num_blocks` blocks of a prompt's KV: [blocks, layers, 2, block...]."""
+        runner = self.engine.runner
+        return (num_blocks, len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:])
 
     async def _publish(self) -> None:
         """Keep this worker listed in the shared registry (a heartbeat), and every PUBLISH_S send the
@@ -589,7 +606,7 @@ class Worker:
         runner = self.engine.runner
         direct = self._direct(self.receiver)
         ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.dtype)
-        shape = (len(block_ids), len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:])
+        shape = self._landing_shape(len(block_ids))
         # Awaited: a new shared-memory segment is faulted in on a thread, not on this loop.
         shared = await self.receiver.landing_memory(ticket.token, math.prod(shape) * runner.dtype.itemsize) \
             if runner.device.type == "cpu" else None

@@ -99,6 +99,59 @@ def test_kv_of_any_dtype_lands_bit_for_bit_through_shared_memory(shm_pair: Pair,
     shm_pair.run(body())
 
 
+def test_frames_large_enough_to_stream_land_bit_for_bit_at_their_offsets(shm_pair: Pair, segment_dir: Path) -> None:
+    """Two frames each over `stream_copy.STREAM_MIN` (copied with streaming stores, in chunks), of a
+    length no multiple of any vector, the second at an unaligned offset: every byte lands."""
+    from cluster.transfer import stream_copy
+
+    frame_nbytes = stream_copy.STREAM_MIN + 4096 + 77
+    nbytes, data = 2 * frame_nbytes, payload(2 * frame_nbytes, seed=9)
+    assert stream_copy.streams(frame_nbytes)
+
+    async def body() -> None:
+        landing = await shm_pair.receiver.landing_memory("ab34", nbytes)
+        assert landing is not None
+        done = shm_pair.receiver.expect("big", landing, "ab34")
+        for index, header in enumerate(frames("big", nbytes, "ab34")):
+            view = memoryview(data)[index * frame_nbytes:(index + 1) * frame_nbytes]
+            assert await shm_pair.sender.send(shm_pair.receiver.address, header, view) == shm.TRANSPORT_SHM
+        await done
+        assert np.array_equal(np.frombuffer(landing, dtype=np.uint8), data)
+
+    shm_pair.run(body())
+
+
+def test_an_in_place_frame_costs_the_sender_two_messages(shm_pair: Pair, segment_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Length prefix and header go as one message, then the marker: each message is a wake-up of the
+    receiver (on a loaded 2-core host, often on the sender's own core), so there are no more. The
+    post is wrapped to record what it sends, and sends it as before."""
+    from cluster.transfer import ucx
+
+    posted: list[bytes] = []
+    post_send = ucx._Link.post_send
+
+    def counted(link: ucx._Link, buffer: bytearray) -> object:
+        posted.append(bytes(buffer))
+        return post_send(link, buffer)
+
+    monkeypatch.setattr(ucx._Link, "post_send", counted)
+    nbytes = 1 << 20
+    header = frames("one", nbytes, "ab56", count=1)[0]
+
+    async def body() -> None:
+        landing = await shm_pair.receiver.landing_memory("ab56", nbytes)
+        assert landing is not None
+        done = shm_pair.receiver.expect("one", landing, "ab56")
+        await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(payload(nbytes, seed=4)))
+        await done
+
+    shm_pair.run(body())
+    opening = replace(header, in_place=True).to_bytes()
+    # The receiver runs in this process too: its ack (0: landed) is the third message.
+    assert posted == [ucx.PREFIX.pack(len(opening)) + opening, ucx.WRITTEN, b"\x00"]
+
+
 def test_a_buffer_that_is_no_segment_gets_its_bytes_over_ucx(shm_pair: Pair, segment_dir: Path) -> None:
     """The fallback: a receiver on this host whose caller gave ordinary memory gets the payload on the wire."""
     data = payload(2 * 4096, seed=5)
@@ -440,6 +493,53 @@ def test_segments_prefaulted_ahead_are_pooled_and_handed_out(loop: asyncio.Abstr
         segments.close()
 
     loop.run_until_complete(asyncio.wait_for(body(), 20))
+
+
+def test_segments_of_every_size_class_up_to_a_size_are_made_ahead(loop: asyncio.AbstractEventLoop,
+                                                                   segment_dir: Path) -> None:
+    """`prefault_up_to` makes one segment per size class from 1 MiB up to the given size's (what a
+    decode worker does at start), skips classes already pooled, and stops where the pool is full."""
+    segments = shm.Segments(str(segment_dir), pool_bytes=24 << 20)
+
+    def pooled_sizes() -> list[int]:
+        return sorted(os.path.getsize(segment_dir / name) >> 20 for name in os.listdir(segment_dir))
+
+    async def body() -> None:
+        assert await segments.prefault_up_to(5 << 20) == 4
+        assert pooled_sizes() == [1, 2, 4, 8]
+        assert await segments.prefault_up_to(3 << 20) == 0  # every class up to 4 MiB is pooled already
+        assert await segments.prefault_up_to(40 << 20) == 0  # 16 MiB more would pass the pool's 24
+        assert pooled_sizes() == [1, 2, 4, 8]
+        landing = await segments.allocate("fe01", 6 << 20)  # takes the pooled 8 MiB one
+        assert landing is not None and pooled_sizes() == [1, 2, 4, 8] and segments.pooled_bytes == 7 << 20
+        segments.close()
+
+    loop.run_until_complete(asyncio.wait_for(body(), 20))
+
+
+def test_a_decode_worker_makes_its_landing_segments_at_start(loop: asyncio.AbstractEventLoop, checkpoint: Path,
+                                                             segment_dir: Path) -> None:
+    """A decode worker on a CPU makes the landing segments of prompts up to one prefill step's tokens
+    when it starts (one per size class): its first reservation takes one, it does not wait for a new
+    one to be faulted in."""
+    from cluster.transfer.ucx import UCXReceiver
+
+    async def body() -> None:
+        decode = Worker("decode-0", "decode", make_engine(checkpoint, budget=512),
+                        receiver=UCXReceiver(timeout_s=TIMEOUT_S, segment_dir=str(segment_dir)))
+        await decode.start()
+        try:
+            made_at_start = {os.stat(segment_dir / name).st_ino for name in os.listdir(segment_dir)}
+            assert made_at_start, "no landing segment was made at start"
+            ticket = await decode.reserve("first", [3 + i % 240 for i in range(500)], GREEDY)  # ~a whole step
+            assert ticket is not None
+            landing = named_for(ticket.token, segment_dir)
+            assert len(landing) == 1 and os.stat(segment_dir / landing[0]).st_ino in made_at_start
+            assert len(os.listdir(segment_dir)) == len(made_at_start)  # none made since
+        finally:
+            await decode.stop()
+
+    loop.run_until_complete(asyncio.wait_for(body(), 60))
 
 
 def test_the_phase_marks_of_a_frame_line_up_across_both_sides(shm_pair: Pair, segment_dir: Path) -> None:
