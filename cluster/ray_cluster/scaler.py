@@ -26,6 +26,7 @@ its model loaded, warmed up, routed to) so that what a new worker costs before i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -67,6 +68,7 @@ class Scaler:
         self.restarted = _reconstructed()
         if self.restarted:
             self._recover()
+            self._restore()
         # Ray runs an async actor's __init__ on its event loop (checked with Ray 2.60): the looks start
         # with the actor, so that an actor Ray restarts looks again with nobody to ask it.
         self.running = asyncio.get_running_loop().create_task(self.run())
@@ -86,6 +88,25 @@ class Scaler:
             self.hysteresis[role].acted(time.monotonic())
         log.warning("scaling: the controller restarted; pools found: %s",
                     {role: [worker_id for worker_id, _, _ in workers] for role, workers in self.pools.items()})
+
+    def _restore(self) -> None:
+        """After a restart: the decisions counted and kept by the predecessor (`_checkpoint`), so that
+        the counters go on rather than start again from 0."""
+        saved = _kv_get(self._checkpoint_key())
+        if saved is None:
+            return
+        self.decisions = {(pool, direction, reason): count for pool, direction, reason, count in saved["decisions"]}
+        self.history.extend(saved["history"])
+        self.last, self.drained = saved["last"], saved["drained"]
+
+    def _checkpoint(self) -> None:
+        """Keep the decisions (counts, history, drained workers) in Ray's GCS key-value store, as Ray
+        Serve's controller keeps its state there: it outlives this actor, and a restarted one reads it."""
+        _kv_put(self._checkpoint_key(), {"decisions": [[*key, count] for key, count in self.decisions.items()],
+                                         "history": list(self.history), "last": self.last, "drained": self.drained})
+
+    def _checkpoint_key(self) -> str:
+        return f"pdserve-{self.uid}-scaler"
 
     async def _settle(self) -> None:
         """Finish what a restarted controller's predecessor left under way: a worker that drains is
@@ -154,6 +175,7 @@ class Scaler:
                          "detail": decision.detail, "worker": worker_id, "at": decided, "done_at": time.time(),
                          "phases": phases}
             self.history.append(self.last)
+            self._checkpoint()
             self._top_up()
             return worker_id
 
@@ -291,9 +313,33 @@ class Scaler:
         launcher to stop."""
         self.stopped = True
         async with self.changing:  # a change under way ends first
+            _kv_put(self._checkpoint_key(), None)  # stopped on purpose: the next controller of this name starts anew
             spares = [member[2] for spares in self.spares.values() for member, _ in spares]
             starting = [handle for starting in self.starting.values() for handle in starting.values() if handle]
             return await self.handles() + spares + starting
+
+
+def _kv_put(key: str, value: Any) -> None:
+    """Store `value` (JSON) under `key` in Ray's GCS key-value store (None: delete it); nothing
+    outside an actor (no Ray)."""
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return
+    if value is None:
+        internal_kv._internal_kv_del(key, namespace=RAY_NAMESPACE)
+    else:
+        internal_kv._internal_kv_put(key, json.dumps(value), overwrite=True, namespace=RAY_NAMESPACE)
+
+
+def _kv_get(key: str) -> Any:
+    """What `_kv_put` stored under `key`; None when nothing is."""
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return None
+    stored = internal_kv._internal_kv_get(key, namespace=RAY_NAMESPACE)
+    return json.loads(stored) if stored else None
 
 
 def _reconstructed() -> bool:

@@ -114,9 +114,11 @@ def test_a_load_step_adds_a_decode_worker_and_removing_it_drains_every_request(c
         assert families <= {family.name for family in text_string_to_metric_families(text)}
         assert all(f"`{name}`" in documented for name in families)
         scraped = samples(text)
-        # Counted since the controller's restart (a counter reset to Prometheus): the up decision was before.
+        # The up decision came before the controller's restart: its successor counts on from its checkpoint.
         assert {labels: v for (name, labels), v in scraped.items() if name == "pdserve:scaling_decisions_total"} == {
-            (("direction", "down"), ("pool", "decode"), ("reason", "manual")): 1.0}
+            (("direction", "down"), ("pool", "decode"), ("reason", "manual")): 1.0,
+            (("direction", "up"), ("pool", "decode"), ("reason", "queue_depth")): 1.0}
+        assert [(d["direction"], d["worker"]) for d in status["history"]] == [("up", "decode-1"), ("down", "decode-1")]
         assert {labels: v for (name, labels), v in scraped.items() if name == "pdserve:pool_workers"} == {
             (("pool", "decode"),): 1.0, (("pool", "prefill"),): 1.0}
     finally:
