@@ -59,6 +59,7 @@ from cluster.ray_cluster.launcher import Cluster  # noqa: E402
 NAME = "scaling-step"
 ARMS = ("fixed", "scaling")
 SAMPLE_S = 0.5  # how often the pools' sizes are read
+SPARE_TIMEOUT_S = 300.0  # a spare loads its model in ~10 s quiet, ~30 s on a loaded machine
 
 
 def workload(args: argparse.Namespace) -> list[Spec]:
@@ -206,7 +207,10 @@ def rates(args: argparse.Namespace, measured: float) -> None:
 async def spares_ready(cluster: Cluster, spares: int) -> None:
     """Wait until the decode pool's warm spares are ready: the arm starts as a cluster that ran a
     while, not with a model loading beside its first requests."""
+    deadline = time.monotonic() + SPARE_TIMEOUT_S
     while len((await cluster.scaling()).get("spares", {}).get("decode", [])) < spares:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no warm spare ready within {SPARE_TIMEOUT_S:.0f} s (the controller's log says why)")
         await asyncio.sleep(SAMPLE_S)
 
 
