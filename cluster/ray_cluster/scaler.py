@@ -314,8 +314,9 @@ class Scaler:
         self.stopped = True
         async with self.changing:  # a change under way ends first
             _kv_put(self._checkpoint_key(), None)  # stopped on purpose: the next controller of this name starts anew
-            spares = [member[2] for spares in self.spares.values() for member, _ in spares]
-            starting = [handle for starting in self.starting.values() for handle in starting.values() if handle]
+            spares = [member[2] for pool_spares in self.spares.values() for member, _ in pool_spares]
+            starting = [handle for pool_starting in self.starting.values() for handle in pool_starting.values()
+                        if handle is not None]
             return await self.handles() + spares + starting
 
 
