@@ -1,14 +1,16 @@
 """The live controller through a load step (issue 22, "done when"): fixed pools against `scaling:` on.
 
-    python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.5] [--phases 20 50 40] [--warm-spares 1]
+    python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.3] [--phases 20 60 40] [--warm-spares 1]
 
 Both arms start as 1 prefill + 1 decode worker of the default model, one torch thread each, decode
 batches capped at `--max-num-seqs` (2) running requests per worker (`decode: {engine: {max_num_seqs}}`).
 First, one decode worker's capacity is measured (requests per second with its slots full, after the
 warm-up): the same Poisson arrivals then drive both arms at `--low-load` (0.3) times it, then at
-`--high-load` (1.5) times it (the step), then at the low load again (or `--low-rate`/`--high-rate`
+`--high-load` (1.3) times it (the step), then at the low load again (or `--low-rate`/`--high-rate`
 fixed; the rates follow the machine, so a quiet or a busy one both see a step one worker cannot
-hold and two can); prompts of 64-192 random ids, `--output-tokens` (32) greedy tokens, EOS ignored.
+hold and two can: at 1.3x, seed 0's busiest 10 s of the step bring 1.8x, under two workers'
+2x; at 1.5x they bring 2.0-2.3x, which two workers cannot hold either); prompts of 64-192 random
+ids, `--output-tokens` (32) greedy tokens, EOS ignored.
 - `fixed`: the pools never change;
 - `scaling`: the controller may grow the decode pool to `--max-decode` (2) workers when requests
   wait for a decode slot (queue depth per worker over `--queue-depth` 0.5, i.e. any request waiting
@@ -310,10 +312,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--low-load", type=float, default=0.3, help="before and after the step: this times the "
                         "requests per second one decode worker completes (measured first)")
-    parser.add_argument("--high-load", type=float, default=1.5, help="during the step: this times that capacity")
+    parser.add_argument("--high-load", type=float, default=1.3, help="during the step: this times that capacity")
     parser.add_argument("--low-rate", type=float, default=0.0, help="requests per second instead of --low-load")
     parser.add_argument("--high-rate", type=float, default=0.0, help="requests per second instead of --high-load")
-    parser.add_argument("--phases", type=float, nargs=3, default=[20.0, 50.0, 40.0], help="seconds of each phase")
+    parser.add_argument("--phases", type=float, nargs=3, default=[20.0, 60.0, 40.0], help="seconds of each phase")
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=2, help="running requests per decode worker")
     parser.add_argument("--max-decode", type=int, default=2, help="the scaling arm's decode pool bound")
