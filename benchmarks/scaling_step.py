@@ -15,8 +15,9 @@ ids, `--output-tokens` (32) greedy tokens, EOS ignored.
 - `scaling`: the controller may grow the decode pool to `--max-decode` (2) workers when requests
   wait for a decode slot (queue depth per worker over `--queue-depth` 0.5, i.e. any request waiting
   on one worker, for `--sustain` 2 s) and shrink it when the pool idles for `--scale-down-sustain`
-  (10 s); with `--warm-spares` (1) the second worker is started with the arm, unrouted, so growing
-  routes to it at once (0: it starts when the decision is made, its model loading then).
+  (5 s: inside the step two workers' slots stay busy, so the pool is never idle there); with
+  `--warm-spares` (1) the second worker is started with the arm, unrouted, so growing routes to it
+  at once (0: it starts when the decision is made, its model loading then).
 Admission limits are off in both arms (`max_*_wait_s: 0`): a request past what the pool holds
 waits rather than being refused, so every request ends in its tokens and the step shows as latency.
 
@@ -322,7 +323,7 @@ def main() -> None:
     parser.add_argument("--cooldown", type=float, default=10.0, help="the controller's cooldown_s")
     parser.add_argument("--queue-depth", type=float, default=0.5, help="the controller's queue_depth target")
     parser.add_argument("--sustain", type=float, default=2.0, help="the controller's sustain_s (to grow)")
-    parser.add_argument("--scale-down-sustain", type=float, default=10.0, help="its scale_down_sustain_s")
+    parser.add_argument("--scale-down-sustain", type=float, default=5.0, help="its scale_down_sustain_s")
     parser.add_argument("--warm-spares", type=int, default=1, help="the controller's warm_spares (0: cold start)")
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tpot", type=float, default=0.15)
