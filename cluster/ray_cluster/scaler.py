@@ -21,6 +21,8 @@ One change runs at a time; the looks wait for it. Each decision is logged with i
 counted (`status`, exported by /metrics as pdserve:scaling_decisions_total and pdserve:pool_workers),
 with the times of its steps (`phases`: the signal passing its target, the decision, the actor made,
 its model loaded, warmed up, routed to) so that what a new worker costs before it serves shows.
+The decisions are checkpointed in Ray's GCS key-value store after each one, so that a controller
+Ray restarts counts on from its predecessor's (`_restore`).
 """
 
 from __future__ import annotations
