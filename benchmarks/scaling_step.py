@@ -1,24 +1,33 @@
 """The live controller through a load step (issue 22, "done when"): fixed pools against `scaling:` on.
 
-    python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.4] [--phases 20 70 40]
+    python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.3] [--phases 20 60 40] [--warm-spares 1]
 
 Both arms start as 1 prefill + 1 decode worker of the default model, one torch thread each, decode
 batches capped at `--max-num-seqs` (2) running requests per worker (`decode: {engine: {max_num_seqs}}`).
 First, one decode worker's capacity is measured (requests per second with its slots full, after the
 warm-up): the same Poisson arrivals then drive both arms at `--low-load` (0.3) times it, then at
-`--high-load` (1.4) times it (the step), then at the low load again (or `--low-rate`/`--high-rate`
+`--high-load` (1.3) times it (the step), then at the low load again (or `--low-rate`/`--high-rate`
 fixed; the rates follow the machine, so a quiet or a busy one both see a step one worker cannot
-hold and two can); prompts of 64-192 random ids, `--output-tokens` (32) greedy tokens, EOS ignored.
+hold and two can: at 1.3x, seed 0's busiest 10 s of the step bring 1.8x, under two workers'
+2x; at 1.5x they bring 2.0-2.3x, which two workers cannot hold either); prompts of 64-192 random
+ids, `--output-tokens` (32) greedy tokens, EOS ignored.
 - `fixed`: the pools never change;
 - `scaling`: the controller may grow the decode pool to `--max-decode` (2) workers when requests
-  wait for a decode slot (queue depth per worker over 1 for 2 s) and shrink it when the pool idles.
+  wait for a decode slot (queue depth per worker over `--queue-depth` 0.5, i.e. any request waiting
+  on one worker, for `--sustain` 2 s) and shrink it when the pool idles for `--scale-down-sustain`
+  (5 s: inside the step two workers' slots stay busy, so the pool is never idle there); with
+  `--warm-spares` (1) the second worker is started with the arm, unrouted, so growing routes to it
+  at once (0: it starts when the decision is made, its model loading then).
 Admission limits are off in both arms (`max_*_wait_s: 0`): a request past what the pool holds
 waits rather than being refused, so every request ends in its tokens and the step shows as latency.
 
 Measured at the client, per `--window` (10 s) of arrival time: TTFT and TPOT (seconds per output
 token after the first) p50/p90, and SLO attainment (TTFT <= `--slo-ttft`, TPOT <= `--slo-tpot`);
-the decode pool's size sampled every 0.5 s and every decision of the controller. Every request is
-accounted for: its tokens counted, each event's index checked, errors listed.
+the decode pool's size sampled every 0.5 s and every decision of the controller, with the times of
+its steps from the arm's start (`phases`: the signal passing its target, the decision, the actor
+made, its model loaded, warmed up, routed to, and the first request the new worker streamed: when it
+was sent and when its first token from that worker came). Every request is accounted for: its
+tokens counted, each event's index checked, errors listed.
 
 Why more workers help on a 2-core machine: a decode worker here is bound by its running slots
 (`max_num_seqs` 2, standing for a worker whose KV cache or batch limit is full), not by its core:
@@ -53,6 +62,7 @@ from cluster.ray_cluster.launcher import Cluster  # noqa: E402
 NAME = "scaling-step"
 ARMS = ("fixed", "scaling")
 SAMPLE_S = 0.5  # how often the pools' sizes are read
+SPARE_TIMEOUT_S = 300.0  # a spare loads its model in ~10 s quiet, ~30 s on a loaded machine
 
 
 def workload(args: argparse.Namespace) -> list[Spec]:
@@ -73,8 +83,10 @@ def workload(args: argparse.Namespace) -> list[Spec]:
 def cluster_config(arm: str, args: argparse.Namespace) -> ClusterConfig:
     engine = engine_config_from({"kv_cache_memory_gb": 1.0})
     scaling = ScalingConfig(enabled=arm == "scaling", prefill=PoolBounds(1, 1), decode=PoolBounds(1, args.max_decode),
-                            queue_depth=1.0, ttft_s=0, itl_s=0, scale_down_below=0.3, sustain_s=2.0,
-                            cooldown_s=args.cooldown, interval_s=0.5, drain_timeout_s=60.0)
+                            queue_depth=args.queue_depth, ttft_s=0, itl_s=0, scale_down_below=0.3,
+                            sustain_s=args.sustain, scale_down_sustain_s=args.scale_down_sustain,
+                            cooldown_s=args.cooldown, interval_s=0.5, drain_timeout_s=60.0,
+                            warm_spares=args.warm_spares)
     prefill = PoolConfig(replicas=1, num_cpus=0.5, threads=1)
     decode = PoolConfig(replicas=1, num_cpus=0.5, threads=1, engine={"max_num_seqs": args.max_num_seqs})
     return ClusterConfig(prefill=prefill, decode=decode, engine=engine, max_prefill_wait_s=0, max_decode_wait_s=0,
@@ -112,7 +124,7 @@ async def drive(cluster: Cluster, specs: list[Spec], args: argparse.Namespace, a
     await asyncio.gather(*tasks, sampler, return_exceptions=True)
     scaling = await cluster.scaling()
     return {"records": records, "pool_samples": samples, "scaling": scaling,
-            "decisions": decisions(scaling, start_wall)}
+            "decisions": decisions(scaling, start_wall, records)}
 
 
 def tpot(record: Record) -> float | None:
@@ -145,10 +157,27 @@ def windows(records: list[Record], args: argparse.Namespace) -> list[dict[str, A
     return rows
 
 
-def decisions(scaling: dict[str, Any], start_wall: float) -> list[dict[str, Any]]:
+def decisions(scaling: dict[str, Any], start_wall: float, records: list[Record]) -> list[dict[str, Any]]:
     """The controller's decisions (`Scaler.status()["history"]`), each with its time from the arm's
-    start (`at` is the scaler's wall clock: one host)."""
-    return [{**entry, "t_s": entry["at"] - start_wall} for entry in scaling.get("history", [])]
+    start (`at` is the scaler's wall clock: one host) and its steps' times from there too (`phases`;
+    for a worker added, the first request it streamed)."""
+    rows = []
+    for entry in scaling.get("history", []):
+        phases = {key.removesuffix("_at") + "_s": value - start_wall for key, value in entry.get("phases", {}).items()
+                  if key.endswith("_at")}
+        if entry["direction"] == "up":
+            phases.update(first_request(records, entry["worker"]))
+        rows.append({**entry, "t_s": entry["at"] - start_wall, "phases_s": phases})
+    return rows
+
+
+def first_request(records: list[Record], worker_id: str) -> dict[str, float]:
+    """When the first request that `worker_id` streamed was sent, and when its second token came
+    (disaggregated: the first comes from the prefill worker, the next from the decode worker)."""
+    served = sorted((r for r in records if worker_id in r.worker_ids and len(r.events) > 1), key=lambda r: r.sent_s)
+    if not served:
+        return {}
+    return {"first_request_sent_s": served[0].sent_s, "first_request_decoded_s": served[0].events[1][0]}
 
 
 async def capacity(cluster: Cluster, args: argparse.Namespace) -> float:
@@ -178,12 +207,23 @@ def rates(args: argparse.Namespace, measured: float) -> None:
                   f"rates {args.low_rate:g} -> {args.high_rate:g} -> {args.low_rate:g} requests/s")
 
 
+async def spares_ready(cluster: Cluster, spares: int) -> None:
+    """Wait until the decode pool's warm spares are ready: the arm starts as a cluster that ran a
+    while, not with a model loading beside its first requests."""
+    deadline = time.monotonic() + SPARE_TIMEOUT_S
+    while len((await cluster.scaling()).get("spares", {}).get("decode", [])) < spares:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no warm spare ready within {SPARE_TIMEOUT_S:.0f} s (the controller's log says why)")
+        await asyncio.sleep(SAMPLE_S)
+
+
 def run_arm(arm: str, specs: list[Spec], args: argparse.Namespace) -> dict[str, Any]:
     """One arm; the first one measures the capacity and makes the workload (`specs`, filled in)."""
     console.rule(f"[bold]{arm}")
     cluster = Cluster(cluster_config(arm, args)).start()
     try:
         async def run() -> dict[str, Any]:
+            await spares_ready(cluster, args.warm_spares if arm == "scaling" else 0)
             await warm_up(cluster, args)
             measured = await capacity(cluster, args)
             if not specs:
@@ -252,21 +292,44 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> None:
     console.print(f"[green]wrote {RESULTS / f'{NAME}.png'}")
 
 
+def lost(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[float]:
+    """The windows from the step's start on whose attainment is under `--hold` (their start, s)."""
+    return [w["begin_s"] for w in rows if w["begin_s"] >= args.phases[0] and w["attainment"] is not None
+            and w["attainment"] < args.hold]
+
+
+def print_phases(results: dict[str, Any]) -> None:
+    """Where the time went between the signal and the new worker serving, per worker added."""
+    steps = ("signal_s", "decided_s", "made_s", "loaded_s", "warmed_s", "routed_s", "first_request_sent_s",
+             "first_request_decoded_s")
+    rows = [[arm, d["worker"], "spare" if d.get("phases", {}).get("spare") else "cold",
+             *(f"{d['phases_s'][key]:.1f}" if key in d["phases_s"] else "-" for key in steps)]
+            for arm, r in results.items() for d in r["decisions"] if d["direction"] == "up"]
+    if rows:
+        print_table("workers added: seconds from the arm's start", ["arm", "worker", "how", *steps], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--low-load", type=float, default=0.3, help="before and after the step: this times the "
                         "requests per second one decode worker completes (measured first)")
-    parser.add_argument("--high-load", type=float, default=1.4, help="during the step: this times that capacity")
+    parser.add_argument("--high-load", type=float, default=1.3, help="during the step: this times that capacity")
     parser.add_argument("--low-rate", type=float, default=0.0, help="requests per second instead of --low-load")
     parser.add_argument("--high-rate", type=float, default=0.0, help="requests per second instead of --high-load")
-    parser.add_argument("--phases", type=float, nargs=3, default=[20.0, 70.0, 40.0], help="seconds of each phase")
+    parser.add_argument("--phases", type=float, nargs=3, default=[20.0, 60.0, 40.0], help="seconds of each phase")
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=2, help="running requests per decode worker")
     parser.add_argument("--max-decode", type=int, default=2, help="the scaling arm's decode pool bound")
     parser.add_argument("--cooldown", type=float, default=10.0, help="the controller's cooldown_s")
+    parser.add_argument("--queue-depth", type=float, default=0.5, help="the controller's queue_depth target")
+    parser.add_argument("--sustain", type=float, default=2.0, help="the controller's sustain_s (to grow)")
+    parser.add_argument("--scale-down-sustain", type=float, default=5.0, help="its scale_down_sustain_s")
+    parser.add_argument("--warm-spares", type=int, default=1, help="the controller's warm_spares (0: cold start)")
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tpot", type=float, default=0.15)
     parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument("--hold", type=float, default=0.9, help="a window from the step on whose attainment is "
+                        "under this is lost; the controller holds the SLO with at most one lost")
     parser.add_argument("--drain", type=float, default=90.0, help="seconds past the last phase to finish")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
@@ -274,12 +337,16 @@ def main() -> None:
     info = machine("benchmarks.scaling_step")
     specs: list[Spec] = []  # made by the first arm, from the capacity it measures
     results = {arm: run_arm(arm, specs, args) for arm in args.arms}
+    for r in results.values():
+        r["windows_lost"] = lost(r["windows"], args)
     rows = [[arm, f"{r['completed']}/{r['requests']}", f"{r['tokens']}/{r['tokens_expected']}",
-             f"{r['attainment']:.0%}", f"{(r['ttft_p90_s'] or 0) * 1000:.0f}", f"{(r['tpot_p90_s'] or 0) * 1000:.0f}",
+             f"{r['attainment']:.0%}", f"{len(r['windows_lost'])}", f"{(r['ttft_p90_s'] or 0) * 1000:.0f}",
+             f"{(r['tpot_p90_s'] or 0) * 1000:.0f}",
              ", ".join(f"{d['direction']}@{d['t_s']:.0f}s" for d in r["decisions"]) or "-"]
             for arm, r in results.items()]
-    print_table("load step", ["arm", "completed", "tokens", "attainment", "TTFT p90 ms", "TPOT p90 ms", "decisions"],
-                rows)
+    print_table("load step", ["arm", "completed", "tokens", "attainment", f"windows < {args.hold:.0%}", "TTFT p90 ms",
+                              "TPOT p90 ms", "decisions"], rows)
+    print_phases(results)
     for arm, r in results.items():
         print_table(f"{arm} per {args.window:g} s window", ["from s", "requests", "TTFT p90 ms", "TPOT p90 ms",
                                                              "attainment"],

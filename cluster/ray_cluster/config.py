@@ -25,8 +25,10 @@ scaling:                   # the live controller (docs/deploy.md, Scaling live);
   itl_s: 0.2               # a decode pool whose seconds per generated token pass this grows
   queue_depth: 4           # a pool whose workers have more waiting requests each than this grows
   scale_down_below: 0.3    # a pool under this fraction of every target, nothing waiting, shrinks
-  sustain_s: 10            # a signal must hold this long before acting
+  sustain_s: 10            # a signal must hold this long before growing
+  scale_down_sustain_s: null  # every signal must stay low this long before shrinking (null: sustain_s)
   cooldown_s: 60           # no other decision on a pool this long after one
+  warm_spares: 0           # workers per pool started and warmed up but not routed to: growing enables one at once
   interval_s: 1            # how often the controller looks
   drain_timeout_s: 120     # a draining worker's requests still there then are handed off (resumed)
 attach: false              # start no workers: route to those listed in redis_url's registry
@@ -121,14 +123,24 @@ class ScalingConfig:
     queue_depth: float = 4.0
     scale_down_below: float = 0.3
     sustain_s: float = 10.0
+    # Shrinking waits longer than growing where this is longer (Ray Serve's downscale_delay_s against
+    # its upscale_delay_s): a short sustain_s grows a pool early in a step, a long one here keeps a
+    # lull inside it from giving the worker back. None: sustain_s.
+    scale_down_sustain_s: float | None = None
     cooldown_s: float = 60.0
     interval_s: float = 1.0
     drain_timeout_s: float = 120.0
+    # Workers per pool started (model loaded, warmed up) but not routed to, within max_workers with
+    # those serving: growing routes to one at once instead of waiting for a model to load.
+    warm_spares: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("ttft_s", "itl_s", "queue_depth", "sustain_s", "cooldown_s", "drain_timeout_s"):
+        for key in ("ttft_s", "itl_s", "queue_depth", "sustain_s", "cooldown_s", "drain_timeout_s", "warm_spares"):
             if getattr(self, key) < 0:
                 raise ValueError(f"scaling.{key} must be >= 0, got {getattr(self, key)}")
+        if self.scale_down_sustain_s is not None and self.scale_down_sustain_s < 0:
+            raise ValueError(f"scaling.scale_down_sustain_s must be >= 0 (or null: sustain_s), got "
+                             f"{self.scale_down_sustain_s}")
         if self.interval_s <= 0:
             raise ValueError(f"scaling.interval_s must be > 0, got {self.interval_s}")
         if not 0 <= self.scale_down_below < 1:
@@ -137,6 +149,11 @@ class ScalingConfig:
     def bounds(self, role: str) -> PoolBounds:
         """The bounds of the pool of `role` (a colocated pool takes the decode pool's)."""
         return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def down_sustain_s(self) -> float:
+        """How long a pool stays under its targets before it shrinks."""
+        return self.sustain_s if self.scale_down_sustain_s is None else self.scale_down_sustain_s
 
 
 def scaling_config_from(values: dict[str, Any]) -> ScalingConfig:
@@ -245,6 +262,9 @@ class ClusterConfig:
             return
         if self.attach:
             raise ValueError("scaling and attach exclude each other: an attached gateway starts no workers")
+        if self.scaling.warm_spares and self.redis_url:
+            raise ValueError("scaling.warm_spares needs redis_url empty: a spare lists itself in the shared registry, "
+                             "where routers would find it and route to it")
         pools = [("decode", self.decode)] + ([("prefill", self.prefill)] if self.mode == Mode.DISAGGREGATED else [])
         for name, pool in pools:
             bounds = self.scaling.bounds(name)

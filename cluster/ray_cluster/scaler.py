@@ -4,8 +4,11 @@ Started by the launcher when `scaling.enabled` (docs/deploy.md, Scaling live); f
 the pools' handles. Every `interval_s` it reads each worker's load, turns each pool's loads into
 signals and asks that pool's hysteresis for a decision (`cluster.ray_cluster.scaling_policy`).
 
-Growing a pool: start a worker under the next free index (its model loads), then tell every router
-replica to route to it (`Router.add_worker`; with Redis the registry lists it as well).
+Growing a pool: take one of its warm spares (`scaling.warm_spares`: workers started under the next
+free indexes, their models loaded and warmed up, that no router routes to) or, with none ready,
+start a worker (its model loads and warms up), then tell every router replica to route to it
+(`Router.add_worker`; with Redis the registry lists it as well). After every change the spares are
+made up again in the background, within the pool's `max_workers` counting those serving.
 
 Shrinking one, its newest worker, by draining, so that no request is lost:
 1. every router replica stops sending it new requests (`Router.drain_worker`);
@@ -15,12 +18,17 @@ Shrinking one, its newest worker, by draining, so that no request is lost:
    and its router resumes it elsewhere after the tokens already sent (the path of any lost worker);
 4. every router replica forgets it (`Router.remove_worker`).
 One change runs at a time; the looks wait for it. Each decision is logged with its reason and
-counted (`status`, exported by /metrics as pdserve:scaling_decisions_total and pdserve:pool_workers).
+counted (`status`, exported by /metrics as pdserve:scaling_decisions_total and pdserve:pool_workers),
+with the times of its steps (`phases`: the signal passing its target, the decision, the actor made,
+its model loaded, warmed up, routed to) so that what a new worker costs before it serves shows.
+The decisions are checkpointed in Ray's GCS key-value store after each one, so that a controller
+Ray restarts counts on from its predecessor's (`_restore`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -53,12 +61,16 @@ class Scaler:
         self.last: dict[str, Any] = {}  # the last decision, as `pdserve status` shows it
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # the latest decisions, oldest first
         self.drained: list[dict[str, Any]] = []  # each removed worker: emptied in time, its blocks then
+        self.spares: dict[str, list[tuple[tuple[str, str, Any], dict[str, float]]]] = {role: [] for role in pools}
+        self.starting: dict[str, dict[str, Any]] = {role: {} for role in pools}  # worker id -> handle (None: not made)
+        self.spare_tasks: dict[str, set[asyncio.Task[None]]] = {role: set() for role in pools}
         self.changing = asyncio.Lock()
         self.stopped = False
         self.looks = 0
         self.restarted = _reconstructed()
         if self.restarted:
             self._recover()
+            self._restore()
         # Ray runs an async actor's __init__ on its event loop (checked with Ray 2.60): the looks start
         # with the actor, so that an actor Ray restarts looks again with nobody to ask it.
         self.running = asyncio.get_running_loop().create_task(self.run())
@@ -78,6 +90,25 @@ class Scaler:
             self.hysteresis[role].acted(time.monotonic())
         log.warning("scaling: the controller restarted; pools found: %s",
                     {role: [worker_id for worker_id, _, _ in workers] for role, workers in self.pools.items()})
+
+    def _restore(self) -> None:
+        """After a restart: the decisions counted and kept by the predecessor (`_checkpoint`), so that
+        the counters go on rather than start again from 0."""
+        saved = _kv_get(self._checkpoint_key())
+        if saved is None:
+            return
+        self.decisions = {(pool, direction, reason): count for pool, direction, reason, count in saved["decisions"]}
+        self.history.extend(saved["history"])
+        self.last, self.drained = saved["last"], saved["drained"]
+
+    def _checkpoint(self) -> None:
+        """Keep the decisions (counts, history, drained workers) in Ray's GCS key-value store, as Ray
+        Serve's controller keeps its state there: it outlives this actor, and a restarted one reads it."""
+        _kv_put(self._checkpoint_key(), {"decisions": [[*key, count] for key, count in self.decisions.items()],
+                                         "history": list(self.history), "last": self.last, "drained": self.drained})
+
+    def _checkpoint_key(self) -> str:
+        return f"pdserve-{self.uid}-scaler"
 
     async def _settle(self) -> None:
         """Finish what a restarted controller's predecessor left under way: a worker that drains is
@@ -101,6 +132,7 @@ class Scaler:
         if self.restarted:
             async with self.changing:
                 await self._settle()
+        self._top_up()
         while not self.stopped:
             try:
                 await self.look()
@@ -115,9 +147,10 @@ class Scaler:
             loads = await self._loads([handle for _, _, handle in workers])
             signals = pool_signals(role, self.before, loads)
             self.before.update({load.worker_id: load for load in loads})
-            decision = self.hysteresis[role].decide(signals, time.monotonic())
+            now = time.monotonic()
+            decision = self.hysteresis[role].decide(signals, now)
             if decision is not None and not self.stopped:
-                await self._apply(decision)
+                await self._apply(decision, signal_at=time.time() - (now - decision.since))
 
     async def scale(self, role: str, direction: str, reason: str = "manual") -> str:
         """Add (`up`) or remove (`down`) one worker of the pool of `role` now, outside the looks (its
@@ -125,9 +158,9 @@ class Scaler:
         if role not in self.pools:
             raise ValueError(f"no {role} pool to scale; pools: {sorted(self.pools)}")
         self.hysteresis[role].acted(time.monotonic())
-        return await self._apply(Decision(role, direction, reason, "asked"))
+        return await self._apply(Decision(role, direction, reason, "asked"), signal_at=time.time())
 
-    async def _apply(self, decision: Decision) -> str:
+    async def _apply(self, decision: Decision, signal_at: float) -> str:
         async with self.changing:
             size = len(self.pools[decision.pool])
             log.warning("scaling %s %s from %d workers (%s): %s", decision.pool, decision.direction, size,
@@ -135,26 +168,93 @@ class Scaler:
             key = (decision.pool, decision.direction, decision.reason)
             self.decisions[key] = self.decisions.get(key, 0) + 1
             decided = time.time()
-            worker_id = await (self._add(decision.pool) if decision.direction == UP else self._remove(decision.pool))
+            phases: dict[str, Any] = {"signal_at": signal_at, "decided_at": decided}
+            if decision.direction == UP:
+                worker_id = await self._add(decision.pool, phases)
+            else:
+                worker_id = await self._remove(decision.pool)
             self.last = {"pool": decision.pool, "direction": decision.direction, "reason": decision.reason,
-                         "detail": decision.detail, "worker": worker_id, "at": decided, "done_at": time.time()}
+                         "detail": decision.detail, "worker": worker_id, "at": decided, "done_at": time.time(),
+                         "phases": phases}
             self.history.append(self.last)
+            self._checkpoint()
+            self._top_up()
             return worker_id
 
-    async def _add(self, role: str) -> str:
-        index = self.next_index[role]
+    async def _add(self, role: str, phases: dict[str, Any]) -> str:
+        """Route to a spare of the pool (one still warming up is waited for) or to a worker started
+        now; its steps' times go into `phases`."""
+        spare = await self._ready_spare(role)
+        if spare is None:
+            member, started = await self._start(role, self._next_id(role))
+            phases.update(started, spare=False)
+        else:
+            member, started = spare
+            phases.update(started, spare=True)
+        worker_id, name, _ = member
+        self.pools[role].append(member)
+        await asyncio.gather(*(control(router.add_worker).remote(role, worker_id, name) for router in self.routers))
+        phases["routed_at"] = time.time()
+        log.warning("scaling: %s serves (%d %s workers; %s)", worker_id, len(self.pools[role]), role,
+                    "a warm spare" if spare else f"started in {phases['routed_at'] - phases['decided_at']:.1f} s")
+        return worker_id
+
+    def _next_id(self, role: str) -> str:
+        """Take the pool's next free index: the id of the worker about to start (listed as starting)."""
+        worker_id = f"{role}-{self.next_index[role]}"
         self.next_index[role] += 1
-        worker_id, name = f"{role}-{index}", actor_name(self.uid, role, index)
-        handle = make_worker(self.config, self.uid, role, index, self.gpus[role], detached=True)
-        await handle.start.remote()  # its model loaded and warmed up before any request comes
-        failure = (await control(handle.load).remote()).failure
-        if failure:  # routed to, it would fail requests: ended, and the pool stays as it was
+        self.starting[role][worker_id] = None
+        return worker_id
+
+    async def _start(self, role: str, worker_id: str) -> tuple[tuple[str, str, Any], dict[str, float]]:
+        """Start the worker `worker_id` (from `_next_id`) and wait until it can serve: its member of a
+        pool and when its actor was made, its model loaded and its warm-up done. One that cannot serve
+        is ended (routed to, it would fail requests)."""
+        index = int(worker_id.rsplit("-", 1)[1])
+        name = actor_name(self.uid, role, index)
+        try:
+            made = time.time()
+            handle = self.starting[role][worker_id] = make_worker(self.config, self.uid, role, index, self.gpus[role],
+                                                                  detached=True)
+            await handle.spec.remote()  # answered once its constructor ran: the model is loaded
+            loaded = time.time()
+            await handle.start.remote()  # warmed up
+            failure = (await control(handle.load).remote()).failure
+        finally:
+            self.starting[role].pop(worker_id, None)
+        if failure:
             await self._end(handle)
             raise RuntimeError(f"scaling: the new worker {worker_id} cannot serve: {failure}")
-        self.pools[role].append((worker_id, name, handle))
-        await asyncio.gather(*(control(router.add_worker).remote(role, worker_id, name) for router in self.routers))
-        log.warning("scaling: %s serves (%d %s workers)", worker_id, len(self.pools[role]), role)
-        return worker_id
+        return (worker_id, name, handle), {"made_at": made, "loaded_at": loaded, "warmed_at": time.time()}
+
+    async def _ready_spare(self, role: str) -> tuple[tuple[str, str, Any], dict[str, float]] | None:
+        """A warm spare of the pool, waiting for one still starting (it is further on than a worker
+        started now); None when there is none."""
+        while not self.spares[role] and self.spare_tasks[role]:
+            await asyncio.wait(set(self.spare_tasks[role]), return_when=asyncio.FIRST_COMPLETED)
+        return self.spares[role].pop(0) if self.spares[role] else None
+
+    def _top_up(self) -> None:
+        """Start spares in the background until each pool has `warm_spares` ready or starting, with no
+        more workers serving, spare and starting than its `max_workers`."""
+        for role, workers in self.pools.items():
+            bound = self.config.scaling.bounds(role).max_workers
+            while not self.stopped and len(self.spares[role]) + len(self.spare_tasks[role]) \
+                    < self.config.scaling.warm_spares and \
+                    len(workers) + len(self.spares[role]) + len(self.starting[role]) < bound:
+                task = asyncio.get_running_loop().create_task(self._warm_spare(role, self._next_id(role)))
+                self.spare_tasks[role].add(task)
+                task.add_done_callback(self.spare_tasks[role].discard)
+
+    async def _warm_spare(self, role: str, worker_id: str) -> None:
+        try:
+            spare = await self._start(role, worker_id)
+        except Exception:  # the next change tries again
+            log.exception("scaling: the spare %s did not start", worker_id)
+            return
+        self.spares[role].append(spare)
+        log.warning("scaling: %s is a warm spare of the %s pool (started in %.1f s)", worker_id, role,
+                    spare[1]["warmed_at"] - spare[1]["made_at"])
 
     async def _remove(self, role: str) -> str:
         if len(self.pools[role]) <= 1:
@@ -200,19 +300,49 @@ class Scaler:
         the drained workers: plain values, for /v1/workers (`pdserve status`) and /metrics."""
         return {"pools": {role: len(workers) for role, workers in self.pools.items()},
                 "workers": {role: [worker_id for worker_id, _, _ in workers] for role, workers in self.pools.items()},
+                "spares": {role: [member[0] for member, _ in spares] for role, spares in self.spares.items()},
+                "starting": {role: sorted(starting) for role, starting in self.starting.items()},
                 "decisions": [[*key, count] for key, count in sorted(self.decisions.items())],
                 "last": dict(self.last), "history": list(self.history), "drained": list(self.drained),
                 "looks": self.looks, "restarted": self.restarted}
 
     async def handles(self) -> list[Any]:
-        """Every worker's handle, the pools' order."""
+        """Every serving worker's handle, the pools' order."""
         return [handle for workers in self.pools.values() for _, _, handle in workers]
 
     async def stop(self) -> list[Any]:
-        """Make no more decisions; the handles of the workers, for the launcher to stop."""
+        """Make no more decisions; the handles of the workers, spares and those starting too, for the
+        launcher to stop."""
         self.stopped = True
         async with self.changing:  # a change under way ends first
-            return await self.handles()
+            _kv_put(self._checkpoint_key(), None)  # stopped on purpose: the next controller of this name starts anew
+            spares = [member[2] for pool_spares in self.spares.values() for member, _ in pool_spares]
+            starting = [handle for pool_starting in self.starting.values() for handle in pool_starting.values()
+                        if handle is not None]
+            return await self.handles() + spares + starting
+
+
+def _kv_put(key: str, value: Any) -> None:
+    """Store `value` (JSON) under `key` in Ray's GCS key-value store (None: delete it); nothing
+    outside an actor (no Ray)."""
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return
+    if value is None:
+        internal_kv._internal_kv_del(key, namespace=RAY_NAMESPACE)
+    else:
+        internal_kv._internal_kv_put(key, json.dumps(value), overwrite=True, namespace=RAY_NAMESPACE)
+
+
+def _kv_get(key: str) -> Any:
+    """What `_kv_put` stored under `key`; None when nothing is."""
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return None
+    stored = internal_kv._internal_kv_get(key, namespace=RAY_NAMESPACE)
+    return json.loads(stored) if stored else None
 
 
 def _reconstructed() -> bool:

@@ -10,9 +10,12 @@ last look from the request-time histograms the workers already count for /metric
 - ITL: seconds per generated token, decode time over tokens generated (decode and colocated pools).
 
 `PoolHysteresis.decide` grows a pool whose signal passes its target for `sustain_s` on end, and
-shrinks one whose every signal stays under `scale_down_below` of its target as long, while one
-worker fewer would run the requests it holds within that fraction of its slots; after either,
-the pool is left alone for `cooldown_s`. The bounds always win: a pool below `min_workers` grows,
+shrinks one whose every signal stays under `scale_down_below` of its target for
+`scale_down_sustain_s` (unset: `sustain_s`), while one worker fewer would run the requests it
+holds within that fraction of its slots; after either, the pool is left alone for `cooldown_s`.
+Three things keep it from flapping: the gap between the target and its low water, the sustain on
+each side (the shrinking one may be the longer, so that a lull inside a step keeps the worker),
+and the cooldown. The bounds always win: a pool below `min_workers` grows,
 one above `max_workers` shrinks, at once.
 """
 
@@ -47,12 +50,14 @@ class PoolSignals:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Grow (`UP`) or shrink (`DOWN`) a pool, and why: `reason` is a metric label (the signal, or
-    `idle`, `below_min`, `above_max`), `detail` the numbers for the log line."""
+    `idle`, `below_min`, `above_max`), `detail` the numbers for the log line, `since` when its
+    signal began to call for it (the clock `decide` was given; the decision's time for the bounds)."""
 
     pool: str
     direction: str
     reason: str
     detail: str
+    since: float = 0.0
 
 
 def _delta(name: str, before: WorkerLoad | None, now: WorkerLoad) -> BucketCounts | None:
@@ -144,9 +149,10 @@ class PoolHysteresis:
     def decide(self, signals: PoolSignals, now: float) -> Decision | None:
         """The decision this look makes for the pool (None: leave it), given its signals at `now`."""
         if signals.workers < self.bounds.min_workers:
-            return self._made(UP, "below_min", f"{signals.workers} < min_workers {self.bounds.min_workers}", now)
+            return self._made(UP, "below_min", f"{signals.workers} < min_workers {self.bounds.min_workers}", now, now)
         if signals.workers > self.bounds.max_workers:
-            return self._made(DOWN, "above_max", f"{signals.workers} > max_workers {self.bounds.max_workers}", now)
+            return self._made(DOWN, "above_max", f"{signals.workers} > max_workers {self.bounds.max_workers}", now,
+                              now)
         watched = _watched(self.role, self.config)
         over = [(name, getattr(signals, name), target) for name, target in watched if getattr(signals, name) > target]
         under = all(getattr(signals, name) <= self.config.scale_down_below * target for name, target in watched) \
@@ -158,13 +164,14 @@ class PoolHysteresis:
         if self.over_since is not None and now - self.over_since >= self.config.sustain_s \
                 and signals.workers < self.bounds.max_workers:
             name, value, target = over[0]
-            return self._made(UP, name, f"{name} {value:.3g} > {target:g} for {now - self.over_since:.1f} s", now)
-        if self.under_since is not None and now - self.under_since >= self.config.sustain_s \
+            return self._made(UP, name, f"{name} {value:.3g} > {target:g} for {now - self.over_since:.1f} s", now,
+                              self.over_since)
+        if self.under_since is not None and now - self.under_since >= self.config.down_sustain_s \
                 and signals.workers > self.bounds.min_workers:
             detail = ", ".join([f"{name} {getattr(signals, name):.3g}" for name, _ in watched]
                                + [f"{signals.held} held in {signals.slots} slots"])
             return self._made(DOWN, "idle", f"{detail} under {self.config.scale_down_below:g} of the targets for "
-                                            f"{now - self.under_since:.1f} s", now)
+                                            f"{now - self.under_since:.1f} s", now, self.under_since)
         return None
 
     def _fits_fewer(self, signals: PoolSignals) -> bool:
@@ -174,9 +181,9 @@ class PoolHysteresis:
             return True
         return signals.held <= self.config.scale_down_below * signals.slots * (signals.workers - 1) / signals.workers
 
-    def _made(self, direction: str, reason: str, detail: str, now: float) -> Decision:
+    def _made(self, direction: str, reason: str, detail: str, now: float, since: float) -> Decision:
         self.changed_at, self.over_since, self.under_since = now, None, None
-        return Decision(self.role, direction, reason, detail)
+        return Decision(self.role, direction, reason, detail, since)
 
     def acted(self, now: float) -> None:
         """A change made from outside the looks (an operator's): the cooldown starts again."""

@@ -67,7 +67,7 @@ COLOCATED_EXTERNAL = {
 
 # The live controller: decode pods 1..3 of 2 workers each, prefill pods 1..2 of one.
 SCALING = {
-    "cluster": {"scaling": {"enabled": True, "queueDepth": 2, "sustainSeconds": 5},
+    "cluster": {"scaling": {"enabled": True, "queueDepth": 2, "sustainSeconds": 5, "scaleDownSustainSeconds": 60},
                 "decode": {"engine": {"max_num_seqs": 32, "kv_cache_memory_gb": 4}},  # per-pool limits
                 "prefill": {"engine": {"max_num_batched_tokens": 4096}}},
     "ray": {"prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
@@ -708,6 +708,7 @@ def test_live_scaling_turns_rays_autoscaler_on_within_the_groups_bounds() -> Non
     assert [group.get("idleTimeoutSeconds") for group in cluster["workerGroupSpecs"]] == [None, 120]
     config = cluster_config_from(cluster_yaml(objects))
     assert config.scaling.enabled and config.scaling.queue_depth == 2 and config.scaling.sustain_s == 5
+    assert config.scaling.down_sustain_s == 60  # shrinking waits longer than growing
     assert config.scaling.prefill == PoolBounds(1, 2) and config.scaling.decode == PoolBounds(2, 6)
     assert (config.prefill.replicas, config.decode.replicas) == (1, 2)
     decode, prefill = config.engine_for("decode"), config.engine_for("prefill")  # each pool's own limits

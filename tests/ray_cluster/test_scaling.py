@@ -1,6 +1,6 @@
 """The live controller on Ray: a load step grows the decode pool and requests go to the new worker;
 a controller that dies comes back with the pools it had; removing a worker drains it, with every
-request answered in full and every block back in its pool."""
+request answered in full and every block back in its pool; a warm spare is routed to at once."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolBounds, PoolConfig, ScalingConfig
-from cluster.ray_cluster.launcher import Cluster
+from cluster.ray_cluster.launcher import Cluster, named_workers
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE
 from cluster.serving.process import gateway_metrics
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
@@ -114,13 +114,71 @@ def test_a_load_step_adds_a_decode_worker_and_removing_it_drains_every_request(c
         assert families <= {family.name for family in text_string_to_metric_families(text)}
         assert all(f"`{name}`" in documented for name in families)
         scraped = samples(text)
-        # Counted since the controller's restart (a counter reset to Prometheus): the up decision was before.
+        # The up decision came before the controller's restart: its successor counts on from its checkpoint.
         assert {labels: v for (name, labels), v in scraped.items() if name == "pdserve:scaling_decisions_total"} == {
-            (("direction", "down"), ("pool", "decode"), ("reason", "manual")): 1.0}
+            (("direction", "down"), ("pool", "decode"), ("reason", "manual")): 1.0,
+            (("direction", "up"), ("pool", "decode"), ("reason", "queue_depth")): 1.0}
+        assert [(d["direction"], d["worker"]) for d in status["history"]] == [("up", "decode-1"), ("down", "decode-1")]
         assert {labels: v for (name, labels), v in scraped.items() if name == "pdserve:pool_workers"} == {
             (("pool", "decode"),): 1.0, (("pool", "prefill"),): 1.0}
     finally:
         cluster.stop()
+
+
+def test_a_warm_spare_takes_no_requests_until_the_step_then_serves_at_once(checkpoint: Path) -> None:
+    """`warm_spares: 1`: decode-1 starts with the cluster, unrouted; the step routes to it within a
+    look of the decision (no model load between), the spare is made up again after the pool shrinks,
+    and a stop ends it too."""
+    import ray
+
+    engine_config = engine_config_for(checkpoint, num_blocks=256)
+    engine_config = replace(engine_config, scheduler=replace(engine_config.scheduler, max_num_seqs=2))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = (PROMPTS * 3)[:8]
+    expected = alone(engine_config, prompts, params)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, max_decode_wait_s=0, max_prefill_wait_s=0,
+                           scaling=replace(SCALING, warm_spares=1))
+    cluster = Cluster(config).start()
+
+    async def spares(ids: list[str]) -> bool:
+        status = await cluster.scaling()
+        return status.get("spares", {}).get("decode") == ids and not status["starting"]["decode"]
+
+    async def scenario() -> None:
+        await until(lambda: spares(["decode-1"]), "no warm spare started")
+        assert sorted(await cluster.router.live_workers.remote()) == ["decode-0", "prefill-0"]  # not routed to
+        for index in (0, 1):
+            worker = ray.get_actor(f"pdserve-{cluster.uid}-decode-{index}", namespace=RAY_NAMESPACE)
+            await worker.__ray_call__.remote(pace_steps(STEP_S))
+        step = Wave(cluster, "step", prompts, params)  # 8 requests on 2 slots: 6 wait
+        await until(lambda: _is(_pools(cluster), "decode", 2), "the step did not enable the spare")
+        after = Wave(cluster, "after", prompts[:4], params)  # decode-0 is still busy with the step
+        await until(lambda: _streaming_on(after, "decode-1"), "no request went to the spare")
+        assert await step.done() == expected and await after.done() == expected[:4]  # every token, none twice
+        assert await spares([])  # two serving: max_workers 2 leaves no room for another
+        assert await cluster.scaler.scale.remote("decode", "down") == "decode-1"
+        await until(lambda: spares(["decode-2"]), "the spare was not made up again after the pool shrank")
+
+    try:
+        asyncio.run(scenario())
+        grown = asyncio.run(cluster.scaling())["history"][0]
+        phases = grown["phases"]
+        assert grown["worker"] == "decode-1" and phases["spare"] is True
+        assert phases["made_at"] < phases["warmed_at"] < phases["signal_at"] <= phases["decided_at"]  # ready before
+        assert phases["routed_at"] - phases["decided_at"] < 1.0  # routed to at once: no model load in between
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
+
+    async def all_ended() -> bool:
+        return named_workers(cluster.uid) == []
+
+    asyncio.run(until(all_ended, "a worker outlived the stop (the spare?)", within_s=10))
+
+
+async def _pools(cluster: Cluster) -> dict[str, int]:
+    return (await cluster.scaling()).get("pools", {})
 
 
 async def _is(sizes: Any, pool: str, size: int) -> bool:

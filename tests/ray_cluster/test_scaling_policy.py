@@ -216,3 +216,62 @@ def test_a_colocated_pool_is_judged_by_ttft_and_itl_within_the_decode_bounds() -
                           tokens=[0, 0, 0, 0, 0, 1]), role="colocated")]
     signals = pool_signals("colocated", {}, loads)
     assert signals.ttft_s == pytest.approx(0.1 + 1.0) and signals.itl_s == pytest.approx(1.0 / 10.0)
+
+
+STEP = replace(CONFIG, decode=PoolBounds(1, 2), queue_depth=0.5, sustain_s=1.0, scale_down_sustain_s=10.0,
+               cooldown_s=5.0)  # grows early, gives back late (the load step benchmark's shape)
+
+
+def test_a_pool_grows_after_sustain_s_and_shrinks_only_after_scale_down_sustain_s() -> None:
+    """Hand-computed: over from 0 s, grown at 1 s (sustain_s 1); idle from 2 s: not shrunk at 3 s
+    (sustain_s) nor at 6 s (the cooldown's end), but at 12 s (scale_down_sustain_s 10)."""
+    pool = PoolHysteresis("decode", STEP)
+    assert pool.decide(PoolSignals(workers=1, queue_depth=1.0), 0.0) is None
+    grown = pool.decide(PoolSignals(workers=1, queue_depth=1.0), 1.0)
+    assert grown is not None and (grown.direction, grown.since) == (UP, 0.0)
+    assert all(pool.decide(IDLE, now) is None for now in (2.0, 3.0, 6.0, 11.9))
+    shrunk = pool.decide(IDLE, 12.0)
+    assert shrunk is not None and (shrunk.direction, shrunk.reason, shrunk.since) == (DOWN, "idle", 2.0)
+    assert "for 10.0 s" in shrunk.detail
+
+
+def test_a_load_step_grows_the_pool_once_and_gives_the_worker_back_once_after_it() -> None:
+    """No flapping: a look-by-look trace (0.5 s) of a burst shorter than sustain_s, a step whose queue
+    comes and goes while the slots stay busy, lulls inside it, then quiet: one UP, one DOWN."""
+    trace = [(0.0, PoolSignals(workers=1, held=1, slots=2)),
+             (10.0, PoolSignals(workers=1, queue_depth=1.0, held=3, slots=2)),  # a burst of 0.5 s
+             (10.5, PoolSignals(workers=1, held=2, slots=2))]
+    trace += [(20.0 + 0.5 * i, PoolSignals(workers=1, queue_depth=float(q), held=2 + q, slots=2))
+              for i, q in enumerate((0, 1, 1, 2, 2, 3))]  # the step: the queue builds
+    trace += [(23.0 + 0.5 * i, PoolSignals(workers=2, queue_depth=float(i % 4 == 0), held=2 + i % 2, slots=4))
+              for i in range(40)]  # two workers run it: a request waits now and then, the slots stay busy
+    trace += [(43.0 + 0.5 * i, PoolSignals(workers=2, held=i % 5 // 4, slots=4)) for i in range(20)]  # lulls of 2 s
+    trace += [(53.0 + 0.5 * i, PoolSignals(workers=2 if i < 21 else 1, held=0, slots=4)) for i in range(60)]
+    pool = PoolHysteresis("decode", STEP)
+    decisions = [(now, decision.direction) for now, signals in _looks(trace)
+                 if (decision := pool.decide(signals, now)) is not None]
+    assert decisions == [(21.5, UP), (63.0, DOWN)]  # over from 20.5 s (1 s); under from 53 s (10 s)
+
+
+def _looks(trace: list[tuple[float, PoolSignals]]) -> list[tuple[float, PoolSignals]]:
+    """Every 0.5 s look from the trace's first to its last, each seeing the latest signals."""
+    looks, index = [], 0
+    for step in range(int(trace[-1][0] / 0.5) + 1):
+        now = step * 0.5
+        while index + 1 < len(trace) and trace[index + 1][0] <= now:
+            index += 1
+        looks.append((now, trace[index][1]))
+    return looks
+
+
+def test_the_warm_spares_and_the_shrinking_sustain_are_read_and_checked() -> None:
+    config = cluster_config_from({"scaling": {"enabled": True, "warm_spares": 1, "scale_down_sustain_s": 30,
+                                              "sustain_s": 1}})
+    assert (config.scaling.warm_spares, config.scaling.down_sustain_s) == (1, 30)
+    assert cluster_config_from({"scaling": {"sustain_s": 7, "scale_down_sustain_s": None}}).scaling.down_sustain_s == 7
+    with pytest.raises(ValueError, match="scaling.warm_spares must be >= 0"):
+        ScalingConfig(warm_spares=-1)
+    with pytest.raises(ValueError, match="scaling.scale_down_sustain_s must be >= 0"):
+        ScalingConfig(scale_down_sustain_s=-1.0)
+    with pytest.raises(ValueError, match="scaling.warm_spares needs redis_url empty"):
+        cluster_config_from({"scaling": {"enabled": True, "warm_spares": 1}, "redis_url": "redis://localhost:6379/0"})
