@@ -61,10 +61,15 @@ def engine_alone(workload: WorkloadConfig, cpus: frozenset[int] | None = None) -
     def bound() -> float:
         import torch
 
-        if cpus is not None:
-            bind_thread(cpus)
-            torch.set_num_threads(len(cpus))
-        return _engine_alone(workload)
+        if cpus is None:
+            return _engine_alone(workload)
+        bind_thread(cpus)
+        default = torch.get_num_threads()
+        torch.set_num_threads(len(cpus))
+        try:
+            return _engine_alone(workload)
+        finally:  # MKL's count is the process's: an arm after this one must not run on these
+            torch.set_num_threads(default)
 
     return in_own_thread(bound)
 
