@@ -18,6 +18,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.kv_cache_manager import cdiv
 from cluster.engine.llm_engine import LLMEngine
+from cluster.model import elementwise
 from cluster.model.sampler import Sampler
 from kernels import reference
 
@@ -83,12 +84,13 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
             name = "lm_head" if module is model.lm_head else "linear"
             module.forward = timers.wrap(name, module.forward)  # type: ignore[method-assign]
     runner.sampler = TimedSampler(runner.sampler, timers)  # type: ignore[assignment]
-    # The torch backend calls these through the module, so patching the module times them inside attention.
-    for name in ("gather_kv", "write_kv_cache"):
-        original = getattr(getattr(reference, name), "original", getattr(reference, name))
+    # The torch backend calls these through their modules, so patching a module times them inside
+    # attention; the KV write at `elementwise`, which picks the C write or torch's (both counted once).
+    for module, name in ((reference, "gather_kv"), (elementwise, "write_kv_cache")):
+        original = getattr(getattr(module, name), "original", getattr(module, name))
         wrapped = timers.wrap(f"attention_{name}", original)
         wrapped.original = original  # type: ignore[attr-defined]
-        setattr(reference, name, wrapped)
+        setattr(module, name, wrapped)
     engine._output = timers.wrap("outputs", engine._output)  # type: ignore[method-assign]
 
 
