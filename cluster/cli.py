@@ -315,7 +315,10 @@ def command_status(args: argparse.Namespace) -> int:
 
 def scaling_line(scaling: dict[str, Any]) -> str:
     """The live controller's pool sizes and its last decision, on one line."""
-    pools = ", ".join(f"{size} {pool}" for pool, size in sorted(scaling.get("pools", {}).items()))
+    spares = {pool: len(ids) for pool, ids in scaling.get("spares", {}).items() if ids}
+    pools = ", ".join(f"{size} {pool}" + (f" (+{spares[pool]} warm spare{'s' * (spares[pool] > 1)})"
+                                          if pool in spares else "")
+                      for pool, size in sorted(scaling.get("pools", {}).items()))
     last = scaling.get("last") or {}
     said = (f"last: {last['pool']} {last['direction']} ({last['reason']}: {last['detail']}), {last['worker']}"
             if last else "no decision yet")

@@ -163,6 +163,11 @@ class _Snapshot(Collector):
         for pool, size in self.scaling.get("pools", {}).items():
             sizes.add_metric([pool], size)
         yield sizes
+        spares = GaugeMetricFamily("pdserve:pool_spares", "Warm spares of each pool: started, not routed to.",
+                                   labels=["pool"])
+        for pool, ids in self.scaling.get("spares", {}).items():
+            spares.add_metric([pool], len(ids))
+        yield spares
 
     def _labels(self, load: WorkerLoad) -> list[str]:
         return [self.model_name, load.worker_id, load.role]

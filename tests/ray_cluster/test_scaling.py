@@ -148,6 +148,9 @@ def test_a_warm_spare_takes_no_requests_until_the_step_then_serves_at_once(check
     async def scenario() -> None:
         await until(lambda: spares(["decode-1"]), "no warm spare started")
         assert sorted(await cluster.router.live_workers.remote()) == ["decode-0", "prefill-0"]  # not routed to
+        scraped = samples(await _scrape(cluster))
+        assert {labels: v for (name, labels), v in scraped.items() if name == "pdserve:pool_spares"} == {
+            (("pool", "decode"),): 1.0, (("pool", "prefill"),): 0.0}
         for index in (0, 1):
             worker = ray.get_actor(f"pdserve-{cluster.uid}-decode-{index}", namespace=RAY_NAMESPACE)
             await worker.__ray_call__.remote(pace_steps(STEP_S))

@@ -201,6 +201,8 @@ def test_pdserve_status_prints_the_pools_and_the_last_decision() -> None:
     assert scaling_line(status) == "scaling: 2 decode, 1 prefill; last: decode up (queue_depth: queue_depth 3 > 2), " \
                                    "decode-1"
     assert scaling_line({"pools": {"decode": 1}, "last": {}}) == "scaling: 1 decode; no decision yet"
+    with_spare = {"pools": {"decode": 1, "prefill": 1}, "spares": {"decode": ["decode-1"], "prefill": []}, "last": {}}
+    assert scaling_line(with_spare) == "scaling: 1 decode (+1 warm spare), 1 prefill; no decision yet"
 
 
 def test_a_colocated_pool_is_judged_by_ttft_and_itl_within_the_decode_bounds() -> None:
