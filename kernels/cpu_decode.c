@@ -146,6 +146,22 @@ static inline void touch_rows(const char *const rows[TILE], int64_t n, int64_t r
     tile_sink = x;
 }
 
+/* Step to the tile at t0 of the keys or values at `base`: its rows (found a tile earlier, in `next`)
+ * into `rows` and touched in order; the tile after it found into `next` and prefetched. Its length. */
+static inline int64_t advance_tile(const char *base, const int64_t *table, int64_t t0, int64_t seq_len, int64_t bs,
+                                   int64_t block_bytes, int64_t row_bytes, const char *rows[TILE],
+                                   const char *next[TILE]) {
+    const int64_t n = seq_len - t0 < TILE ? seq_len - t0 : TILE;
+    memcpy(rows, next, sizeof(rows[0]) * TILE);
+    if (t0 + TILE < seq_len) {
+        const int64_t later = seq_len - t0 - TILE < TILE ? seq_len - t0 - TILE : TILE;
+        tile_rows(base, table, t0 + TILE, later, bs, block_bytes, row_bytes, next);
+        prefetch_rows(next, later, row_bytes);
+    }
+    touch_rows(rows, n, row_bytes);
+    return n;
+}
+
 #if defined(__AVX512BF16__)
 /* 32 bf16 as the dot-product instruction's operand. A cast of `_mm512_loadu_si512` made gcc 12 send
  * every key through the stack inside the tile loop (a store and a reload each); memcpy does not. */
@@ -245,14 +261,7 @@ static inline __attribute__((always_inline)) void NAME##_tiled(                 
     const char *rows[TILE], *next[TILE];                                                                  \
     tile_rows((const char *)keys, table, 0, seq_len < TILE ? seq_len : TILE, bs, block_bytes, row_bytes, next); \
     for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {                                                      \
-        const int64_t n = seq_len - t0 < TILE ? seq_len - t0 : TILE;                                      \
-        memcpy(rows, next, sizeof(rows));                                                                 \
-        if (t0 + TILE < seq_len) {                                                                        \
-            const int64_t later = seq_len - t0 - TILE < TILE ? seq_len - t0 - TILE : TILE;                \
-            tile_rows((const char *)keys, table, t0 + TILE, later, bs, block_bytes, row_bytes, next);    \
-            prefetch_rows(next, later, row_bytes);                                                        \
-        }                                                                                                 \
-        touch_rows(rows, n, row_bytes);                                                                   \
+        const int64_t n = advance_tile((const char *)keys, table, t0, seq_len, bs, block_bytes, row_bytes, rows, next); \
         const __mmask16 lanes = (__mmask16)((1u << n) - 1);                                               \
         for (int64_t h = 0; h < heads; h++) {                                                             \
             const int64_t at = h / group * dim * (int64_t)sizeof(T);                                      \
@@ -264,14 +273,7 @@ static inline __attribute__((always_inline)) void NAME##_tiled(                 
     prefetch_rows(next, seq_len < TILE ? seq_len : TILE, row_bytes);  /* read while the softmax runs */   \
     for (int64_t h = 0; h < heads; h++) softmax(scores + h * seq_len, seq_len);                          \
     for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {                                                      \
-        const int64_t n = seq_len - t0 < TILE ? seq_len - t0 : TILE;                                      \
-        memcpy(rows, next, sizeof(rows));                                                                 \
-        if (t0 + TILE < seq_len) {                                                                        \
-            const int64_t later = seq_len - t0 - TILE < TILE ? seq_len - t0 - TILE : TILE;                \
-            tile_rows((const char *)values, table, t0 + TILE, later, bs, block_bytes, row_bytes, next);  \
-            prefetch_rows(next, later, row_bytes);                                                        \
-        }                                                                                                 \
-        touch_rows(rows, n, row_bytes);                                                                   \
+        const int64_t n = advance_tile((const char *)values, table, t0, seq_len, bs, block_bytes, row_bytes, rows, next); \
         for (int64_t g = 0; g < s->kv_heads; g++) {                                                       \
             const int64_t at = g * dim * (int64_t)sizeof(T), end = (g + 1) * group;                       \
             for (int64_t h = g * group; h < end; h += most) {                                             \
