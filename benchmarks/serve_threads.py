@@ -68,7 +68,7 @@ def engine_alone(workload: WorkloadConfig, cpus: frozenset[int] | None = None) -
         torch.set_num_threads(len(cpus))
         try:
             return _engine_alone(workload)
-        finally:  # MKL's count is the process's: an arm after this one must not run on these
+        finally:  # part of the count is the process's (MKL's): an arm after this one must not run on these
             torch.set_num_threads(default)
 
     return in_own_thread(bound)
