@@ -392,6 +392,16 @@ def burst(cluster: Cluster, prompts: list[list[int]], params: SamplingParams,
     return asyncio.run(together())
 
 
+def _stream_states(received: list[list[int]], tasks: list[asyncio.Task[None]]) -> list[str]:
+    """Each stream's tokens so far and how it ended, if it did (what a failed wait shows)."""
+    def ended(task: asyncio.Task[None]) -> str:
+        if not task.done():
+            return "streaming"
+        return "cancelled" if task.cancelled() else repr(task.exception()) if task.exception() else "finished"
+
+    return [f"{len(tokens)} tokens, {ended(task)}" for tokens, task in zip(received, tasks, strict=True)]
+
+
 def ray_stats(cluster: Cluster) -> dict[str, int]:
     import ray
 
@@ -494,7 +504,8 @@ def test_the_only_decode_worker_killed_mid_stream_costs_time_not_answers(checkpo
         tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
         deadline = time.monotonic() + 120
         while min(len(tokens) for tokens in received) < 10:
-            assert not any(task.done() for task in tasks) and time.monotonic() < deadline, "not all streaming"
+            assert not any(task.done() for task in tasks) and time.monotonic() < deadline, \
+                f"not all streaming: {_stream_states(received, tasks)}"
             await asyncio.sleep(0.005)
         ray.kill(cluster.decode[0], no_restart=False)  # a crash: Ray starts it again
         await asyncio.wait_for(asyncio.gather(*tasks), 180)
