@@ -437,7 +437,8 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint:
         tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
         deadline = time.monotonic() + 120
         while min(len(tokens) for tokens in received) < 10:  # every request is streaming
-            assert not any(task.done() for task in tasks) and time.monotonic() < deadline, "not all streaming"
+            assert not any(task.done() for task in tasks) and time.monotonic() < deadline, \
+                f"not all streaming: {_stream_states(received, tasks)}"
             await asyncio.sleep(0.005)
         ray.kill(cluster.decode[0], no_restart=False)  # a crash: Ray starts it again
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
