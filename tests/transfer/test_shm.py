@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -388,10 +389,20 @@ def test_only_the_segment_of_a_transfer_that_landed_is_handed_out_again(shm_pair
         await done
         return where
 
+    async def pooled() -> None:
+        deadline = time.monotonic() + 10
+        segments = shm_pair.receiver._segments  # noqa: SLF001 (the pool itself: its file is renamed idle earlier)
+        assert segments is not None
+        while segments.pooled_bytes == 0:
+            assert time.monotonic() < deadline, "the landed transfer's segment never went back to the pool"
+            gc.collect()  # a view held by a reference cycle goes at a collection
+            await asyncio.sleep(0.01)
+
     async def body() -> None:
         first, _ = await land("aa01")  # landed; its view dropped on return
         assert [name for name in os.listdir(segment_dir) if "idle" in name]
         assert (await land("aa02"))[0] == first  # the same memory again
+        await pooled()  # back in the pool (in a full suite once not yet when the next one asked)
         cancelled = await shm_pair.receiver.landing_memory("aa03", nbytes)
         assert cancelled is not None and shm.address_of(cancelled) == first
         shm_pair.receiver.expect("r-aa03", cancelled, "aa03")
