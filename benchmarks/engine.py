@@ -37,21 +37,26 @@ from kernels import cpu_decode, torch_prefill  # noqa: E402
 MS = 1e3
 
 
-ATTENTION_CHOICES = ("fused", "fused-s10", "kernels", "sdpa")
+ATTENTION_CHOICES = ("fused", "fused-chunked", "fused-s10", "kernels", "sdpa")
+ATTENTION_HELP = ("CPU kernels: fused, fused-chunked (bf16 prompts in chunks even with AMX), fused-s10 (session 10's "
+                  "decode loop and KV write), kernels (no fused elementwise ops) and/or sdpa, alternated")
 
 
 @contextlib.contextmanager
 def cpu_attention(name: str) -> Iterator[str]:
     """CPU kernels for the engines built inside: "fused" (the default: "kernels" plus the fused C
     elementwise ops, `kernels/cpu_fused.c`, the C KV write and the C mask + softmax of bf16 prefill
-    chunks), "fused-s10" ("fused" as session 10 left it: the C decode kernel one token at a time
-    instead of 16 and the KV write in torch ops, the before arm of those two), "kernels" (the C decode
+    chunks; bf16 prompts in SDPA instead of chunks where the CPU has AMX), "fused-chunked" ("fused"
+    with the chunks whatever the CPU), "fused-s10" ("fused" as session 10 left it: the C decode kernel
+    one token at a time instead of 16, the KV write in torch ops and the chunks, the before arm of
+    those), "kernels" (the C decode
     kernel where it builds and chunked bf16 prefill matmuls, the model's elementwise ops and the
     chunks' softmax in torch) or "sdpa" (the torch path before any: gather + grouped matmuls or SDPA)."""
     saved = (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill, elementwise.use_c_kernels,
              torch_prefill.use_c_softmax, cpu_decode.use_tiled, elementwise.use_c_kv_write)
     fused = name.startswith("fused")
-    TorchAttentionBackend.use_c_kernel = TorchAttentionBackend.use_chunked_prefill = name == "kernels" or fused
+    TorchAttentionBackend.use_c_kernel = name == "kernels" or fused
+    TorchAttentionBackend.use_chunked_prefill = None if name == "fused" else name != "sdpa"
     elementwise.use_c_kernels = torch_prefill.use_c_softmax = fused
     cpu_decode.use_tiled = elementwise.use_c_kv_write = name != "fused-s10"
     try:
@@ -259,8 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--real-prefill", action="store_true", help="prefill with the model (default: scheduler only)")
     p.add_argument("--attention", nargs="+", choices=ATTENTION_CHOICES, default=["fused"],
-                   help="CPU kernels: fused, fused-s10 (session 10's decode loop and KV write), kernels (no fused "
-                        "elementwise ops) and/or sdpa, alternated")
+                   help=ATTENTION_HELP)
     p.add_argument("--repeats", type=int, default=1, help="alternations of the dtypes and kernels")
     p = add(commands, "scheduler-cost", cmd_scheduler_cost, "host cost per step with the model stubbed")
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 256])
@@ -282,8 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--attention", nargs="+", choices=ATTENTION_CHOICES, default=["fused"],
-                   help="CPU kernels: fused, fused-s10 (session 10's decode loop and KV write), kernels (no fused "
-                        "elementwise ops) and/or sdpa, alternated")
+                   help=ATTENTION_HELP)
     p.add_argument("--repeats", type=int, default=1, help="alternations of the dtypes, lengths and arms")
     p = add(commands, "decode-kernel", cmd_decode_kernel, "the C decode kernel, 16 tokens at a time vs one")
     p.add_argument("--repeats", type=int, default=7, help="alternations of the two loops")

@@ -12,11 +12,17 @@ queries. In bf16 on a CPU where `kernels/cpu_fused.c` builds, the mask and the s
 (`causal_softmax_`: no exp of a masked score); elsewhere the diagonal block is masked and torch's
 softmax runs. docs/performance.md has the figures.
 
+Where the CPU has AMX, torch's flash kernel multiplies in AMX tiles and wins instead: 8.7-8.9 ms a
+layer at 2,048 tokens against these matmuls' 13-13.7 (2 threads, the 2-core AMX Xeon of session 13),
+and 620 against 770 ms for the whole prompt in the engine. `sdpa_is_faster` is that choice.
+
 Precision is that of bf16 scores (as `torch_decode`'s matmuls give): scores rounded to bf16, where
 the flash kernel keeps them in fp32 until the probabilities; the oracle tests bound the effect.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -24,6 +30,12 @@ from kernels import cpu_fused, reference
 
 CHUNK = 256  # query positions per matmul: 128 and 512 ran slower at 2,048 tokens
 use_c_softmax = True  # False: torch's mask and softmax (the benchmarks compare both in one run)
+
+
+@functools.cache
+def sdpa_is_faster() -> bool:
+    """Whether SDPA's flash kernel beats these chunks for bf16 prompts here: where the CPU has AMX."""
+    return bool(torch.cpu.get_capabilities().get("amx_bf16"))
 
 
 def grouped_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -46,11 +58,16 @@ def grouped_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: to
         and cpu_fused.available(torch.bfloat16)
     future = None if c_softmax else torch.full((CHUNK, CHUNK), float("-inf"), dtype=keys.dtype,
                                                device=query.device).triu_(1)
+    # Every chunk's scores in one buffer: a fresh [rows * group, seen] tensor per chunk is a large
+    # allocation the allocator maps and faults in anew each time (a quarter of the layer's attention
+    # at 2,048 tokens on the AMX Xeon of docs/performance.md).
+    scratch = torch.empty(min(CHUNK, query_len) * group * seq_len, dtype=keys.dtype, device=query.device)
     for kv_head in range(kv_heads):
         for start in range(0, query_len, CHUNK):
             end = min(query_len, start + CHUNK)
             seen = offset + end  # keys [0, seen) are visible to some row of this chunk
-            scores = torch.mm(scaled[kv_head, start:end].view(-1, dim), keys[kv_head, :seen].T)  # [rows * group, seen]
+            scores = scratch[:(end - start) * group * seen].view((end - start) * group, seen)
+            torch.mm(scaled[kv_head, start:end].view(-1, dim), keys[kv_head, :seen].T, out=scores)
             if c_softmax:
                 probs = cpu_fused.causal_softmax_(scores, offset + start + 1, repeat=group)
             else:

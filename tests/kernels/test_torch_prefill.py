@@ -58,3 +58,44 @@ def test_paged_prefill_matches_the_reference(dtype: torch.dtype) -> None:
     expected = reference.paged_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.125)
     got = torch_prefill.paged_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.125, key, value)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_bf16_prompts_take_sdpa_where_the_cpu_has_amx_and_the_chunks_elsewhere(
+        amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backend's bf16 prefill: SDPA's flash kernel where torch finds AMX (it multiplies in AMX
+    tiles there and beats the chunks), the chunked matmuls elsewhere; fp32 prompts take SDPA on any CPU.
+    Both give the reference's answer."""
+    from cluster.model.attention.backend import AttentionMetadata
+    from cluster.model.attention.torch_backend import TorchAttentionBackend
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": amx, "avx512_bf16": True})
+    torch_prefill.sdpa_is_faster.cache_clear()
+    monkeypatch.setattr(TorchAttentionBackend, "use_chunked_prefill", None)
+    taken: list[str] = []
+    for name, module in (("chunks", torch_prefill), ("sdpa", reference)):
+        def spy(*args: object, _name: str = name, _real: object = module.paged_prefill_attention,
+                **kwargs: object) -> torch.Tensor:
+            taken.append(_name)
+            return _real(*args, **kwargs)  # type: ignore[operator]
+        monkeypatch.setattr(module, "paged_prefill_attention", spy)
+    generator = torch.Generator().manual_seed(3)
+    seq_len, kv_heads, heads, dim = 40, 3, 9, 64
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            kv_cache = torch.zeros(2, 4, 16, kv_heads, dim, dtype=dtype)
+            query = torch.randn(seq_len, heads, dim, generator=generator).to(dtype)
+            key, value = (torch.randn(seq_len, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+            metadata = AttentionMetadata(
+                slot_mapping=torch.arange(seq_len), block_tables=torch.arange(4)[None],
+                seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, seq_len], dtype=torch.int32), num_decodes=0, max_seq_len=seq_len,
+                seq_lens_list=[seq_len], query_start_list=[0, seq_len])
+            got = TorchAttentionBackend().forward(query, key, value, kv_cache, metadata, 0.125)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                query.transpose(0, 1)[None].float(), key.transpose(0, 1)[None].float(),
+                value.transpose(0, 1)[None].float(), is_causal=True, scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+            torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    finally:
+        torch_prefill.sdpa_is_faster.cache_clear()
+    assert taken == (["sdpa", "sdpa"] if amx else ["chunks", "sdpa"])

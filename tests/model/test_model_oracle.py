@@ -97,14 +97,20 @@ def test_unknown_architecture_is_a_clear_error() -> None:
         ArchitectureConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
 
 
-def test_bfloat16_logits_stay_as_close_to_float32_as_transformers_bfloat16(tmp_path: Path) -> None:
-    """The bf16 CPU path (C decode kernel, chunked prefill matmuls, bf16 scores) against transformers
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked-prefill", "sdpa-prefill"])
+def test_bfloat16_logits_stay_as_close_to_float32_as_transformers_bfloat16(
+        tmp_path: Path, chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 CPU path (C decode kernel, the prompts' attention in chunked matmuls with bf16 scores
+    where the CPU has no AMX, SDPA's flash kernel where it has: both, whatever this CPU) against transformers
     in fp32 on the same weights: its logits must be about as close to fp32's as transformers' own bf16
     run is, and pick fp32's greedy token about as often. Head size 64 (the C kernel's unrolled
     case); a 300-token prompt in one step (past one prefill chunk, no cached prefix) and a 40-token one
     prefilled in chunks of 16 (a cached prefix), then decodes over blocks of 16."""
     import transformers
 
+    from cluster.model.attention.torch_backend import TorchAttentionBackend
+
+    monkeypatch.setattr(TorchAttentionBackend, "use_chunked_prefill", chunked)
     path = build_random_llama(tmp_path, num_heads=6, num_kv_heads=2, hidden_size=384, vocab_size=512,
                               max_position_embeddings=512)
     arch = ArchitectureConfig.from_hf(load_hf_config(path))

@@ -590,6 +590,11 @@ def test_a_router_that_dies_restarts_and_readiness_follows_the_routers(checkpoin
         cluster.stop()
 
 
+def hand_opened_channels(actor: Any) -> int:
+    """How many channels the test opened by hand run on the actor (a channel makes its outbox on start)."""
+    return sum(caller.startswith("by-hand") for caller in actor.__dict__.get("_outboxes", {}))
+
+
 def test_aborts_and_load_polls_never_wait_behind_streams(checkpoint: Path) -> None:
     """A worker runs at most `max_concurrency` calls at once, streams included (Ray's default 1,000);
     past that, calls queue. A router's requests hold one of them together (their channel,
@@ -623,6 +628,12 @@ def test_aborts_and_load_polls_never_wait_behind_streams(checkpoint: Path) -> No
         # Both requests stream on one slot: a plain call is still answered...
         assert await asyncio.to_thread(ray.get, decode.info.remote(), timeout=10)
         idle = [decode.channel.options(num_returns="streaming").remote(f"by-hand-{n}") for n in range(2)]
+        # An async actor may start calls out of order: wait (through the control group) until both
+        # channels run, or the plain call below could take a slot before the second one does.
+        deadline = time.monotonic() + 30
+        while await control(decode.__ray_call__).remote(hand_opened_channels) < 2:
+            assert time.monotonic() < deadline, "the channels opened by hand never started"
+            await asyncio.sleep(0.05)
         with pytest.raises(GetTimeoutError):  # ...until every slot is a stream's: it waits its turn
             await asyncio.to_thread(ray.get, decode.info.remote(), timeout=2)
         load = await asyncio.wait_for(control(decode.load).remote(), 10)

@@ -14,13 +14,14 @@ from kernels import cpu_decode, reference, torch_decode, torch_prefill
 
 class TorchAttentionBackend:
     """Batched decodes (the C kernel, else torch ops: `decode_attention`), prefills one sequence at a
-    time (SDPA in fp32, chunked bf16 matmuls otherwise: `kernels/torch_prefill.py`), with the step's
-    own keys where a prompt has no cached prefix. `use_c_kernel` and `use_chunked_prefill` set False
-    (on the class or an instance) give the torch ops and SDPA: the benchmarks compare both in one run."""
+    time (SDPA in fp32 and on CPUs with AMX, chunked bf16 matmuls otherwise: `kernels/torch_prefill.py`),
+    with the step's own keys where a prompt has no cached prefix. `use_c_kernel` set False gives the
+    torch ops, `use_chunked_prefill` True or False the chunks or SDPA whatever the CPU (None: by the
+    CPU); on the class or an instance: the benchmarks compare them in one run."""
 
     name = "torch"
     use_c_kernel = True
-    use_chunked_prefill = True
+    use_chunked_prefill: bool | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -36,7 +37,8 @@ class TorchAttentionBackend:
                 max(metadata.seq_lens_list[:decodes]), scale)
         first = metadata.query_start_list[decodes]
         starts = [start - first for start in metadata.query_start_list[decodes:]]
-        chunked = self.use_chunked_prefill and kv_cache.dtype != torch.float32
+        chunked = kv_cache.dtype != torch.float32 and (
+            not torch_prefill.sdpa_is_faster() if self.use_chunked_prefill is None else self.use_chunked_prefill)
         prefill = torch_prefill.paged_prefill_attention if chunked else reference.paged_prefill_attention
         out[first:] = prefill(
             query[first:], kv_cache, metadata.block_tables[decodes:], starts, metadata.seq_lens_list[decodes:], scale,
