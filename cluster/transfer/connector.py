@@ -160,6 +160,11 @@ class KVSender(Protocol):
         "shm" for a receiver on this host that gave the transfer a shared-memory segment."""
         ...
 
+    async def start(self) -> None:
+        """Get ready to send (the worker calls it as it starts), so that the first send does not pay
+        for what every send needs once (UCX: its import and initialisation, ~0.5 s)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -405,6 +405,9 @@ class LoopbackSender:
     def transport_to(self, address: str, token: str = "") -> str:
         return "loopback"
 
+    async def start(self) -> None:
+        """Nothing to ready in process."""
+
     async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:
         """Deliver one frame; returns once the payload is in the receiver's buffer.
 

@@ -760,6 +760,12 @@ class UCXSender:
     def carries_device_memory(self) -> bool:
         return ucx_carries_device_memory(self._transports)
 
+    async def start(self) -> None:
+        """Import and initialise UCX now (~0.5 s), with this loop's progress driver: not on the first
+        send, where it held the first prompts' second tokens after every start of the worker."""
+        init_ucx(self._transports)
+        _Progress.of(asyncio.get_running_loop())
+
     def transport_to(self, address: str, token: str = "") -> str:
         """"shm" when the receiver at `address` is on this host (its address names this host's
         identity), shared memory is on and (given the transfer's `token`) the receiver made a segment

@@ -149,6 +149,8 @@ class Worker:
                 log.info("%s: KV %s %s", self.worker_id, "leaves" if connector is self.sender else "lands",
                          "straight from and into GPU memory" if self._direct(connector)
                          else "through pinned host memory")
+        if self.sender is not None:
+            await self.sender.start()
         if self.receiver is not None:
             await self.receiver.start()
             log.info("%s listens for KV at %s", self.worker_id, self.receiver.address)

@@ -4,6 +4,8 @@ one whose warm-up fails keeps the service unready, saying why."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -103,3 +105,37 @@ def test_a_cluster_with_a_failed_worker_is_not_ready_and_names_it() -> None:
     service = ClusterService(StartedCluster({"decode-0": "warm-up failed on cuda:0: boom"}))
     assert not service.ready
     assert service.problem == "decode-0: warm-up failed on cuda:0: boom"
+
+
+UCX_AT_START = """
+import asyncio, sys
+from cluster.engine.config import CacheConfig, EngineConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.transfer import ucx
+from cluster.worker.worker import Worker
+from tests.helpers import fp32_model
+
+async def main():
+    engine = LLMEngine(EngineConfig(model=fp32_model(sys.argv[1]), cache=CacheConfig(block_size=2, num_blocks=32)))
+    worker = Worker("prefill-0", "prefill", engine, sender=ucx.UCXSender())
+    before = ucx._ucxx is not None
+    await worker.start()
+    try:
+        print(before, ucx._ucxx is not None, "ucxx" in sys.modules)
+    finally:
+        await worker.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_a_prefill_worker_readies_ucx_when_it_starts_not_at_its_first_send(checkpoint: Path) -> None:
+    """Importing and initialising ucxx takes ~0.5 s (0.43-0.51 s on the 2-core machines). Left to a
+    prefill worker's first send, it held the first prompts after every start or restart of the worker
+    that long between their first token and the second (seen in the kill tests' timelines, session 13).
+    The worker readies its sender while it starts (a fresh process: nothing imported ucxx before)."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", UCX_AT_START, str(checkpoint)], cwd=root, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-3:] == ["False", "True", "True"], result.stdout
