@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,3 +37,11 @@ def pace_steps(pause_s: float) -> Callable[[Any], None]:
         engine.step = paced
 
     return pace
+
+
+def wait_for(condition: Callable[[], Any], what: str, within_s: float = 60) -> None:
+    """Poll `condition` every 0.2 s until it holds; fail with `what` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)

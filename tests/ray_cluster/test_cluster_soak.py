@@ -23,6 +23,7 @@ from cluster.serving.cluster_service import ClusterService
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.helpers import fp32_engine
+from tests.ray_cluster.conftest import wait_for
 from tests.ray_cluster.test_ray_cluster import router_entries
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -92,10 +93,9 @@ def test_the_soak_through_a_worker_crash_and_a_redis_restart_accounts_for_every_
             time.sleep(0.5)
         # The killed worker is back in service (the router may have seen it dead, or only restarting).
         assert ray.get(cluster.decode[0].load.remote(), timeout=60).worker_id == "decode-0"
-        deadline = time.monotonic() + 30  # the router takes it back at its next load poll (every 0.5 s)
-        while "decode-0" not in ray.get(cluster.router.live_workers.remote(), timeout=30):
-            assert time.monotonic() < deadline, "the router never took the restarted worker back"
-            time.sleep(0.2)
+        # The router takes it back at its next load poll (every 0.5 s).
+        wait_for(lambda: "decode-0" in ray.get(cluster.router.live_workers.remote(), timeout=30),
+                 "the router never took the restarted worker back", within_s=30)
         deadline = time.monotonic() + 10  # nothing held for requests (their last events may be on the way)
         while left := ray.get(cluster.router.__ray_call__.remote(router_entries), timeout=30):
             assert time.monotonic() < deadline, left

@@ -4,7 +4,6 @@ would run) that starts no workers and finds them in the registry the workers kee
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from cluster.state.connect import connect_state
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
 from tests.observability.scrape import samples, value
+from tests.ray_cluster.conftest import wait_for
 from tests.ray_cluster.test_ray_cluster import alone, assert_pools_whole, collect_tokens, engine_config_for
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -62,13 +62,6 @@ def registered(url: str) -> list[str]:
             await state.close()
 
     return asyncio.run(listed())
-
-
-def wait_for(condition: Any, what: str, within_s: float = 60) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def assert_one_series_per_worker_and_phases_where_they_ran(owner: Cluster, attached: Cluster, requests: int) -> None:
