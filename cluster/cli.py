@@ -19,7 +19,7 @@ from cluster.common import env
 from cluster.common.roles import Mode
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.structured_output import StructuredOutput
-from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.request_limits import RequestLimits
 from cluster.serving.tools.parsers import PARSERS
@@ -37,6 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: from --kv-cache-memory-gb)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    group.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                       help="auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2: one byte per key and value (twice "
+                       "the blocks, fp8's precision)")
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
@@ -48,7 +51,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          kv_cache_memory_gb=args.kv_cache_memory_gb,
+                          kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, preemption_mode=args.preemption_mode),
@@ -202,7 +205,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
     traces = tracing_overrides(args)
     if traces:
         overrides["tracing"] = traces
-    engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb",
+    engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb", "kv_cache_dtype",
                                                  "max_num_batched_tokens", "max_num_seqs")
               if getattr(args, key) is not None}
     if engine:
@@ -273,7 +276,8 @@ def command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8",
+                "float8_e5m2": "e5m2"}
 
 
 def command_status(args: argparse.Namespace) -> int:
@@ -299,6 +303,8 @@ def command_status(args: argparse.Namespace) -> int:
         table.add_column(column, justify="left" if left else "right", no_wrap=left)
     for w in status["workers"]:
         dtype = SHORT_DTYPES.get(w.get("dtype", ""), "?")
+        if w.get("kv_cache_dtype", w.get("dtype")) != w.get("dtype"):  # weights/KV cache: an fp8 cache
+            dtype += f"/{SHORT_DTYPES.get(w['kv_cache_dtype'], '?')}"
         table.add_row(w["worker_id"], w["role"], dtype, str(w["running"]), str(w["waiting"]),
                       f"{w['free_blocks']}/{w['blocks']}", f"{100 * w['kv_cache_usage']:.1f}%",
                       str(w.get("kv_transfers", 0)), str(w.get("kv_transfer_failures", 0)),
@@ -466,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default auto: each worker takes bf16 where its CPU or GPU has it natively, else fp32")
     serve.add_argument("--device", default=None, help="every worker's: auto (CUDA where Ray has GPUs), cpu, cuda[:N]")
     serve.add_argument("--kv-cache-memory-gb", type=float, default=None, help="per worker")
+    serve.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+                       help="default auto (the model's dtype); fp8 (= fp8_e4m3), fp8_e5m2: one byte per key and value")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
     status = commands.add_parser("status", help="show a running server's workers, their load and KV usage")

@@ -1,4 +1,4 @@
-/* What the CPU kernels (kernels/cpu_*.c) share: bf16 <-> fp32 as torch converts, the fp32
+/* What the CPU kernels (kernels/cpu_*.c) share: bf16 <-> fp32 as torch converts, fp8 (e5m2, e4m3) -> fp32, the fp32
  * load/store pair their dtype-generic macros use, a vectorized e^x and 16-lane loads widened to fp32. Included by path ("cpu_common.h"), next to them;
  * kernels/cpu_build.py keys its cache on this header too. */
 #ifndef PDSERVE_CPU_COMMON_H
@@ -17,6 +17,37 @@ static inline uint16_t float_to_bf16(float x) {  /* round to nearest even, as to
     v.f = x;
     if (x != x) return 0x7FC0;
     return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
+}
+
+/* fp8 e5m2 is fp16's top byte (1 sign, 5 exponent, 2 mantissa bits): exact in fp32. By hand here, not
+ * F16C, so that any build has it. */
+static inline float e5m2_to_float(uint8_t x) {
+    const uint32_t sign = (uint32_t)(x & 0x80) << 24, exponent = (x >> 2) & 0x1F, mantissa = x & 3;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) {  /* zero or subnormal: mantissa / 4 * 2^-14 */
+        v.f = (float)mantissa * 0x1p-16f;
+        v.u |= sign;
+    } else if (exponent == 31) {  /* inf or NaN */
+        v.u = sign | 0x7F800000u | (mantissa << 21);
+    } else {
+        v.u = sign | ((exponent + 112) << 23) | (mantissa << 21);
+    }
+    return v.f;
+}
+
+/* fp8 e4m3 ("fn": no infinities; 0x7F and 0xFF are NaN): 1 sign, 4 exponent (bias 7), 3 mantissa bits. */
+static inline float e4m3_to_float(uint8_t x) {
+    const uint32_t sign = (uint32_t)(x & 0x80) << 24, exponent = (x >> 3) & 0xF, mantissa = x & 7;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) {  /* zero or subnormal: mantissa / 8 * 2^-6 */
+        v.f = (float)mantissa * 0x1p-9f;
+        v.u |= sign;
+    } else if (exponent == 15 && mantissa == 7) {
+        v.u = sign | 0x7FC00000u;
+    } else {
+        v.u = sign | ((exponent + 120) << 23) | (mantissa << 20);
+    }
+    return v.f;
 }
 
 static inline float f32_load(float x) { return x; }
@@ -50,6 +81,20 @@ static inline __m512 load16_bf16(const uint16_t *x) {
 }
 
 static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
+
+/* 16 fp8 e5m2 widened to fp32: each byte moved up into an fp16, which the CPU converts exactly. */
+static inline __m512 load16_e5m2(const uint8_t *x) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)x)), 8));
+}
+
+/* 16 fp8 e4m3 widened to fp32: exponent and mantissa moved into an fp16's (its sign bit from the sign
+ * extension, the exponent's top bit cleared), which is the value times 2^-8 for normals and subnormals
+ * alike (the two biases differ by 8); times 256 after. NaN (0x7F) is not kept: the cache holds none. */
+static inline __m512 load16_e4m3(const uint8_t *x) {
+    const __m256i halves = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x)), 7),
+                                            _mm256_set1_epi16((short)0xBF80));
+    return _mm512_mul_ps(_mm512_cvtph_ps(halves), _mm512_set1_ps(256.0f));
+}
 #endif
 
 #endif

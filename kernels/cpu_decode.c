@@ -14,6 +14,10 @@
  * tokens' rows prefetched (blocks lie anywhere in the pool: the hardware prefetcher stops at each)
  * and each tile's lines touched in address order first (see touch_rows).
  * Elsewhere (AVX2, other head sizes, or `tiled` 0: the benchmarks' "before" arm) one token at a time.
+ *
+ * The cache is in the model's dtype (fp32, bf16) or in fp8 (`kv_cache_dtype`: e5m2 or e4m3, a byte per
+ * element, no scale) under an fp32 or bf16 query: each fp8 key and value widened to fp32 exactly as it
+ * is read (16 at a time through the CPU's fp16 -> fp32 conversion), half of bf16's bytes read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -65,6 +69,28 @@ static inline float dot_bf16(const float *q, const uint16_t *raw, const uint16_t
     for (; d < dim; d++) total += q[d] * bf16_to_float(k[d]);
     return total;
 }
+
+/* fp8 keys (a cache of `kv_cache_dtype` fp8_e5m2 or fp8_e4m3): widened to fp32 and multiplied by the
+ * scaled fp32 query, whatever the query's own dtype. */
+#if defined(__AVX512F__)
+#define FP8_DOT_LOOP(FMT)                                                                                   \
+    __m512 sum = _mm512_setzero_ps();                                                                      \
+    for (; d + 16 <= dim; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_##FMT(k + d), sum); \
+    total = _mm512_reduce_add_ps(sum);
+#else
+#define FP8_DOT_LOOP(FMT)
+#endif
+#define DEFINE_FP8_DOT(FMT)                                                                                 \
+static inline float dot_##FMT(const float *q, const void *raw, const uint8_t *k, int64_t dim, float scale) { \
+    (void)raw; (void)scale;  /* q is already scaled */                                                    \
+    float total = 0.0f;                                                                                   \
+    int64_t d = 0;                                                                                        \
+    FP8_DOT_LOOP(FMT)                                                                                     \
+    for (; d < dim; d++) total += q[d] * FMT##_to_float(k[d]);                                            \
+    return total;                                                                                         \
+}
+DEFINE_FP8_DOT(e5m2)
+DEFINE_FP8_DOT(e4m3)
 
 typedef struct {
     int64_t batch, heads, kv_heads, head_dim, block_size;
@@ -211,7 +237,25 @@ static inline __attribute__((always_inline)) __m512 scores16_bf16(const float *q
 #endif
 }
 
+/* fp8 keys: widened to fp32 (one conversion per 16), times the scaled fp32 query. */
+#define DEFINE_FP8_SCORES16(FMT)                                                                            \
+static inline __attribute__((always_inline)) __m512 scores16_##FMT(const float *q, const char *const rows[TILE], \
+                                                                   int64_t at, const int64_t dim) {       \
+    __m512 sums[TILE];                                                                                    \
+    for (int j = 0; j < TILE; j++) sums[j] = _mm512_setzero_ps();                                         \
+    for (int64_t d = 0; d < dim; d += 16) {                                                               \
+        const __m512 qd = _mm512_loadu_ps(q + d);                                                         \
+        for (int j = 0; j < TILE; j++)                                                                    \
+            sums[j] = _mm512_fmadd_ps(qd, load16_##FMT((const uint8_t *)(rows[j] + at) + d), sums[j]);    \
+    }                                                                                                     \
+    return sum16(sums);                                                                                   \
+}
+DEFINE_FP8_SCORES16(e5m2)
+DEFINE_FP8_SCORES16(e4m3)
+
 #define SCORES16_f32(q, raw, rows, at, dim, scale) scores16_f32(q, rows, at, dim)
+#define SCORES16_e5m2(q, raw, rows, at, dim, scale) scores16_e5m2(q, rows, at, dim)
+#define SCORES16_e4m3(q, raw, rows, at, dim, scale) scores16_e4m3(q, rows, at, dim)
 #define SCORES16_bf16(q, raw, rows, at, dim, scale) scores16_bf16(q, raw, rows, at, dim, scale)
 
 /* acc[h] += sum over the tile's n tokens of p[h][t] * value[t], for NH query heads sharing one KV
@@ -237,6 +281,8 @@ static inline __attribute__((always_inline)) void values16_##SUFFIX(            
 }
 DEFINE_VALUES16(f32, float)
 DEFINE_VALUES16(bf16, uint16_t)
+DEFINE_VALUES16(e5m2, uint8_t)
+DEFINE_VALUES16(e4m3, uint8_t)
 
 /* values16 with the head count a constant (the compiler keeps `sums` in registers only then): up to
  * 4 heads of 64 or 2 of 128 at once, 16-21 of the 32 vector registers. */
@@ -248,13 +294,14 @@ DEFINE_VALUES16(bf16, uint16_t)
     default: values16_##SUFFIX(acc, p, p_stride, rows, at, n, 4, dim); break;                               \
     }
 
-/* One sequence, 16 tokens at a time (dim 64 or 128): the same three passes as NAME##_sequence. */
-#define DEFINE_TILED(NAME, T, SUFFIX, LOAD, STORE)                                                          \
+/* One sequence, 16 tokens at a time (dim 64 or 128): the same three passes as NAME##_sequence. The
+ * query and output are QT, the cache CT (fp8 e5m2 under a bf16 or fp32 model: `kv_cache_dtype`). */
+#define DEFINE_TILED(NAME, QT, CT, SUFFIX, LOAD, STORE)                                                     \
 static inline __attribute__((always_inline)) void NAME##_tiled(                                          \
-        const T *query, const T *keys, const T *values, const int64_t *table, int64_t seq_len, T *out,      \
+        const QT *query, const CT *keys, const CT *values, const int64_t *table, int64_t seq_len, QT *out,  \
         const DecodeShape *s, float *scratch, const int64_t dim) {                                          \
     const int64_t heads = s->heads, group = heads / s->kv_heads, bs = s->block_size;                      \
-    const int64_t row_bytes = s->kv_heads * dim * (int64_t)sizeof(T), block_bytes = bs * row_bytes;      \
+    const int64_t row_bytes = s->kv_heads * dim * (int64_t)sizeof(CT), block_bytes = bs * row_bytes;     \
     const int64_t most = dim == 64 ? 4 : 2;  /* query heads whose outputs fit in registers at once */      \
     float *q = scratch, *acc = q + heads * dim, *scores = acc + heads * dim;                              \
     for (int64_t i = 0; i < heads * dim; i++) { q[i] = LOAD(query[i]) * s->scale; acc[i] = 0.0f; }         \
@@ -264,7 +311,7 @@ static inline __attribute__((always_inline)) void NAME##_tiled(                 
         const int64_t n = advance_tile((const char *)keys, table, t0, seq_len, bs, block_bytes, row_bytes, rows, next); \
         const __mmask16 lanes = (__mmask16)((1u << n) - 1);                                               \
         for (int64_t h = 0; h < heads; h++) {                                                             \
-            const int64_t at = h / group * dim * (int64_t)sizeof(T);                                      \
+            const int64_t at = h / group * dim * (int64_t)sizeof(CT);                                     \
             _mm512_mask_storeu_ps(scores + h * seq_len + t0, lanes,                                      \
                                   SCORES16_##SUFFIX(q + h * dim, query + h * dim, rows, at, dim, s->scale)); \
         }                                                                                                 \
@@ -275,7 +322,7 @@ static inline __attribute__((always_inline)) void NAME##_tiled(                 
     for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {                                                      \
         const int64_t n = advance_tile((const char *)values, table, t0, seq_len, bs, block_bytes, row_bytes, rows, next); \
         for (int64_t g = 0; g < s->kv_heads; g++) {                                                       \
-            const int64_t at = g * dim * (int64_t)sizeof(T), end = (g + 1) * group;                       \
+            const int64_t at = g * dim * (int64_t)sizeof(CT), end = (g + 1) * group;                      \
             for (int64_t h = g * group; h < end; h += most) {                                             \
                 const int64_t nh = end - h < most ? end - h : most;                                       \
                 VALUES16(SUFFIX, acc + h * dim, scores + h * seq_len + t0, seq_len, rows, at, n, nh, dim) \
@@ -284,8 +331,12 @@ static inline __attribute__((always_inline)) void NAME##_tiled(                 
     }                                                                                                     \
     for (int64_t i = 0; i < heads * dim; i++) out[i] = STORE(acc[i]);                                     \
 }
-DEFINE_TILED(paged_decode_f32, float, f32, f32_load, f32_store)
-DEFINE_TILED(paged_decode_bf16, uint16_t, bf16, bf16_to_float, float_to_bf16)
+DEFINE_TILED(paged_decode_f32, float, float, f32, f32_load, f32_store)
+DEFINE_TILED(paged_decode_bf16, uint16_t, uint16_t, bf16, bf16_to_float, float_to_bf16)
+DEFINE_TILED(paged_decode_f32_e5m2, float, uint8_t, e5m2, f32_load, f32_store)
+DEFINE_TILED(paged_decode_bf16_e5m2, uint16_t, uint8_t, e5m2, bf16_to_float, float_to_bf16)
+DEFINE_TILED(paged_decode_f32_e4m3, float, uint8_t, e4m3, f32_load, f32_store)
+DEFINE_TILED(paged_decode_bf16_e4m3, uint16_t, uint8_t, e4m3, bf16_to_float, float_to_bf16)
 #endif
 
 #if defined(__AVX512F__)
@@ -294,11 +345,16 @@ DEFINE_TILED(paged_decode_bf16, uint16_t, bf16, bf16_to_float, float_to_bf16)
 #define TILED(s) 0
 #define paged_decode_f32_tiled paged_decode_f32_sequence
 #define paged_decode_bf16_tiled paged_decode_bf16_sequence
+#define paged_decode_f32_e5m2_tiled paged_decode_f32_e5m2_sequence
+#define paged_decode_bf16_e5m2_tiled paged_decode_bf16_e5m2_sequence
+#define paged_decode_f32_e4m3_tiled paged_decode_f32_e4m3_sequence
+#define paged_decode_bf16_e4m3_tiled paged_decode_bf16_e4m3_sequence
 #endif
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, DOT)                                                            \
+/* Query and output QT (LOAD and STORE convert them), cache CT (KV_LOAD widens it). */
+#define DEFINE_DECODE(NAME, QT, CT, LOAD, STORE, KV_LOAD, DOT)                                              \
 static inline __attribute__((always_inline)) void NAME##_sequence(                                       \
-        const T *query, const T *keys, const T *values, const int64_t *table, int64_t seq_len, T *out,      \
+        const QT *query, const CT *keys, const CT *values, const int64_t *table, int64_t seq_len, QT *out,  \
         const DecodeShape *s, float *scratch, const int64_t dim) {                                          \
     const int64_t heads = s->heads, group = heads / s->kv_heads, bs = s->block_size;                      \
     const int64_t token_stride = s->kv_heads * dim, block_stride = bs * token_stride;                     \
@@ -307,20 +363,20 @@ static inline __attribute__((always_inline)) void NAME##_sequence(              
     for (int64_t h = 0; h < heads; h++) kv_of_head[h] = h / group * dim;                                  \
     for (int64_t i = 0; i < heads * dim; i++) { q[i] = LOAD(query[i]) * s->scale; acc[i] = 0.0f; }         \
     for (int64_t t = 0; t < seq_len; t++) {  /* one token's keys, every KV head: one contiguous row */     \
-        const T *row = keys + table[t / bs] * block_stride + (t % bs) * token_stride;                     \
+        const CT *row = keys + table[t / bs] * block_stride + (t % bs) * token_stride;                    \
         for (int64_t h = 0; h < heads; h++) {                                                             \
             const float *qh = q + h * dim;                                                                \
-            const T *k = row + kv_of_head[h];                                                             \
+            const CT *k = row + kv_of_head[h];                                                            \
             scores[h * seq_len + t] = DOT(qh, query + h * dim, k, dim, s->scale);                         \
         }                                                                                                 \
     }                                                                                                     \
     for (int64_t h = 0; h < heads && seq_len > 0; h++) softmax(scores + h * seq_len, seq_len);          \
     for (int64_t t = 0; t < seq_len; t++) {  /* each KV head's value widened once for its query group */ \
-        const T *row = values + table[t / bs] * block_stride + (t % bs) * token_stride;                   \
+        const CT *row = values + table[t / bs] * block_stride + (t % bs) * token_stride;                  \
         for (int64_t g = 0; g < s->kv_heads; g++) {                                                       \
             float v[dim];                                                                                 \
             _Pragma("omp simd")                                                                           \
-            for (int64_t d = 0; d < dim; d++) v[d] = LOAD(row[g * dim + d]);                              \
+            for (int64_t d = 0; d < dim; d++) v[d] = KV_LOAD(row[g * dim + d]);                           \
             for (int64_t h = g * group; h < (g + 1) * group; h++) {                                       \
                 const float p = scores[h * seq_len + t];                                                  \
                 float *ah = acc + h * dim;                                                                \
@@ -332,10 +388,10 @@ static inline __attribute__((always_inline)) void NAME##_sequence(              
     for (int64_t i = 0; i < heads * dim; i++) out[i] = STORE(acc[i]);                                     \
 }                                                                                                         \
                                                                                                           \
-int NAME(const T *query, const T *cache, const int64_t *block_tables, const int32_t *seq_lens, T *out,    \
+int NAME(const QT *query, const CT *cache, const int64_t *block_tables, const int32_t *seq_lens, QT *out, \
          const DecodeShape *s) {                                                                          \
     const int64_t row = s->heads * s->head_dim;                                                           \
-    const T *keys = cache, *values = cache + s->num_blocks * s->block_size * s->kv_heads * s->head_dim;   \
+    const CT *keys = cache, *values = cache + s->num_blocks * s->block_size * s->kv_heads * s->head_dim;  \
     int64_t longest = 0;                                                                              \
     for (int64_t b = 0; b < s->batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;       \
     for (int64_t b = 0; b < s->batch; b++)  /* checked here, not per layer in Python: nothing read past a table */ \
@@ -352,7 +408,7 @@ int NAME(const T *query, const T *cache, const int64_t *block_tables, const int3
                 failed = 1;                                                                               \
                 continue;                                                                                 \
             }                                                                                             \
-            const T *q = query + b * s->query_stride;                                                     \
+            const QT *q = query + b * s->query_stride;                                                    \
             const int64_t *table = block_tables + b * s->table_stride;                                    \
             /* The common head sizes as constants: the compiler unrolls the dot products. */               \
             if (s->head_dim == 64 && TILED(s))                                                            \
@@ -371,5 +427,9 @@ int NAME(const T *query, const T *cache, const int64_t *block_tables, const int3
     return failed;                                                                                        \
 }
 
-DEFINE_DECODE(paged_decode_f32, float, f32_load, f32_store, dot_f32)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_float, float_to_bf16, dot_bf16)
+DEFINE_DECODE(paged_decode_f32, float, float, f32_load, f32_store, f32_load, dot_f32)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, uint16_t, bf16_to_float, float_to_bf16, bf16_to_float, dot_bf16)
+DEFINE_DECODE(paged_decode_f32_e5m2, float, uint8_t, f32_load, f32_store, e5m2_to_float, dot_e5m2)
+DEFINE_DECODE(paged_decode_bf16_e5m2, uint16_t, uint8_t, bf16_to_float, float_to_bf16, e5m2_to_float, dot_e5m2)
+DEFINE_DECODE(paged_decode_f32_e4m3, float, uint8_t, f32_load, f32_store, e4m3_to_float, dot_e4m3)
+DEFINE_DECODE(paged_decode_bf16_e4m3, uint16_t, uint8_t, bf16_to_float, float_to_bf16, e4m3_to_float, dot_e4m3)

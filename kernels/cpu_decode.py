@@ -7,7 +7,8 @@ per sequence spread over torch's intra-op threads (OpenMP: torch's own runtime, 
 
 It is compiled at first use for the machine's own CPU (`kernels/cpu_build.py`: 1.5 s of CPU with gcc
 12 here, once per machine). Where no compiler works,
-`available()` is False and the torch backend keeps the torch path. fp32 and bf16 caches only.
+`available()` is False and the torch backend keeps the torch path. fp32 and bf16 caches, and fp8 e5m2
+caches (e5m2 and e4m3: `kv_cache_dtype`) under an fp32 or bf16 model: each byte widened to fp32 as it is read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 # gives session 10's one token at a time: the benchmarks' "before" arm (`benchmarks.engine`).
 use_tiled = True
 TOO_LONG = 2  # the kernel's answer when a length exceeds its block table: nothing read
-FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+# By (query dtype, cache dtype): the model's dtype for both, or an fp8 e5m2 cache (`kv_cache_dtype`).
+FUNCTIONS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
+             (torch.float32, torch.float8_e5m2): "paged_decode_f32_e5m2",
+             (torch.bfloat16, torch.float8_e5m2): "paged_decode_bf16_e5m2",
+             (torch.float32, torch.float8_e4m3fn): "paged_decode_f32_e4m3",
+             (torch.bfloat16, torch.float8_e4m3fn): "paged_decode_bf16_e4m3"}
 
 
 class DecodeShape(ctypes.Structure):
@@ -48,7 +54,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
 
 def available(dtype: torch.dtype, march: str = "native") -> bool:
     """Whether the C kernel serves a cache of this dtype on this machine (compiling it if need be)."""
-    return dtype in FUNCTIONS and _library(march) is not None
+    return any(dtype == cache for _, cache in FUNCTIONS) and _library(march) is not None
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -58,7 +64,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     sequence of length 0 (a padding row) gives zeros. `max_seq_len` is unused: each sequence reads
     its own length. Same contract as `reference.paged_decode_attention`."""
     library = _library(march)
-    if library is None or kv_cache.dtype not in FUNCTIONS:
+    if library is None or not available(kv_cache.dtype, march):
         raise RuntimeError("the CPU decode kernel is not available here: check `available(dtype)` first")
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     batch, heads, _ = query.shape
@@ -66,14 +72,17 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     # The query's rows may be strided (a view into the step's rotated q + k): only each row's heads
     # must lie contiguous, as they do there.
     rows_contiguous = query.stride(2) == 1 and query.stride(1) == head_dim
-    q = query if query.dtype == kv_cache.dtype and rows_contiguous else query.to(kv_cache.dtype).contiguous()
+    # The cache's dtype, or over an fp8 cache the query's (fp16 and the like computed in fp32).
+    query_dtype = kv_cache.dtype if kv_cache.dtype.itemsize > 1 else \
+        query.dtype if query.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    q = query if query.dtype == query_dtype and rows_contiguous else query.to(query_dtype).contiguous()
     tables = block_tables.contiguous()
     lens = seq_lens.to(torch.int32).contiguous()  # no copy where it is already
     out = q.new_empty((batch, heads, head_dim))
     shape = DecodeShape(batch, heads, kv_heads, head_dim, block_size, num_blocks, tables.stride(0) if batch else 0,
                         scale, torch.get_num_threads(), int(use_tiled), q.stride(0) if batch else 0,
                         tables.shape[1])
-    failed = getattr(library, FUNCTIONS[kv_cache.dtype])(
+    failed = getattr(library, FUNCTIONS[query_dtype, kv_cache.dtype])(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()), ctypes.c_void_p(tables.data_ptr()),
         ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.byref(shape))
     if failed == TOO_LONG:

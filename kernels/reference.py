@@ -13,19 +13,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_MAX = {torch.float8_e5m2: 57344.0, torch.float8_e4m3fn: 448.0}  # the largest finite values
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to a cache's dtype; to fp8 saturated at its largest finite value first (torch's cast
+    overflows to inf, and one inf key makes a softmax NaN)."""
+    if dtype in FP8_MAX:
+        return x.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
+    return x.to(dtype)
+
+
+def attention_dtype(kv_cache: torch.Tensor, query: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: the cache's, or the query's over an fp8 cache (widened as read)."""
+    return query.dtype if kv_cache.dtype.itemsize == 1 else kv_cache.dtype
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Scatter new keys and values ([tokens, kv_heads, head_dim]) into their slots."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    for half, x in zip(flat, (key, value), strict=True):
+        cast = to_cache_dtype(x, kv_cache.dtype)
+        if kv_cache.dtype.itemsize == 1:  # index_copy_ takes no fp8 on CPUs: copy the bytes
+            half, cast = half.view(torch.uint8), cast.view(torch.uint8)
+        half.index_copy_(0, slot_mapping, cast)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor,
-              max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of each sequence laid out contiguously: [batch, kv_heads, max_seq_len, head_dim].
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of each sequence laid out contiguously: [batch, kv_heads, max_seq_len, head_dim],
+    in `dtype` where given (an fp8 cache widened to the dtype attention computes in), else the cache's.
 
     Whole blocks are copied as rows with `index_select`: several times faster on CPUs than advanced
     indexing of the 5-D cache, which copies element-wise.
@@ -36,15 +55,15 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor,
     batch = block_tables.shape[0]
     shape = (batch, blocks_per_seq * block_size, num_kv_heads, head_dim)
     rows = kv_cache.view(2, num_blocks, -1)
-    keys = rows[0].index_select(0, table).view(shape)[:, :max_seq_len]
-    values = rows[1].index_select(0, table).view(shape)[:, :max_seq_len]
+    keys, values = (rows[half].index_select(0, table).view(shape)[:, :max_seq_len].to(dtype or kv_cache.dtype)
+                    for half in (0, 1))
     return keys.transpose(1, 2), values.transpose(1, 2)
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
     """One query token per sequence ([batch, heads, head_dim]) over its whole cached context."""
-    keys, values = gather_kv(kv_cache, block_tables, max_seq_len)
+    keys, values = gather_kv(kv_cache, block_tables, max_seq_len, attention_dtype(kv_cache, query))
     positions = torch.arange(max_seq_len, device=query.device)
     mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]
     out = F.scaled_dot_product_attention(query.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=mask,
@@ -64,7 +83,8 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[index], query_start_loc[index + 1]
         query_len = end - start
-        keys, values = sequence_kv(kv_cache, block_tables[index], seq_len, start, end, key, value)
+        keys, values = sequence_kv(kv_cache, block_tables[index], seq_len, start, end, key, value,
+                                   attention_dtype(kv_cache, query))
         q = query[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)
         if query_len == seq_len:
             attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
@@ -78,13 +98,17 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
 
 
 def sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int, end: int,
-                key: torch.Tensor | None, value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefilling sequence's keys and values, [1, kv_heads, seq_len, head_dim] in the cache's dtype:
-    its new tokens' own (rows start:end of `key`/`value`) where it has no cached prefix, else gathered."""
+                key: torch.Tensor | None, value: torch.Tensor | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefilling sequence's keys and values, [1, kv_heads, seq_len, head_dim] in `dtype` (see
+    `attention_dtype`): its new tokens' own (rows start:end of `key`/`value`) where it has no cached
+    prefix, else gathered. Over an fp8 cache its own are rounded to fp8 too: every attention sees the
+    keys and values as the cache holds them, whichever way a prompt is cut."""
     if end - start == seq_len and key is not None and value is not None:
-        keys, values = (x[start:end].to(kv_cache.dtype).transpose(0, 1).unsqueeze(0) for x in (key, value))
+        keys, values = (to_cache_dtype(x[start:end], kv_cache.dtype).to(dtype).transpose(0, 1).unsqueeze(0)
+                        for x in (key, value))
         return keys, values
-    return gather_kv(kv_cache, block_table.unsqueeze(0), seq_len)
+    return gather_kv(kv_cache, block_table.unsqueeze(0), seq_len, dtype)
 
 
 # The elementwise ops between the model's matmuls, as torch ops: the model's path where the fused CPU

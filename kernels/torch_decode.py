@@ -20,7 +20,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                            seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
     """One query token per sequence ([batch, heads, head_dim]) over its whole cached context; a
     sequence of length 0 (a padding row) gives zeros."""
-    keys, values = reference.gather_kv(kv_cache, block_tables, max_seq_len)  # [batch, kv_heads, max_seq_len, head_dim]
+    # [batch, kv_heads, max_seq_len, head_dim]; an fp8 cache widened to the query's dtype
+    keys, values = reference.gather_kv(kv_cache, block_tables, max_seq_len, reference.attention_dtype(kv_cache, query))
     keys, values = keys.contiguous(), values.contiguous()
     batch, heads, head_dim = query.shape
     kv_heads = keys.shape[1]

@@ -95,7 +95,8 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     heads, dim = query.shape[1:]
     for index, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[index], query_start_loc[index + 1]
-        keys, values = reference.sequence_kv(kv_cache, block_tables[index], seq_len, start, end, key, value)
+        keys, values = reference.sequence_kv(kv_cache, block_tables[index], seq_len, start, end, key, value,
+                                             reference.attention_dtype(kv_cache, query))
         attended = grouped_causal_attention(query[start:end], keys[0], values[0], scale)  # [kv, q, group, dim]
         kv_heads = attended.shape[0]
         out[start:end].view(end - start, kv_heads, heads // kv_heads, dim).copy_(attended.transpose(0, 1))

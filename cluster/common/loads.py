@@ -111,7 +111,8 @@ class WorkerLoad:
     num_swapped: int = 0  # requests whose KV is swapped out to host memory
     swap_enabled: bool = False  # preemption by swap is on (else preempted requests are recomputed)
     cache_config: dict[str, str] = field(default_factory=dict)  # the engine's CacheConfig, for cache_config_info
-    dtype: str = ""  # its weights' and KV cache's dtype ("auto" resolved on its own hardware)
+    dtype: str = ""  # its weights' dtype ("auto" resolved on its own hardware)
+    kv_cache_dtype: str = ""  # its KV cache's: the weights' or an fp8 one (`CacheConfig.kv_cache_dtype`)
     threads: int = 0  # torch threads its engine computed its last step on (they follow the host's load)
     # Requests it holds, whatever their state (running, waiting, reserved for their KV, landed and
     # waiting for a slot): a decode worker's queue is these beyond its running ones.

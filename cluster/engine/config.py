@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's own dtype (vLLM's `kv_cache_dtype`): "auto" is the model's; the fp8 ones store each key and
+# value in one byte, half of bf16's, without a scale: "fp8_e4m3" (alias "fp8", as in vLLM; 3 mantissa bits,
+# finite up to 448, saturated there) or "fp8_e5m2" (fp16's top byte: 2 mantissa bits, a wider range).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -50,6 +54,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host memory for preemption by swap, in blocks; 0 sizes it like the device pool.
     num_swap_blocks: int = 0
+    # "auto": the model's dtype; fp8 (KV_CACHE_DTYPES): a byte per element, twice the blocks in the same
+    # memory and half the bytes a decode step and a transfer move, at fp8's precision (docs/engine.md).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -57,6 +64,8 @@ class CacheConfig:
         _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = size from memory), got {self.num_blocks}")
         _require(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         _require(self.num_swap_blocks >= 0, f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
 from cluster.grammar.compiler import GrammarCompiler
 from cluster.grammar.matcher import GrammarMatcher
-from cluster.model.device import resolve_device, resolve_dtype
+from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from cluster.model.llama import ArchitectureConfig
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
 from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
@@ -117,6 +117,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.model.device)  # first: a missing GPU is refused before any loading
         self.dtype, self.dtype_reason = resolve_dtype(config.model.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.model_dir = resolve_model_path(config.model.model, progress=progress)
         self.model_name = served_model_name(config.model.model)
         hf_config = load_hf_config(self.model_dir)
@@ -127,7 +128,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.arch, iterate_safetensors(self.model_dir), dtype=self.dtype, device=str(self.device),
             attention_backend=config.attention_backend, max_model_len=self.max_model_len,
-            block_size=config.cache.block_size, num_blocks=self.num_blocks)
+            block_size=config.cache.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         # Hashes chain from the served model name, so every worker of a cluster (and the routers that
         # match prompts against the blocks workers publish) compute the same ones, whatever the path.
@@ -142,7 +143,7 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_blocks:
             return cache.num_blocks
-        block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.dtype])
+        block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.kv_cache_dtype])
         return max(1, int(cache.kv_cache_memory_gb * 2**30) // block_bytes)
 
     def _max_model_len(self) -> int:

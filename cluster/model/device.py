@@ -38,6 +38,11 @@ def resolve_dtype(spec: str, device: torch.device) -> tuple[str, str]:
     return cpu_dtype(cpu_capabilities())
 
 
+def resolve_kv_cache_dtype(spec: str, dtype: str) -> str:
+    """The KV cache's dtype (a torch dtype's name) for `CacheConfig.kv_cache_dtype` under weights in `dtype`."""
+    return {"auto": dtype, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[spec]
+
+
 def cpu_dtype(capabilities: dict[str, object]) -> tuple[str, str]:
     """bf16 where the CPU multiplies in it natively, fp32 elsewhere; and why."""
     native = [name for name in ("amx_bf16", "avx512_bf16") if capabilities.get(name)]

@@ -29,7 +29,9 @@ from cluster.model.sampler import Sampler
 LARGE_ALLOCATION_BYTES = 64 * 2**20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits one lm-head call computes, for prompt logprobs
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The fp8 ones for KV caches only (`CacheConfig.kv_cache_dtype`).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float8_e5m2": torch.float8_e5m2, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass(slots=True)
@@ -95,24 +97,33 @@ def kv_block_bytes(arch: ArchitectureConfig, block_size: int, dtype: torch.dtype
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * element
 
 
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache's memory as uint8 (same shape): torch's index_copy_ and index_put_ take no fp8 on CPUs."""
+    return cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
+
+
 class ModelRunner:
-    def __init__(self, arch: ArchitectureConfig, weights: Iterable[tuple[str, torch.Tensor]], *,
+    def __init__(self, arch: ArchitectureConfig, weights: Iterable[tuple[str, torch.Tensor]], *,  # noqa: PLR0913
                  dtype: str, device: str, attention_backend: str, max_model_len: int,
-                 block_size: int, num_blocks: int) -> None:
+                 block_size: int, num_blocks: int, kv_cache_dtype: str | None = None) -> None:
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # the cache's: the model's, or fp8
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_host_memory()
         backend = get_attention_backend(attention_backend, self.device)
+        if self.kv_dtype.itemsize == 1 and backend.name != "torch":
+            raise ValueError(f"an fp8 kv_cache_dtype is served by the torch attention backend only (the CPU's "
+                             f"C kernels and torch ops); the {backend.name} kernels read caches in the model's dtype")
         with torch.device(self.device), skip_weight_init():
             model = LlamaForCausalLM(arch, backend, max_positions=max_model_len)
         model.load_weights(weights)
         self.model = model.to(self.dtype).eval()
         self.model.rotary.to(torch.float32)  # positions stay exact whatever the weights' dtype
         shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [allocate_zeroed(shape, self.dtype, self.device) for _ in range(arch.num_layers)]
+        self.kv_caches = [allocate_zeroed(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
         self.swap_store: dict[str, list[torch.Tensor]] = {}
         self.sampler = Sampler(arch.vocab_size)
         self.grammar_masker = GrammarMasker()
@@ -193,20 +204,20 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write KV laid out as `read_blocks` returns it into the given blocks."""
         expected = (len(block_ids), len(self.kv_caches), 2, *self.kv_caches[0].shape[2:])
-        if tuple(data.shape) != expected or data.dtype != self.dtype:
+        if tuple(data.shape) != expected or data.dtype != self.kv_dtype:
             raise ValueError(f"KV of shape {tuple(data.shape)} {data.dtype} does not fit blocks "
-                             f"{expected} {self.dtype}")
+                             f"{expected} {self.kv_dtype}")
         index = torch.tensor(block_ids, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, index, data[:, layer].transpose(0, 1).to(self.device))
+            as_bytes(cache).index_copy_(1, index, as_bytes(data[:, layer].transpose(0, 1).to(self.device)))
 
     def _swap_out(self, order: SwapOrder) -> None:
         index = torch.tensor(order.block_ids, device=self.device)
-        self.swap_store[order.request_id] = [cache[:, index].to("cpu") for cache in self.kv_caches]
+        self.swap_store[order.request_id] = [cache[:, index].to("cpu") for cache in map(as_bytes, self.kv_caches)]
 
     def _swap_in(self, order: SwapOrder) -> None:
         index = torch.tensor(order.block_ids, device=self.device)
-        for cache, saved in zip(self.kv_caches, self.swap_store.pop(order.request_id), strict=True):
+        for cache, saved in zip(map(as_bytes, self.kv_caches), self.swap_store.pop(order.request_id), strict=True):
             cache[:, index] = saved.to(self.device)
 
 

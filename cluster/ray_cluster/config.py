@@ -38,6 +38,7 @@ engine:
   model: default
   dtype: auto               # bf16 where the worker's CPU (AMX, AVX512-BF16) or GPU has it natively, else fp32
   kv_cache_memory_gb: 1.0
+  kv_cache_dtype: auto      # fp8 (e4m3), fp8_e5m2: a byte per key and value (a pool may set its own)
   max_num_batched_tokens: 2048
   max_num_seqs: 256
 ```
@@ -287,6 +288,7 @@ ENGINE_KEYS = {
     "max_model_len": ("model", "max_model_len"),
     "block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"), "max_num_seqs": ("scheduler", "max_num_seqs"),
     "preemption_mode": ("scheduler", "preemption_mode"),
 }
@@ -294,8 +296,8 @@ ENGINE_KEYS = {
 
 # What a pool may set apart in its own `engine:` (the rest is one for the cluster: the model, its
 # dtype and device, and the KV layout that transfers between the pools rely on).
-POOL_ENGINE_KEYS = ("kv_cache_memory_gb", "num_blocks", "enable_prefix_caching", "max_num_batched_tokens",
-                    "max_num_seqs", "preemption_mode", "attention_backend")
+POOL_ENGINE_KEYS = ("kv_cache_memory_gb", "kv_cache_dtype", "num_blocks", "enable_prefix_caching",
+                    "max_num_batched_tokens", "max_num_seqs", "preemption_mode", "attention_backend")
 
 
 def engine_config_from(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:

@@ -336,6 +336,7 @@ def add_status_route(app: Any, service: Service,
                              "waiting": w.num_waiting, "free_blocks": w.num_free_blocks, "blocks": w.num_blocks,
                              "kv_cache_usage": w.kv_cache_usage, "kv_transfers": w.kv_transfers,
                              "kv_transfer_failures": w.kv_transfer_failures, "kv_recomputes": w.kv_recomputes,
-                             "device": w.device, "dtype": w.dtype, "threads": w.threads, "failure": w.failure,
+                             "device": w.device, "dtype": w.dtype, "kv_cache_dtype": w.kv_cache_dtype,
+                             "threads": w.threads, "failure": w.failure,
                              "started_at": w.started_at}
                             for w in loads]}

@@ -132,8 +132,8 @@ class Worker:
         """Warm the engine up (a short request through prefill and decode), then start serving. A
         failed warm-up does not raise: the worker reports `failure`, and the service stays unready."""
         self.loop = asyncio.get_running_loop()
-        log.info("%s: the model runs on %s in %s (%s)", self.worker_id, self.engine.device, self.engine.dtype,
-                 self.engine.dtype_reason)
+        log.info("%s: the model runs on %s in %s (%s), its KV cache in %s", self.worker_id, self.engine.device,
+                 self.engine.dtype, self.engine.dtype_reason, self.engine.kv_cache_dtype)
         try:
             # Its prefill rate: what the routers admit prompts by until real steps have been timed.
             # On a thread that ends: its OpenMP team must not outlive it (`cluster.worker.own_thread`).
@@ -170,7 +170,7 @@ class Worker:
             return  # GPU KV lands in device or pinned memory, never in a segment
         tokens = min(self.engine.config.scheduler.max_num_batched_tokens, self.engine.max_model_len)
         shape = self._landing_shape(-(-tokens // self.engine.config.cache.block_size))
-        made = await self.receiver.prefault_landing_up_to(math.prod(shape) * self.engine.runner.dtype.itemsize)
+        made = await self.receiver.prefault_landing_up_to(math.prod(shape) * self.engine.runner.kv_dtype.itemsize)
         log.info("%s: %d KV landing segments made ahead, for prompts of up to %d tokens", self.worker_id, made, tokens)
 
     def _landing_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -466,7 +466,8 @@ class Worker:
                                                                             counts=list(self.transfer_exposed.counts))},
                           stats.num_swapped, self.engine.config.scheduler.preemption_mode == "swap",
                           {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
-                          dtype=self.engine.dtype, threads=self.threads, num_held=len(self.streams),
+                          dtype=self.engine.dtype, kv_cache_dtype=self.engine.kv_cache_dtype, threads=self.threads,
+                          num_held=len(self.streams),
                           draining=self.draining)
 
     def _claim(self, request_id: str) -> None:
@@ -607,12 +608,12 @@ class Worker:
             return None
         runner = self.engine.runner
         direct = self._direct(self.receiver)
-        ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.dtype)
+        ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.kv_cache_dtype)
         shape = self._landing_shape(len(block_ids))
         # Awaited: a new shared-memory segment is faulted in on a thread, not on this loop.
-        shared = await self.receiver.landing_memory(ticket.token, math.prod(shape) * runner.dtype.itemsize) \
+        shared = await self.receiver.landing_memory(ticket.token, math.prod(shape) * runner.kv_dtype.itemsize) \
             if runner.device.type == "cpu" else None
-        staging = landing_buffer(shape, runner.dtype, runner.device, direct, lambda nbytes: shared)
+        staging = landing_buffer(shape, runner.kv_dtype, runner.device, direct, lambda nbytes: shared)
         arrived = self.receiver.expect(request_id, wire_bytes(staging, direct), ticket.token)
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
         return ticket

@@ -2,7 +2,7 @@
 runner lays it out: blocks scattered over the pool out of order, ragged lengths ending mid-block,
 padding rows of length 0, GQA groups, and every head size the kernel treats apart (64, 128, other),
 through both of its loops (16 tokens at a time and one at a time) and for CPUs with and without
-AVX-512."""
+AVX-512; caches in the model's dtype and in fp8 e5m2 (`kv_cache_dtype`) under bf16 and fp32 queries."""
 
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ from kernels import cpu_build, cpu_decode, reference
 pytestmark = pytest.mark.skipif(not cpu_decode.available(torch.float32), reason="no C compiler on this machine")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+FP8, E4M3 = torch.float8_e5m2, torch.float8_e4m3fn
+# (query dtype, cache dtype): the model's dtype for both, or an fp8 cache under it.
+DTYPES = [pytest.param((torch.float32, torch.float32), id="fp32"),
+          pytest.param((torch.bfloat16, torch.bfloat16), id="bf16"),
+          pytest.param((torch.float32, FP8), id="fp32-e5m2cache"),
+          pytest.param((torch.bfloat16, FP8), id="bf16-e5m2cache"),
+          pytest.param((torch.float32, E4M3), id="fp32-e4m3cache"),
+          pytest.param((torch.bfloat16, E4M3), id="bf16-e4m3cache")]
 BLOCK_SIZE = 16
 X86 = platform.machine() in ("x86_64", "AMD64")
 AVX512 = "avx512f" in cpu_build.cpu_flags().split()
@@ -27,35 +35,39 @@ MARCHES = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(not X86,
 
 
 def paged_case(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
-               block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               block_size: int = BLOCK_SIZE, query_dtype: torch.dtype | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(query, kv_cache, block_tables, seq_lens): each sequence's tokens written into randomly chosen
-    blocks; every slot left unwritten holds 1e4, so a read past a sequence's end shows."""
+    blocks of a cache of `dtype`; every slot left unwritten holds 1e4, so a read past a sequence's end
+    shows. The query in `query_dtype` (default: the cache's)."""
     generator = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-length // block_size) for length in seq_lens) + 1  # one spare column of padding
     num_blocks = len(seq_lens) * max_blocks + 3
-    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), 1e4).to(dtype)
+    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), 1e4)
     block_tables = torch.randperm(num_blocks, generator=generator)[:len(seq_lens) * max_blocks]
     block_tables = block_tables.view(len(seq_lens), max_blocks)
     for row, length in enumerate(seq_lens):
         for position in range(length):
             block, offset = block_tables[row, position // block_size], position % block_size
-            kv_cache[:, block, offset] = torch.randn(2, kv_heads, head_dim, generator=generator).to(dtype)
-    query = torch.randn(len(seq_lens), heads, head_dim, generator=generator).to(dtype)
-    return query, kv_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
+            kv_cache[:, block, offset] = torch.randn(2, kv_heads, head_dim, generator=generator)
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=generator).to(query_dtype or dtype)
+    return query, kv_cache.to(dtype), block_tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("march", MARCHES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64)])
-def test_decode_kernel_matches_the_reference(march: str, dtype: torch.dtype, heads: int, kv_heads: int,
-                                             head_dim: int, tiled: bool) -> None:
+def test_decode_kernel_matches_the_reference(march: str, dtypes: tuple[torch.dtype, torch.dtype], heads: int,
+                                             kv_heads: int, head_dim: int, tiled: bool) -> None:
+    query_dtype, dtype = dtypes
     seq_lens = [50, 1, 16, 0, 142, 33, 17]  # mid-block, one token, one exact block, padding, longer, ...
-    query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=head_dim)
+    query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=head_dim,
+                                                     query_dtype=query_dtype)
     scale = head_dim ** -0.5
     expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
     got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
-    assert got.dtype == dtype and got.shape == query.shape
-    tolerance = TOLERANCE[dtype]
+    assert got.dtype == query_dtype and got.shape == query.shape
+    tolerance = TOLERANCE[query_dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
 
@@ -70,23 +82,42 @@ def tiled(request: pytest.FixtureRequest) -> Iterator[bool]:
 
 
 @pytest.mark.parametrize("march", MARCHES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
                          [(12, 2, 64, 16), (6, 2, 128, 16), (9, 3, 64, 8), (9, 3, 64, 32), (5, 5, 64, 4)])
-def test_tiles_over_query_groups_and_block_sizes(march: str, dtype: torch.dtype, heads: int, kv_heads: int,
-                                                 head_dim: int, block_size: int, tiled: bool) -> None:
+def test_tiles_over_query_groups_and_block_sizes(march: str, dtypes: tuple[torch.dtype, torch.dtype], heads: int,
+                                                 kv_heads: int, head_dim: int, block_size: int, tiled: bool) -> None:
     """The tiled loops' seams: query groups split over register-sized chunks (6 heads of 64: 4 + 2; 3 of
     128: 2 + 1), 16-token tiles that span several blocks (block size 4, 8) or sit inside one (32), and
     tiles cut short at a sequence's end (lengths around 16 and 32)."""
+    query_dtype, dtype = dtypes
     seq_lens = [15, 16, 17, 0, 31, 32, 33, 77, 1]
     query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=block_size,
-                                                     block_size=block_size)
+                                                     block_size=block_size, query_dtype=query_dtype)
     scale = head_dim ** -0.5
     expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
     got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
-    tolerance = TOLERANCE[dtype]
+    tolerance = TOLERANCE[query_dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("fp8", [FP8, E4M3], ids=["e5m2", "e4m3"])
+def test_every_fp8_value_is_read_exactly(march: str, fp8: torch.dtype, tiled: bool) -> None:
+    """With one token of context a head's output is that token's value: each of the 256 bytes
+    (subnormals, zeros, the largest, e5m2's infinities; NaNs aside) must come out as torch widens it."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[~codes.view(fp8).float().isnan()]
+    codes = torch.cat([codes, codes[:256 - len(codes)]])  # 256 again: 4 rows of 64
+    kv_cache = torch.zeros(2, 4, BLOCK_SIZE, 1, 64, dtype=torch.uint8)
+    kv_cache[1, :, 0, 0] = codes.view(4, 64)  # each sequence's one value row; keys 0
+    kv_cache = kv_cache.view(fp8)
+    query = torch.randn(4, 2, 64)
+    lens = torch.ones(4, dtype=torch.int32)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, torch.arange(4).view(4, 1), lens, 1, 0.125, march=march)
+    expected = codes.view(fp8).float().view(4, 1, 64).expand(4, 2, 64)
+    assert torch.equal(got, expected)
 
 
 def test_decode_kernel_threads_agree() -> None:

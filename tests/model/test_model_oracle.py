@@ -140,3 +140,69 @@ def test_bfloat16_logits_stay_as_close_to_float32_as_transformers_bfloat16(
         # Random weights leave near ties that bf16 rounding flips: no better than transformers' own bf16.
         agreement, their_agreement = ((x.argmax(-1) == exact.argmax(-1)).float().mean() for x in (got, theirs))
         assert agreement >= their_agreement - 0.05, (request.request_id, float(agreement), float(their_agreement))
+
+
+def fp8_kv_attention(fp8: torch.dtype):  # type: ignore[no-untyped-def]
+    """Transformers' SDPA attention with its keys and values rounded through `fp8` first, as a cache of
+    that dtype holds them (saturated at its largest value): the oracle of an fp8 KV cache."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kernels.reference import to_cache_dtype
+
+    def attention(module, query, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
+        key, value = (to_cache_dtype(x, fp8).to(x.dtype) for x in (key, value))
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+    return attention
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+def test_an_fp8_cache_gives_the_logits_of_keys_and_values_rounded_to_fp8(
+        tmp_path: Path, kv_cache_dtype: str, model_dtype: str) -> None:
+    """`kv_cache_dtype` fp8 (`CacheConfig`): the cache holds a byte per key and value, the C decode kernel
+    and the prompts' attention read it widened. Against transformers in fp32 whose attention rounds its
+    keys and values through the same fp8 (the only error fp8 may add): in fp32 as close as the fp32
+    cache is to plain transformers (fp8's own effect 1e4 times larger); in bf16 within fp8's effect plus bf16's.
+    A prompt in one step (no cached prefix) and one in chunks of 16, then decodes over blocks of 16."""
+    import transformers
+    from transformers import AttentionInterface
+
+    fp8 = getattr(torch, kv_cache_dtype)
+    name = f"pdserve_{kv_cache_dtype}"
+    AttentionInterface.register(name, fp8_kv_attention(fp8))
+    path = build_random_llama(tmp_path, num_heads=6, num_kv_heads=2, hidden_size=384, vocab_size=512,
+                              max_position_embeddings=512)
+    arch = ArchitectureConfig.from_hf(load_hf_config(path))
+    runner = ModelRunner(arch, iterate_safetensors(path), dtype=model_dtype, device="cpu", attention_backend="torch",
+                         max_model_len=512, block_size=16, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    assert runner.kv_caches[0].dtype == fp8
+    generator = torch.Generator().manual_seed(0)
+    prompts = {"whole": torch.randint(3, 512, (150,), generator=generator).tolist(),
+               "chunked": torch.randint(3, 512, (40,), generator=generator).tolist()}
+    ours: dict[str, dict[int, torch.Tensor]] = {}
+    requests = []
+    for key, prompt in prompts.items():
+        request = Request(key, prompt, SamplingParams(max_tokens=12, temperature=0), eos_token_ids=())
+        scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512 if key == "whole" else 16),
+                              KVCacheManager(BlockPool(64), 16), max_model_len=512)
+        scheduler.add_request(request)
+        ours |= run_recording_logits(runner, scheduler)
+        requests.append(request)
+    rounded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                attn_implementation=name).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, model_dtype)).eval()
+    exact_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for request in requests:
+        tokens = torch.tensor([request.all_token_ids[:-1]])
+        with torch.no_grad():
+            exact, their_bf16 = rounded(tokens).logits[0], theirs(tokens).logits[0].float()
+        got = torch.stack([ours[request.request_id][p] for p in range(request.num_tokens - 1)]).float()
+        with torch.no_grad():
+            plain = exact_model(tokens).logits[0]
+        error, fp8_effect = (got - exact).abs().mean(), (plain - exact).abs().mean()
+        if model_dtype == "float32":  # 1-6e-5 against fp8's 0.6-1.1; a rare element off where a key sat on a
+            # rounding boundary (the rotary's last bit decides which way it goes)
+            assert error <= 1e-3 * fp8_effect and (got - exact).abs().max() <= 0.05, (float(error), float(fp8_effect))
+        else:  # bf16 keys land on other sides of fp8's boundaries: fp8's rounding drawn anew, not added
+            bf16_effect = (their_bf16 - plain).abs().mean()
+            assert error <= fp8_effect + 2 * bf16_effect, (float(error), float(fp8_effect), float(bf16_effect))

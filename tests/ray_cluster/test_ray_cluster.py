@@ -100,6 +100,36 @@ def test_two_prefill_two_decode_equal_the_engine_alone(checkpoint: Path, mode: s
         cluster.stop()
 
 
+def test_an_fp8_kv_cache_is_computed_shipped_and_read_as_fp8_on_the_cluster_path(checkpoint: Path) -> None:
+    """`kv_cache_dtype: fp8` for the cluster: the prefill worker's blocks travel as fp8 (a quarter of fp32's
+    bytes) into the decode worker's fp8 cache, and the tokens are the fp8 engine's alone. A decode pool of
+    its own in fp8 under an fp32 prefill pool: the sender converts to the ticket's dtype, and nothing is
+    recomputed on the decode worker."""
+    import ray
+
+    fp32 = engine_config_for(checkpoint)
+    fp8 = engine_config_from({"kv_cache_dtype": "fp8"}, base=fp32)
+    expected = alone(fp8, PROMPTS, GREEDY)
+    head_dim = 64 // 4  # the tiny checkpoint: hidden 64, 4 heads, 2 KV heads, 2 layers, blocks of 4
+    fp8_bytes = [-(-len(prompt) // 4) * 2 * 2 * 4 * 2 * head_dim for prompt in PROMPTS]
+    for engine, decode_engine in ((fp8, {}), (fp32, {"kv_cache_dtype": "fp8"})):
+        config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1),
+                               decode=PoolConfig(replicas=1, num_cpus=0.1, engine=decode_engine), engine=engine)
+        cluster = Cluster(config).start()
+        try:
+            got = generate_all(cluster, PROMPTS, GREEDY)
+            transfers = ray.get(cluster.prefill[0].transfers.remote(), timeout=30)
+            assert sorted(t.nbytes for t in transfers) == sorted(fp8_bytes)
+            assert ray.get(cluster.decode[0].load.remote(), timeout=30).kv_recomputes == 0
+            if engine is fp8:
+                assert got == expected
+            else:  # prompts computed on fp32 keys, decoded over fp8 ones: no engine alone does just that
+                assert [len(tokens) for tokens in got] == [len(tokens) for tokens in expected]
+            assert_pools_whole(cluster)
+        finally:
+            cluster.stop()
+
+
 def test_a_dead_decode_worker_sends_requests_to_the_other(checkpoint: Path) -> None:
     import ray
 

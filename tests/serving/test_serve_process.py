@@ -49,11 +49,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     command = [sys.executable, "-m", "cluster.cli", "serve", "--local", "--model", str(checkpoint), "--host",
                "127.0.0.1", "--port", "0", "--grpc-port", "0", "--max-num-seqs", "8", "--tool-call-parser", "mistral",
-               "--exclude-tools-when-tool-choice-none"]
+               "--exclude-tools-when-tool-choice-none", "--kv-cache-dtype", "fp8"]
     env = {**os.environ, "PDSERVE_API_KEY": ""}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -73,8 +73,11 @@ def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path,
             assert json.loads(response.read())["usage"]["completion_tokens"] == 5
         status, workers = get(url + "/v1/workers")
         assert status == 200 and workers["ready"] and workers["workers"][0]["role"] == "colocated"
+        assert workers["workers"][0]["kv_cache_dtype"] == "float8_e4m3fn"  # --kv-cache-dtype fp8 (vLLM's alias)
+        monkeypatch.setenv("COLUMNS", "160")  # rich cuts cells to fit 80 columns under pytest
         assert cli_main(["status", "--url", url]) == 0
-        assert "local-0" in capsys.readouterr().out
+        shown = capsys.readouterr().out
+        assert "local-0" in shown and "/fp8 " in shown, shown  # the weights' dtype (auto: by the CPU), the cache's
         assert grpc_port > 0
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0

@@ -37,7 +37,7 @@ class TorchAttentionBackend:
                 max(metadata.seq_lens_list[:decodes]), scale)
         first = metadata.query_start_list[decodes]
         starts = [start - first for start in metadata.query_start_list[decodes:]]
-        chunked = kv_cache.dtype != torch.float32 and (
+        chunked = reference.attention_dtype(kv_cache, query) != torch.float32 and (
             not torch_prefill.sdpa_is_faster() if self.use_chunked_prefill is None else self.use_chunked_prefill)
         prefill = torch_prefill.paged_prefill_attention if chunked else reference.paged_prefill_attention
         out[first:] = prefill(
