@@ -2,6 +2,7 @@
 
     python -m benchmarks.engine step-vs-linear --attention sdpa kernels fused   # CPU kernels before / after
     python -m benchmarks.engine --threads 1 step-vs-linear --dtypes bfloat16 --attention fused-s10 fused
+    python -m benchmarks.engine --threads 2 step-vs-linear --kv-cache-dtypes auto fp8 fp8_e5m2  # fp8 KV caches
     python -m benchmarks.engine scheduler-cost
     python -m benchmarks.engine static-vs-continuous --num-requests 500
     python -m benchmarks.engine vs-transformers
@@ -30,6 +31,7 @@ import torch  # noqa: E402
 
 from benchmarks import micro, plots, workloads  # noqa: E402
 from benchmarks.common import machine, print_table, save  # noqa: E402
+from cluster.engine.config import KV_CACHE_DTYPES  # noqa: E402
 from cluster.model import elementwise  # noqa: E402
 from cluster.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kernels import cpu_decode, torch_prefill  # noqa: E402
@@ -73,10 +75,11 @@ def step_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     for repeat in range(args.repeats):
         for dtype in args.dtypes:
             for attention in args.attention:
-                with cpu_attention(attention):
-                    run = micro.step_vs_linear_one(dtype, args.num_seqs, args.prompt_len, args.iterations,
-                                                   args.real_prefill)
-                runs.append({**run, "attention": attention, "repeat": repeat})
+                for kv_cache_dtype in args.kv_cache_dtypes:
+                    with cpu_attention(attention):
+                        run = micro.step_vs_linear_one(dtype, args.num_seqs, args.prompt_len, args.iterations,
+                                                       args.real_prefill, kv_cache_dtype)
+                    runs.append({**run, "attention": attention, "repeat": repeat})
     return runs
 
 
@@ -85,16 +88,19 @@ def cmd_step_vs_linear(args: argparse.Namespace) -> None:
     runs = step_runs(args)
     for run in runs:
         parts = run["breakdown_median_s"]
-        print_table(f"decode step at {run['num_seqs']} rows, {run['dtype']}, attention {run['attention']}: "
+        print_table(f"decode step at {run['num_seqs']} rows, {run['dtype']}, KV {run['kv_cache_dtype']}, "
+                    f"attention {run['attention']}: "
                     f"median of {args.iterations} steps", ["part", "ms", "% of step"],
                     [[k, v * MS, 100 * v / run["step_median_s"]] for k, v in parts.items()])
-    print_table("step vs linear layers alone", ["dtype", "attention", "step ms", "linear ms", "ratio (median)",
-                                                "ratio (min)", "target <= 1.5x"],
-                [[r["dtype"], r["attention"], r["step_median_s"] * MS, r["linear_median_s"] * MS,
+    print_table("step vs linear layers alone", ["dtype", "KV cache", "attention", "step ms", "linear ms",
+                                                "ratio (median)", "ratio (min)", "target <= 1.5x"],
+                [[r["dtype"], r["kv_cache_dtype"], r["attention"], r["step_median_s"] * MS, r["linear_median_s"] * MS,
                   r["ratio_median"], r["ratio_min"], "met" if r["ratio_median"] <= 1.5 else "MISSED"] for r in runs])
     save("step-vs-linear", {"target": "step <= 1.5x linear layers (issue 21)", "runs": runs, "load_average":
                             os.getloadavg()}, info)
-    last = {f"{r['dtype']} {r['attention']}": r for r in runs if r["repeat"] == args.repeats - 1}
+    fp8 = {r["kv_cache_dtype"] for r in runs} - {"float32", "bfloat16"}  # the KV cache named only where it is fp8
+    last = {f"{r['dtype']} {r['attention']}" + (f" KV {r['kv_cache_dtype']}" if fp8 else ""): r
+            for r in runs if r["repeat"] == args.repeats - 1}
     plots.stacked("step-vs-linear", {key: {k: v * MS for k, v in r["breakdown_median_s"].items()}
                                      for key, r in last.items()}, "ms per decode step",
                   f"decode step at {args.num_seqs} rows (dashed: 1.5x linear layers alone)",
@@ -265,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real-prefill", action="store_true", help="prefill with the model (default: scheduler only)")
     p.add_argument("--attention", nargs="+", choices=ATTENTION_CHOICES, default=["fused"],
                    help=ATTENTION_HELP)
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
+                   help="KV caches (auto: the model's dtype; fp8 = fp8_e4m3, fp8_e5m2), alternated")
     p.add_argument("--repeats", type=int, default=1, help="alternations of the dtypes and kernels")
     p = add(commands, "scheduler-cost", cmd_scheduler_cost, "host cost per step with the model stubbed")
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 256])

@@ -26,10 +26,11 @@ from kernels import reference
 NEVER_ENDING = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
 
 
-def decode_engine(dtype: str, num_seqs: int, prompt_len: int, num_blocks: int, seed: int = 0) -> LLMEngine:
+def decode_engine(dtype: str, num_seqs: int, prompt_len: int, num_blocks: int, seed: int = 0,
+                  kv_cache_dtype: str = "auto") -> LLMEngine:
     """An engine holding `num_seqs` requests of `prompt_len` tokens, queued (not yet prefilled)."""
     config = EngineConfig(
-        model=ModelConfig(dtype=dtype), cache=CacheConfig(num_blocks=num_blocks),
+        model=ModelConfig(dtype=dtype), cache=CacheConfig(num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
         # One step can take every prompt at once, so a real prefill is as short as it can be.
         scheduler=SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * prompt_len)))
     engine = LLMEngine(config)
@@ -138,8 +139,9 @@ def profile_step(engine: LLMEngine, top: int = 12) -> list[dict[str, Any]]:
 
 
 def step_vs_linear_one(dtype: str, num_seqs: int, prompt_len: int, iterations: int,
-                       real_prefill: bool) -> dict[str, Any]:
-    engine = decode_engine(dtype, num_seqs, prompt_len, blocks_for(num_seqs, prompt_len + iterations + 64))
+                       real_prefill: bool, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    engine = decode_engine(dtype, num_seqs, prompt_len, blocks_for(num_seqs, prompt_len + iterations + 64),
+                           kv_cache_dtype=kv_cache_dtype)
     prefill_s = prefill(engine, real_prefill)
     timers = Timers()
     instrument(engine, timers)
@@ -163,7 +165,8 @@ def step_vs_linear_one(dtype: str, num_seqs: int, prompt_len: int, iterations: i
     ops = profile_step(engine)
     step_med, linear_med = median(steps), median(linears)
     return {
-        "dtype": dtype, "num_seqs": num_seqs, "prompt_len": prompt_len, "real_prefill": real_prefill,
+        "dtype": dtype, "kv_cache_dtype": engine.kv_cache_dtype, "num_seqs": num_seqs, "prompt_len": prompt_len,
+        "real_prefill": real_prefill,
         "prefill_s": prefill_s, "context_len_at_end": engine.scheduler.running[0].num_tokens,
         "step_s": steps, "linear_s": linears, "step_median_s": step_med, "linear_median_s": linear_med,
         "ratio_median": step_med / linear_med, "ratio_min": min(steps) / min(linears),

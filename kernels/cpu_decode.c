@@ -123,8 +123,10 @@ static inline void softmax(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] *= inverse;
 }
 
+#define TILE_KEYS 16  /* rows of keys widened from fp8 at once: a tile's (the scratch holds them) */
+
 #if defined(__AVX512F__)
-#define TILE 16
+#define TILE TILE_KEYS
 
 /* Lane i of the result: the sum of v[i]'s 16 lanes. Each level adds pairs after a shuffle that lines
  * up their halves: 16 vectors -> 8 (4-lane groups) -> 4 -> 2 -> 1, 45 instructions for 16 sums. */
@@ -294,9 +296,42 @@ DEFINE_VALUES16(e4m3, uint8_t)
     default: values16_##SUFFIX(acc, p, p_stride, rows, at, n, 4, dim); break;                               \
     }
 
+/* A tile's key rows as the scores read them: the cache's own rows (`keep_rows`), or fp8 rows widened
+ * once into `tile` (fp32 or bf16, both exact for fp8), not once per query head of a KV head's group.
+ * Measured (AMX Xeon, bf16, 64 rows x 142 tokens): widening 16 at a time in the scores' inner loop made
+ * fp8 attention no faster than bf16's (13.7-15.9 against 15.2 ms a step) though it reads half the bytes;
+ * widened once to bf16, the scores keep bf16's `vdpbf16ps`. */
+static inline const char *const *keep_rows(const char *const rows[TILE], int64_t n, int64_t row_elems, char *tile,
+                                           const char *out[TILE]) {
+    (void)n; (void)row_elems; (void)tile; (void)out;
+    return rows;
+}
+
+static inline void store16_f32(char *x, __m512 v) { _mm512_storeu_ps((float *)x, v); }
+static inline void store16_bf16_exact(char *x, __m512 v) {  /* v holds bf16 values: the top halves */
+    _mm256_storeu_si256((__m256i *)x, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+#define DEFINE_WIDEN_ROWS(FMT, WSUFFIX, WT)                                                                 \
+static inline const char *const *widen_##FMT##_##WSUFFIX(const char *const rows[TILE], int64_t n,           \
+                                                         int64_t row_elems, char *tile, const char *out[TILE]) { \
+    const int64_t bytes = row_elems * (int64_t)sizeof(WT);                                                \
+    for (int64_t j = 0; j < n; j++)                                                                       \
+        for (int64_t e = 0; e < row_elems; e += 16)                                                       \
+            store16_##WSUFFIX(tile + j * bytes + e * (int64_t)sizeof(WT), load16_##FMT((const uint8_t *)rows[j] + e)); \
+    for (int64_t j = 0; j < TILE; j++) out[j] = tile + (j < n ? j : n - 1) * bytes;                       \
+    return out;                                                                                           \
+}
+DEFINE_WIDEN_ROWS(e5m2, f32, float)
+DEFINE_WIDEN_ROWS(e5m2, bf16_exact, uint16_t)
+DEFINE_WIDEN_ROWS(e4m3, f32, float)
+DEFINE_WIDEN_ROWS(e4m3, bf16_exact, uint16_t)
+
 /* One sequence, 16 tokens at a time (dim 64 or 128): the same three passes as NAME##_sequence. The
- * query and output are QT, the cache CT (fp8 e5m2 under a bf16 or fp32 model: `kv_cache_dtype`). */
-#define DEFINE_TILED(NAME, QT, CT, SUFFIX, LOAD, STORE)                                                     \
+ * query and output are QT, the cache CT (an fp8 one under a bf16 or fp32 model: `kv_cache_dtype`); the
+ * scores read keys of KT through KEYS (the cache's rows, or fp8 ones widened to KT: KSUFFIX's), the
+ * values pass widens CT itself (VSUFFIX). */
+#define DEFINE_TILED(NAME, QT, CT, KT, KSUFFIX, VSUFFIX, KEYS, LOAD, STORE)                                 \
 static inline __attribute__((always_inline)) void NAME##_tiled(                                          \
         const QT *query, const CT *keys, const CT *values, const int64_t *table, int64_t seq_len, QT *out,  \
         const DecodeShape *s, float *scratch, const int64_t dim) {                                          \
@@ -304,16 +339,18 @@ static inline __attribute__((always_inline)) void NAME##_tiled(                 
     const int64_t row_bytes = s->kv_heads * dim * (int64_t)sizeof(CT), block_bytes = bs * row_bytes;     \
     const int64_t most = dim == 64 ? 4 : 2;  /* query heads whose outputs fit in registers at once */      \
     float *q = scratch, *acc = q + heads * dim, *scores = acc + heads * dim;                              \
+    char *key_tile = (char *)(scores + heads * seq_len);  /* TILE rows of widened keys, if any */         \
     for (int64_t i = 0; i < heads * dim; i++) { q[i] = LOAD(query[i]) * s->scale; acc[i] = 0.0f; }         \
-    const char *rows[TILE], *next[TILE];                                                                  \
+    const char *rows[TILE], *next[TILE], *widened[TILE];                                                  \
     tile_rows((const char *)keys, table, 0, seq_len < TILE ? seq_len : TILE, bs, block_bytes, row_bytes, next); \
     for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {                                                      \
         const int64_t n = advance_tile((const char *)keys, table, t0, seq_len, bs, block_bytes, row_bytes, rows, next); \
         const __mmask16 lanes = (__mmask16)((1u << n) - 1);                                               \
+        const char *const *key_rows = KEYS(rows, n, s->kv_heads * dim, key_tile, widened);                \
         for (int64_t h = 0; h < heads; h++) {                                                             \
-            const int64_t at = h / group * dim * (int64_t)sizeof(CT);                                     \
+            const int64_t at = h / group * dim * (int64_t)sizeof(KT);                                     \
             _mm512_mask_storeu_ps(scores + h * seq_len + t0, lanes,                                      \
-                                  SCORES16_##SUFFIX(q + h * dim, query + h * dim, rows, at, dim, s->scale)); \
+                                  SCORES16_##KSUFFIX(q + h * dim, query + h * dim, key_rows, at, dim, s->scale)); \
         }                                                                                                 \
     }                                                                                                     \
     tile_rows((const char *)values, table, 0, seq_len < TILE ? seq_len : TILE, bs, block_bytes, row_bytes, next); \
@@ -325,18 +362,20 @@ static inline __attribute__((always_inline)) void NAME##_tiled(                 
             const int64_t at = g * dim * (int64_t)sizeof(CT), end = (g + 1) * group;                      \
             for (int64_t h = g * group; h < end; h += most) {                                             \
                 const int64_t nh = end - h < most ? end - h : most;                                       \
-                VALUES16(SUFFIX, acc + h * dim, scores + h * seq_len + t0, seq_len, rows, at, n, nh, dim) \
+                VALUES16(VSUFFIX, acc + h * dim, scores + h * seq_len + t0, seq_len, rows, at, n, nh, dim) \
             }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
     for (int64_t i = 0; i < heads * dim; i++) out[i] = STORE(acc[i]);                                     \
 }
-DEFINE_TILED(paged_decode_f32, float, float, f32, f32_load, f32_store)
-DEFINE_TILED(paged_decode_bf16, uint16_t, uint16_t, bf16, bf16_to_float, float_to_bf16)
-DEFINE_TILED(paged_decode_f32_e5m2, float, uint8_t, e5m2, f32_load, f32_store)
-DEFINE_TILED(paged_decode_bf16_e5m2, uint16_t, uint8_t, e5m2, bf16_to_float, float_to_bf16)
-DEFINE_TILED(paged_decode_f32_e4m3, float, uint8_t, e4m3, f32_load, f32_store)
-DEFINE_TILED(paged_decode_bf16_e4m3, uint16_t, uint8_t, e4m3, bf16_to_float, float_to_bf16)
+DEFINE_TILED(paged_decode_f32, float, float, float, f32, f32, keep_rows, f32_load, f32_store)
+DEFINE_TILED(paged_decode_bf16, uint16_t, uint16_t, uint16_t, bf16, bf16, keep_rows, bf16_to_float, float_to_bf16)
+DEFINE_TILED(paged_decode_f32_e5m2, float, uint8_t, float, f32, e5m2, widen_e5m2_f32, f32_load, f32_store)
+DEFINE_TILED(paged_decode_bf16_e5m2, uint16_t, uint8_t, uint16_t, bf16, e5m2, widen_e5m2_bf16_exact, bf16_to_float,
+             float_to_bf16)
+DEFINE_TILED(paged_decode_f32_e4m3, float, uint8_t, float, f32, e4m3, widen_e4m3_f32, f32_load, f32_store)
+DEFINE_TILED(paged_decode_bf16_e4m3, uint16_t, uint8_t, uint16_t, bf16, e4m3, widen_e4m3_bf16_exact, bf16_to_float,
+             float_to_bf16)
 #endif
 
 #if defined(__AVX512F__)
@@ -396,7 +435,8 @@ int NAME(const QT *query, const CT *cache, const int64_t *block_tables, const in
     for (int64_t b = 0; b < s->batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;       \
     for (int64_t b = 0; b < s->batch; b++)  /* checked here, not per layer in Python: nothing read past a table */ \
         if (seq_lens[b] < 0 || seq_lens[b] > s->table_width * s->block_size) return 2;                    \
-    const int64_t scratch_floats = s->heads * (2 * s->head_dim + longest);                                \
+    /* the query, the outputs, the scores, and a tile of keys widened from fp8 (fp32 at most) */         \
+    const int64_t scratch_floats = s->heads * (2 * s->head_dim + longest) + TILE_KEYS * s->kv_heads * s->head_dim; \
     int failed = 0;                                                                                       \
     _Pragma("omp parallel num_threads(s->num_threads)")                                                   \
     {                                                                                                     \

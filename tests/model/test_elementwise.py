@@ -55,3 +55,23 @@ def test_the_kv_write_takes_the_c_kernel_where_it_serves(monkeypatch: pytest.Mon
         assert torch.equal(got, expected)
     assert len(calls) == 1, "only the bf16 cache (the keys' own dtype) takes the C kernel"
 
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_an_fp8_cache_is_written_by_the_c_kernel_rounded_and_saturated_as_torch_does(
+        monkeypatch: pytest.MonkeyPatch, fp8: torch.dtype) -> None:
+    """Keys and values rounded to fp8 by torch's cast (values past fp8's largest saturate there, none
+    becomes inf), then written in one C call: the bytes `reference.write_kv_cache` writes. The keys are
+    a strided view of qkv rows, as the model hands them over."""
+    qkv = torch.randn(5, 12, 64).bfloat16() * 4
+    qkv[0, 6, :4] = torch.tensor([1e5, -1e5, 500.0, -0.0])  # past e5m2's and e4m3's largest, and -0
+    key, value = qkv[:, 6:9], qkv[:, 9:]
+    slots = torch.tensor([9, 2, 7, 0, 4])
+    calls, real = [], cpu_fused.write_kv_cache
+    monkeypatch.setattr(cpu_fused, "write_kv_cache", lambda *args: calls.append(args) or real(*args))
+    got, expected = torch.zeros(2, 3, 4, 3, 64, dtype=fp8), torch.zeros(2, 3, 4, 3, 64, dtype=fp8)
+    elementwise.write_kv_cache(key, value, got, slots)
+    assert len(calls) == 1
+    reference.write_kv_cache(key, value, expected, slots)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert got.float().isfinite().all() and got[0, 2, 1, 0, 0].float() == reference.FP8_MAX[fp8]
