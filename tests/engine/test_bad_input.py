@@ -29,6 +29,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
     (lambda: SchedulerConfig(preemption_mode="drop"), "preemption_mode must be"),  # type: ignore[arg-type]
     (lambda: CacheConfig(block_size=12), "block_size must be a positive power of two"),
     (lambda: CacheConfig(num_blocks=-3), "num_blocks must be >= 0"),
+    (lambda: CacheConfig(kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
     (lambda: ModelConfig(dtype="int4"), "dtype must be one of"),
     (lambda: ModelConfig(max_model_len=-1), "max_model_len must be >= 0"),
     (lambda: EngineConfig(attention_backend="cuda"), "attention_backend must be"),
@@ -42,6 +43,15 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
 def test_invalid_settings_say_what_to_change(make: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()  # type: ignore[operator]
+
+
+def test_an_fp8_cache_under_the_triton_kernels_is_refused_with_the_reason(engine: LLMEngine) -> None:
+    """The Triton kernels (interpreted here) read caches in the model's dtype: an fp8 one is refused at
+    start, not found out as garbage at the first step."""
+    config = EngineConfig(model=fp32_model(engine.model_dir), cache=CacheConfig(num_blocks=8, kv_cache_dtype="fp8"),
+                          attention_backend="triton")
+    with pytest.raises(ValueError, match="fp8 kv_cache_dtype is served by the torch attention backend only"):
+        LLMEngine(config)
 
 
 def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:

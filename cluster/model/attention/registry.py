@@ -8,10 +8,16 @@ from cluster.model.attention.backend import AttentionBackend
 from cluster.model.attention.torch_backend import TorchAttentionBackend
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto" means Triton on CUDA devices and torch elsewhere. Triton loads only when asked for."""
+def backend_name(name: str, device: torch.device) -> str:
+    """"auto" means Triton on CUDA devices and torch elsewhere."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """By `backend_name`. Triton loads only when asked for."""
+    name = backend_name(name, device)
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
