@@ -11,11 +11,13 @@ are detached: they outlive this process, and the next cluster of that name takes
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import time
 import uuid
@@ -44,6 +46,9 @@ START_TIMEOUT_S = 300.0
 GPUS_PER_WORKER = 0.5  # a CUDA worker's share when its pool does not say: 1 prefill + 1 decode on one GPU
 
 
+_temp_dir = ""  # the private local Ray's session files and logs (`init_ray`), removed when it stops
+
+
 def init_ray(address: str = "") -> None:
     """Join `address`, or start a private local Ray that nothing else can join, by accident or not.
 
@@ -70,15 +75,30 @@ def init_ray(address: str = "") -> None:
         from ray._raylet import Config  # type: ignore[attr-defined]
 
         Config.initialize("")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-"))
+    global _temp_dir  # noqa: PLW0603 (one Ray per process: its directory is the process's too)
+    _temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-")
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, _temp_dir=_temp_dir)
+    # After Ray's own exit hook, so it runs first (last in, first out): Ray stopped as `shutdown_ray` stops it,
+    # its processes waited for. After Ray's hook, they outlived this process and made the directory again.
+    atexit.register(shutdown_ray)
 
 
-def shutdown_ray() -> None:
-    """Stop the Ray that `init_ray` started in this process (its processes too)."""
+def shutdown_ray(keep_logs: bool = False) -> None:
+    """Stop the Ray that `init_ray` started in this process (its processes too) and remove its temporary
+    directory (each start makes one: without this, one more under /tmp per start), unless `keep_logs`
+    (the tests keep it when some failed: Ray's logs are under session_latest/logs)."""
     import ray
 
     ray.shutdown()
+    _remove_temp_dir(keep_logs)
+
+
+def _remove_temp_dir(keep: bool = False) -> None:
+    """Remove the directory, or forget it."""
+    global _temp_dir  # noqa: PLW0603
+    if _temp_dir and not keep:
+        shutil.rmtree(_temp_dir, ignore_errors=True)
+    _temp_dir = ""
 
 
 class Cluster:

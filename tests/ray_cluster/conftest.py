@@ -8,15 +8,14 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    """One private local Ray for the whole test session (it takes seconds to start)."""
-    import ray
-
-    from cluster.ray_cluster.launcher import init_ray
+def ray_session(request: pytest.FixtureRequest) -> Iterator[None]:
+    """One private local Ray for the whole test session (it takes seconds to start). Its temporary
+    directory goes with it, unless a test failed (Ray's logs are there)."""
+    from cluster.ray_cluster.launcher import init_ray, shutdown_ray
 
     init_ray()
     yield
-    ray.shutdown()
+    shutdown_ray(keep_logs=request.session.testsfailed > 0)
 
 
 def pace_steps(pause_s: float) -> Callable[[Any], None]:
