@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import cache_strides, check_device, check_heads, interpreted
+from kernels import reference
+from kernels.triton_common import FP8_FORMATS, cache_strides, check_device, check_heads, interpreted
 
 
 @triton.jit
@@ -36,7 +37,8 @@ def _write_kernel(  # noqa: PLR0913
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Scatter new keys and values ([tokens, kv_heads, head_dim]) into their slots; tokens whose slot
-    is negative are skipped. One program per token."""
+    is negative are skipped. One program per token. Into an fp8 cache they go rounded by torch's cast
+    (saturated: `reference.to_cache_dtype`), as bytes."""
     stride_kv, stride_slot, stride_cache_head = cache_strides(kv_cache)
     _, _, _, kv_heads, head_dim = kv_cache.shape
     check_heads(key, "key", head_dim, kv_heads)
@@ -46,6 +48,9 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     check_device(_write_kernel, key, value, kv_cache, slot_mapping)
     if key.shape[0] == 0:
         return
+    if kv_cache.dtype in FP8_FORMATS:
+        key, value = (reference.to_cache_dtype(x, kv_cache.dtype).view(torch.uint8) for x in (key, value))
+        kv_cache = kv_cache.view(torch.uint8)
     _write_kernel[(key.shape[0],)](
         key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         stride_kv, stride_slot, stride_cache_head, KV_HEADS=kv_heads, HEAD_DIM=head_dim,

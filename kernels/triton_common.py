@@ -11,11 +11,36 @@ The kernels never use block ids and offsets apart: they address a token by its f
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 LOG2_E = 1.4426950408889634
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# An fp8 cache (`kv_cache_dtype`) reaches the kernels as its bytes (uint8) and this constexpr says how to
+# widen them (`widen_kv`): 0 not fp8, 1 e4m3, 2 e5m2.
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def cache_operand(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The cache as the kernels take it (an fp8 one as uint8) and its FP8 constexpr."""
+    fp8 = FP8_FORMATS.get(kv_cache.dtype, 0)
+    return (kv_cache.view(torch.uint8) if fp8 else kv_cache), fp8
+
+
+@triton.jit
+def widen_kv(x, FP8: tl.constexpr):
+    """Keys or values as loaded, widened to float32 if they are fp8 bytes, by moving their bits into an
+    fp16 (exact, as `kernels/cpu_common.h` does): e5m2 is an fp16's top byte; e4m3's exponent and
+    mantissa (sign from the sign extension, the exponent's top bit cleared) make the value times 2^-8.
+    Bit moves, not fp8 types: the same on every GPU and in the interpreter."""
+    if FP8 == 1:
+        halves = (x.to(tl.int8, bitcast=True).to(tl.int16) << 7) & -16512  # 0xBF80
+        return halves.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    elif FP8 == 2:
+        return (x.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return x
 
 
 def interpreted(kernel: object) -> bool:

@@ -22,7 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import LOG2_E, cache_strides, check_device, check_heads, dot_options, num_warps
+from kernels.triton_common import (
+    FP8_FORMATS,
+    LOG2_E,
+    cache_operand,
+    cache_strides,
+    check_device,
+    check_heads,
+    dot_options,
+    num_warps,
+    widen_kv,
+)
 
 MAX_SPLITS = 32
 # A split shorter than this spends more on its partial result than it saves in parallelism.
@@ -53,7 +63,7 @@ def _decode_split_kernel(  # noqa: PLR0913
     stride_out_token, stride_out_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -83,15 +93,15 @@ def _decode_split_kernel(  # noqa: PLR0913
         pages = tl.load(table + positions // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         offsets = (pages * PAGE_SIZE + positions % PAGE_SIZE)[:, None] * stride_slot + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(keys + offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        k = widen_kv(tl.load(keys + offsets, mask=kv_mask, other=0), FP8).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
         p = tl.exp2(scores - new_top[:, None])
         alpha = tl.exp2(top - new_top)
-        v = tl.load(keys + stride_kv + offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        # Probabilities round to the cache dtype: the tensor-core matmul takes both operands alike.
-        p_v = tl.dot(p.to(cache.dtype.element_ty).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        v = widen_kv(tl.load(keys + stride_kv + offsets, mask=kv_mask, other=0), FP8).to(DOT_DTYPE)
+        # Probabilities round to the query's dtype (the model's): the tensor-core matmul takes both alike.
+        p_v = tl.dot(p.to(query.dtype.element_ty).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + p_v
         total = total * alpha + tl.sum(p, 1)
         top = new_top
@@ -158,12 +168,13 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     if splits > 1:
         partial_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=query.device)
+    cache, fp8 = cache_operand(kv_cache)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        query, kv_cache, block_tables, seq_lens, out, partial_out, partial_lse, scale * LOG2_E, splits,
+        query, cache, block_tables, seq_lens, out, partial_out, partial_lse, scale * LOG2_E, splits,
         query.stride(0), query.stride(1), stride_kv, stride_slot, stride_cache_head, block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT=splits > 1,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tile,
-        **dot_options(_decode_split_kernel, query.dtype), num_warps=num_warps(block_d))
+        **dot_options(_decode_split_kernel, query.dtype), FP8=fp8, num_warps=num_warps(block_d))
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             partial_out, partial_lse, out, splits, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
@@ -174,7 +185,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 def _check(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
            out: torch.Tensor) -> None:
     batch = query.shape[0]
-    if query.dtype != kv_cache.dtype:
+    if query.dtype != kv_cache.dtype and kv_cache.dtype not in FP8_FORMATS:
         raise ValueError(f"query is {query.dtype} but the cache holds {kv_cache.dtype}")
     if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not match query {tuple(query.shape)} {query.dtype}")

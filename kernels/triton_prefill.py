@@ -21,7 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import LOG2_E, cache_strides, check_device, check_heads, dot_options, num_warps
+from kernels.triton_common import (
+    FP8_FORMATS,
+    LOG2_E,
+    cache_operand,
+    cache_strides,
+    check_device,
+    check_heads,
+    dot_options,
+    num_warps,
+    widen_kv,
+)
 
 
 @triton.jit
@@ -31,6 +41,7 @@ def _prefill_kernel(  # noqa: PLR0913
     stride_out_token, stride_out_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -64,7 +75,7 @@ def _prefill_kernel(  # noqa: PLR0913
         pages = tl.load(table + positions // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         offsets = (pages * PAGE_SIZE + positions % PAGE_SIZE)[:, None] * stride_slot + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(keys + offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        k = widen_kv(tl.load(keys + offsets, mask=kv_mask, other=0), FP8).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         # Position 0 is visible to every row, so each row's running max is finite after tile one.
         visible = valid[None, :] & (positions[None, :] <= last_visible[:, None])
@@ -72,9 +83,9 @@ def _prefill_kernel(  # noqa: PLR0913
         new_top = tl.maximum(top, tl.max(scores, 1))
         p = tl.exp2(scores - new_top[:, None])
         alpha = tl.exp2(top - new_top)
-        v = tl.load(keys + stride_kv + offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        # Probabilities round to the cache dtype: the tensor-core matmul takes both operands alike.
-        p_v = tl.dot(p.to(cache.dtype.element_ty).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        v = widen_kv(tl.load(keys + stride_kv + offsets, mask=kv_mask, other=0), FP8).to(DOT_DTYPE)
+        # Probabilities round to the query's dtype (the model's): the tensor-core matmul takes both alike.
+        p_v = tl.dot(p.to(query.dtype.element_ty).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + p_v
         total = total * alpha + tl.sum(p, 1)
         top = new_top
@@ -105,19 +116,20 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     # Tiles of 16 in the interpreter (CPUs): the tests' short sequences then cross several.
     tile = 64 if query.is_cuda else 16
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, tile))
+    cache, fp8 = cache_operand(kv_cache)
     _prefill_kernel[grid](
-        query, kv_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2_E,
+        query, cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2_E,
         query.stride(0), query.stride(1), stride_kv, stride_slot, stride_cache_head, block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=tile, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tile,
-        **dot_options(_prefill_kernel, query.dtype), num_warps=num_warps(triton.next_power_of_2(head_dim)))
+        **dot_options(_prefill_kernel, query.dtype), FP8=fp8, num_warps=num_warps(triton.next_power_of_2(head_dim)))
     return out
 
 
 def _check(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
            query_start_loc: torch.Tensor, out: torch.Tensor) -> None:
     num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
-    if query.dtype != kv_cache.dtype:
+    if query.dtype != kv_cache.dtype and kv_cache.dtype not in FP8_FORMATS:
         raise ValueError(f"query is {query.dtype} but the cache holds {kv_cache.dtype}")
     if query.shape[1] % num_kv_heads:
         raise ValueError(f"{query.shape[1]} query heads do not group over {num_kv_heads} kv heads")

@@ -19,7 +19,7 @@ import torch
 from cluster.common.events import TokenLogprobs
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
 from cluster.model.attention.backend import AttentionMetadata
-from cluster.model.attention.registry import backend_name, get_attention_backend
+from cluster.model.attention.registry import get_attention_backend
 from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.model.grammar_masks import GrammarMasker
 from cluster.model.llama import ArchitectureConfig, LlamaForCausalLM
@@ -113,11 +113,7 @@ class ModelRunner:
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_host_memory()
-        chosen = backend_name(attention_backend, self.device)
-        if self.kv_dtype.itemsize == 1 and chosen != "torch":
-            raise ValueError(f"an fp8 kv_cache_dtype is served by the torch attention backend only (the CPU's "
-                             f"C kernels and torch ops); the {chosen} kernels read caches in the model's dtype")
-        backend = get_attention_backend(chosen, self.device)
+        backend = get_attention_backend(attention_backend, self.device)
         with torch.device(self.device), skip_weight_init():
             model = LlamaForCausalLM(arch, backend, max_positions=max_model_len)
         model.load_weights(weights)

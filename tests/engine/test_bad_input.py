@@ -45,15 +45,6 @@ def test_invalid_settings_say_what_to_change(make: object, message: str) -> None
         make()  # type: ignore[operator]
 
 
-def test_an_fp8_cache_under_the_triton_kernels_is_refused_with_the_reason(engine: LLMEngine) -> None:
-    """The Triton kernels (interpreted here) read caches in the model's dtype: an fp8 one is refused at
-    start, not found out as garbage at the first step."""
-    config = EngineConfig(model=fp32_model(engine.model_dir), cache=CacheConfig(num_blocks=8, kv_cache_dtype="fp8"),
-                          attention_backend="triton")
-    with pytest.raises(ValueError, match="fp8 kv_cache_dtype is served by the torch attention backend only"):
-        LLMEngine(config)
-
-
 def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not found"):
         LLMEngine(EngineConfig(model=fp32_model(tmp_path / "nowhere")))

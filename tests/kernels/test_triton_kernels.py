@@ -214,6 +214,54 @@ def test_backend_mixed_batch_matches_torch_backend(sequences: list[tuple[int, in
     assert_close(out, expected)
 
 
+# ---- fp8 caches (`kv_cache_dtype`) ---------------------------------------------------------------------
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@settings(KERNEL_SETTINGS, max_examples=16)
+@given(sequences=st.lists(SEQUENCE | st.tuples(st.integers(0, 40), st.just(1)), min_size=2, max_size=4),
+       fp8=st.sampled_from(FP8), num_splits=st.sampled_from([None, 3]), **SHAPES)
+def test_fp8_caches_are_written_and_read_as_the_torch_backend_does(
+        sequences: list[tuple[int, int]], fp8: torch.dtype, num_splits: int | None, heads: tuple[int, int],
+        head_dim: int, block_size: int, dtype: torch.dtype, seed: int) -> None:
+    """A cache of fp8 bytes under a model in `dtype`: the write rounds (and saturates) as torch's cast,
+    decodes and prefills widen each byte exactly, against the torch backend on the same cache. A few
+    new values lie past fp8's largest (they saturate) and unowned slots hold 300."""
+    sequences = sorted(sequences, key=lambda s: s[1] != 1)
+    paged = build_paged(sequences, heads, head_dim, block_size, dtype, seed)
+    cache = reference.to_cache_dtype(paged.kv_cache, fp8)
+    key, value = paged.key, paged.value.clone()
+    value[0, 0, :4] = torch.tensor([1e3, -1e3, 7e4, -7e4])  # past e4m3's 448 (and two past e5m2's 57,344)
+    expected_cache = cache.clone()
+    expected = TorchAttentionBackend().forward(paged.query, key, value, expected_cache, paged.metadata,
+                                               head_dim ** -0.5)
+    out = TritonAttentionBackend(num_splits).forward(paged.query, key, value, cache, paged.metadata,
+                                                     head_dim ** -0.5)
+    assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    assert out.dtype == dtype and not out.isnan().any()
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
+def test_every_fp8_byte_is_widened_exactly(fp8: torch.dtype) -> None:
+    """One token of context: each head's output is that token's value row, so each of the 256 bytes
+    (NaNs aside) must come out as torch widens it, through the decode kernel and the prefill kernel."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[~codes.view(fp8).float().isnan()]
+    codes = torch.cat([codes, codes[:256 - len(codes)]]).view(4, 64)
+    kv_cache = torch.zeros(2, 4, 4, 1, 64, dtype=torch.uint8)
+    kv_cache[1, :, 0, 0] = codes  # sequence i's one token: value row i, key 0
+    kv_cache = kv_cache.view(fp8)
+    expected = codes.view(fp8).float().view(4, 1, 64)
+    tables, lens = torch.arange(4).view(4, 1), torch.ones(4, dtype=torch.int32)
+    query = torch.randn(4, 1, 64)
+    decoded = triton_decode.paged_decode_attention(query, kv_cache, tables, lens, 1, 0.125)
+    prefilled = triton_prefill.paged_prefill_attention(query, kv_cache, tables, lens,
+                                                       torch.arange(5, dtype=torch.int32), 1, 0.125)
+    assert torch.equal(decoded, expected) and torch.equal(prefilled, expected)
+
+
 def test_auto_backend_on_cpu_is_torch() -> None:
     assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
     assert get_attention_backend("triton", torch.device("cpu")).name == "triton"
@@ -234,7 +282,7 @@ def compile_for_hopper(kernel: Any, types: dict[str, str], constexprs: dict[str,
 
 
 def compile_kernels_for_hopper() -> None:
-    """bfloat16 and the Llama-3-8B head layout: GQA group 4, head_dim 128."""
+    """bfloat16 and the Llama-3-8B head layout: GQA group 4, head_dim 128; caches in bf16 and fp8 bytes."""
     import triton.language as tl
 
     paged = {"query": "*bf16", "cache": "*bf16", "block_tables": "*i64", "seq_lens": "*i32", "out": "*bf16",
@@ -242,15 +290,18 @@ def compile_kernels_for_hopper() -> None:
     dots = {"DOT_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32"}
     shape = {"HEAD_DIM": 128, "BLOCK_D": 128}
     decode = {"GROUP": 4, "PAGE_SIZE": 16, "BLOCK_H": 16, "BLOCK_N": 64} | shape | dots
-    compile_for_hopper(triton_decode._decode_split_kernel, paged | {"partial_out": "*fp32", "partial_lse": "*fp32"},
-                       decode | {"SPLIT": True}, 8)
+    for fp8, cache in ((0, "*bf16"), (1, "*u8"), (2, "*u8")):  # the model's dtype, fp8 e4m3, e5m2
+        compile_for_hopper(triton_decode._decode_split_kernel,
+                           paged | {"cache": cache, "partial_out": "*fp32", "partial_lse": "*fp32"},
+                           decode | {"SPLIT": True, "FP8": fp8}, 8)
+        compile_for_hopper(triton_prefill._prefill_kernel, paged | {"cache": cache, "query_start_loc": "*i32"},
+                           {"GROUP": 4, "PAGE_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "FP8": fp8} | shape | dots, 8)
     compile_for_hopper(triton_decode._decode_reduce_kernel,
                        {"partial_out": "*fp32", "partial_lse": "*fp32", "out": "*bf16"}, {"BLOCK_S": 32} | shape, 4)
-    compile_for_hopper(triton_prefill._prefill_kernel, paged | {"query_start_loc": "*i32"},
-                       {"GROUP": 4, "PAGE_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64} | shape | dots, 8)
-    compile_for_hopper(triton_cache._write_kernel,
-                       {"key": "*bf16", "value": "*bf16", "cache": "*bf16", "slot_mapping": "*i64"},
-                       {"KV_HEADS": 8, "BLOCK_H": 8} | shape, 4)
+    for cache in ("*bf16", "*u8"):
+        compile_for_hopper(triton_cache._write_kernel,
+                           {"key": cache, "value": cache, "cache": cache, "slot_mapping": "*i64"},
+                           {"KV_HEADS": 8, "BLOCK_H": 8} | shape, 4)
 
 
 UNINTERPRETED = """
@@ -312,11 +363,12 @@ class EagerReplays(DecodeGraphs):
         return replay, hidden
 
 
-def greedy_tokens(checkpoint: Path, backend: str, graphs: bool = False) -> tuple[list[list[int]], LLMEngine]:
+def greedy_tokens(checkpoint: Path, backend: str, graphs: bool = False,
+                  kv_cache_dtype: str = "auto") -> tuple[list[list[int]], LLMEngine]:
     """The first prompt alone, then all of them arriving one per step under a budget that chunks the
     prefills: the second reuses the first's cached prefix blocks (extend attention over them)."""
     engine = LLMEngine(EngineConfig(
-        model=fp32_model(checkpoint), cache=CacheConfig(block_size=4, num_blocks=64),
+        model=fp32_model(checkpoint), cache=CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=6), attention_backend=backend))
     runner = engine.runner
     if graphs:
@@ -358,3 +410,12 @@ def test_decode_graph_replays_match_torch_backend(checkpoint: Path, torch_greedy
     graphs = engine.runner.decode_graphs
     assert isinstance(graphs, EagerReplays) and set(graphs.graphs) == {2, 4} and graphs.replays > 0
     assert tokens == torch_greedy
+
+
+def test_engine_greedy_outputs_over_an_fp8_cache_match_torch_backend(checkpoint: Path) -> None:
+    """`kv_cache_dtype: fp8` with the Triton backend (decode graphs included): the tokens of the torch
+    backend over the same fp8 cache."""
+    expected, _ = greedy_tokens(checkpoint, "torch", kv_cache_dtype="fp8")
+    tokens, engine = greedy_tokens(checkpoint, "triton", graphs=True, kv_cache_dtype="fp8")
+    assert engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn and engine.kv_cache.prefix_hits > 0
+    assert tokens == expected
