@@ -1,6 +1,6 @@
 """The Triton paged-attention kernels on a CUDA device: checked against the torch references, then timed.
 
-    python -m benchmarks.kernels [--quick] [--no-engine]
+    python -m benchmarks.kernels [--quick] [--no-engine] [--kv-cache-dtypes auto fp8]
 
 1. Checks: the cache write, decode (split-K off, forced and chosen) and prefill/extend kernels against
    `kernels.reference` on random scattered caches, in float32, bfloat16 and float16.
@@ -189,12 +189,15 @@ def decode_grid(quick: bool) -> list[tuple[int, int]]:
     return [(b, c) for b in batches for c in contexts if b * c <= MAX_TOKENS]
 
 
-def time_decode_layout(name: str, grid: list[tuple[int, int]], timer: Timer, copy: float) -> list[dict[str, Any]]:
+def time_decode_layout(name: str, grid: list[tuple[int, int]], timer: Timer, copy: float,
+                       kv_cache_dtype: torch.dtype = DTYPE) -> list[dict[str, Any]]:
+    """Decode over a cache of the model's dtype, or of fp8 (`--kv-cache-dtypes`: half the bytes to read)."""
     from kernels import triton_decode
 
     heads, kv_heads, head_dim = LAYOUTS[name]
     num_blocks = max(b * -(-c // BLOCK_SIZE) for b, c in grid) + 16
-    cache = random_cache(num_blocks, kv_heads, head_dim, DTYPE, torch.device("cuda"))
+    cache = reference.to_cache_dtype(random_cache(num_blocks, kv_heads, head_dim, DTYPE, torch.device("cuda")),
+                                     kv_cache_dtype)
     rows = []
     for batch, context in grid:
         tables = scattered_tables([context] * batch, num_blocks, cache.device)
@@ -211,10 +214,11 @@ def time_decode_layout(name: str, grid: list[tuple[int, int]], timer: Timer, cop
         seconds = timer(lambda: decode(None))
         unsplit = timer(lambda: decode(1)) if splits > 1 else seconds
         kv_bytes = 2 * batch * context * kv_heads * head_dim * cache.element_size()
-        rows.append({"layout": name, "batch": batch, "context": context, "splits": splits, "seconds": seconds,
+        rows.append({"layout": name, "kv_cache_dtype": str(cache.dtype).removeprefix("torch."), "batch": batch,
+                     "context": context, "splits": splits, "seconds": seconds,
                      "unsplit_seconds": unsplit, "bandwidth_gbs": kv_bytes / seconds / 1e9,
                      "fraction_of_copy": kv_bytes / seconds / copy})
-        console.print(f"  decode {name} batch {batch:>3} context {context:>5}: {seconds * 1e6:8.1f} us, "
+        console.print(f"  decode {name} {cache.dtype} batch {batch:>3} context {context:>5}: {seconds * 1e6:8.1f} us, "
                       f"{kv_bytes / seconds / 1e9:7.1f} GB/s ({splits} splits; unsplit {unsplit * 1e6:.1f} us)")
     return rows
 
@@ -305,12 +309,15 @@ def plot(name: str, decode: list[dict[str, Any]], prefill: list[dict[str, Any]],
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    kv_dtypes = sorted({row["kv_cache_dtype"] for row in decode})
     for (layout, style) in zip(LAYOUTS, ("-", "--"), strict=True):
-        for batch in sorted({row["batch"] for row in decode}):
-            rows = [row for row in decode if row["layout"] == layout and row["batch"] == batch]
-            if rows:
-                left.plot([r["context"] for r in rows], [r["bandwidth_gbs"] for r in rows], style, marker="o",
-                          label=f"{layout} batch {batch}")
+        for kv, marker in zip(kv_dtypes, "os^", strict=False):
+            for batch in sorted({row["batch"] for row in decode}):
+                rows = [row for row in decode
+                        if (row["layout"], row["batch"], row["kv_cache_dtype"]) == (layout, batch, kv)]
+                if rows:
+                    left.plot([r["context"] for r in rows], [r["bandwidth_gbs"] for r in rows], style, marker=marker,
+                              label=f"{layout} batch {batch}" + (f" KV {kv}" if len(kv_dtypes) > 1 else ""))
     left.axhline(copy / 1e9, color="black", linestyle=":", label="device copy")
     left.set(xscale="log", xlabel="context (tokens)", ylabel="K/V read (GB/s)", title=f"decode on {gpu}")
     left.legend(fontsize=7, ncol=2)
@@ -335,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smaller grid, for a smoke run")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine and CUDA graph check")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8", "fp8_e5m2"],
+                        help="decode timed over caches of the model's dtype (auto) and/or fp8 (e4m3, e5m2)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.kernels needs a CUDA device and none is visible (torch.cuda.is_available() is False); "
@@ -352,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer()
     copy = copy_bandwidth(timer)
     console.print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
-    decode = [row for name in LAYOUTS for row in time_decode_layout(name, decode_grid(args.quick), timer, copy)]
+    kv_dtypes = {"auto": DTYPE, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    decode = [row for kv in args.kv_cache_dtypes for name in LAYOUTS
+              for row in time_decode_layout(name, decode_grid(args.quick), timer, copy, kv_dtypes[kv])]
     prefill = [time_prefill(name, batch, length, timer) for name in LAYOUTS
                for batch, length in (PREFILLS[:3] if args.quick else PREFILLS)]
     engine = {} if args.no_engine else run_engine(args.quick)
