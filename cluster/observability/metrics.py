@@ -204,8 +204,10 @@ class _Snapshot(Collector):
 
     def _cache_config_info(self) -> Iterator[Metric]:
         """vLLM's info gauge (always 1): each worker's cache config as labels; `num_gpu_blocks` is
-        vLLM's name for the blocks its pool has (whatever device it is on)."""
-        infos = [{**load.cache_config, "num_gpu_blocks": str(load.num_blocks)} for load in self.loads]
+        vLLM's name for the blocks its pool has (whatever device it is on), `cache_dtype` for its
+        `kv_cache_dtype` (auto, fp8, ...)."""
+        infos = [{**load.cache_config, "cache_dtype": load.cache_config.get("kv_cache_dtype", "auto"),
+                  "num_gpu_blocks": str(load.num_blocks)} for load in self.loads]
         keys = sorted({key for info in infos for key in info})  # one family: the same keys for every worker
         gauge = GaugeMetricFamily("vllm:cache_config_info", "Information of the worker's cache config.",
                                   labels=[*LABELS, *keys])

@@ -49,6 +49,7 @@ def test_request_phases_are_timed_in_the_engine(live_scrape: str) -> None:
     assert value(scraped, "vllm:iteration_tokens_total_sum", **WORKER) == \
         sum(len(p) for p in PROMPTS) + requests * (MAX_TOKENS - 1)
     info = [labels for (name, labels), v in scraped.items() if name == "vllm:cache_config_info" and v == 1]
-    assert len(info) == 1 and {("block_size", "4"), ("num_gpu_blocks", "64"), ("worker", "local-0")} <= set(info[0])
+    assert len(info) == 1 and {("block_size", "4"), ("num_gpu_blocks", "64"), ("worker", "local-0"),
+                               ("cache_dtype", "auto"), ("kv_cache_dtype", "auto")} <= set(info[0])
     # Preemption here recomputes: no swapped-requests series (a constant 0 would say swap is on).
     assert not [name for name, _ in scraped if name == "vllm:num_requests_swapped"]
