@@ -5,7 +5,8 @@
  *   silu_mul:     out = silu(gate) * up, gate and up the two halves of each row of gate_up
  *   rotary:       Hugging Face's rotary (non-interleaved halves) of the query and key heads of qkv
  *   write_kv:     the step's new keys and values into their slots of the paged cache (one call for
- *                 what took torch two index_copy_ and their dispatch)
+ *                 what took torch two index_copy_ and their dispatch); write_kv_fp8 rounds fp32 or
+ *                 bf16 rows to an fp8 cache on the way (torch's clamp and cast took four more ops)
  *   causal_softmax_bf16: softmax of a chunk of prefill scores, in place, each row over the keys its
  *                 query sees (the rest set to 0): the mask and the softmax in one pass, and no exp
  *                 of a masked score
@@ -294,6 +295,90 @@ int write_kv(const char *key, int64_t key_stride, const char *value, int64_t val
     for (int64_t t = 0; t < tokens; t++) {
         memcpy(cache + slots[t] * row_bytes, key + t * key_stride, (size_t)row_bytes);
         memcpy(values + slots[t] * row_bytes, value + t * value_stride, (size_t)row_bytes);
+    }
+    return 0;
+}
+
+/* fp32 to fp8 as torch writes an fp8 cache (`reference.to_cache_dtype`): saturated at the format's
+ * largest finite value, then rounded to nearest even; NaN stays NaN (0x7F with the sign). One format is
+ * `mbits` mantissa bits and exponent bias `bias` (e4m3fn: 3 and 7, largest 448; e5m2: 2 and 15, largest
+ * 57344). Normal results: the exponent rebiased and the mantissa rounded by adding just under half a
+ * unit, plus the kept bit's parity (ties to even). Subnormal results: adding a power of two whose unit
+ * in the last place is the fp8 subnormal step makes the FPU round, and the sum's low bits are the code. */
+typedef struct { int mbits; uint32_t largest, smallest_normal, rebias, denorm; } fp8_format;
+
+static fp8_format fp8_format_of(int e5m2) {
+    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const fp8_format format = {
+        mbits,
+        e5m2 ? 0x47600000u : 0x43E00000u,                       /* 57344, 448 */
+        (uint32_t)(127 + 1 - bias) << 23,                         /* 2^-14, 2^-6 */
+        ((uint32_t)(bias - 127) << 23) + ((1u << (22 - mbits)) - 1),
+        (uint32_t)(127 - bias + (23 - mbits) + 1) << 23,
+    };
+    return format;
+}
+
+static inline uint8_t float_to_fp8(float x, fp8_format f) {
+    union { float f; uint32_t u; } v = {x}, t;
+    const uint32_t sign = v.u & 0x80000000u;
+    uint32_t a = v.u ^ sign;
+    if (a > 0x7F800000u) return (uint8_t)(0x7F | sign >> 24);
+    if (a > f.largest) a = f.largest;
+    uint32_t code;
+    if (a < f.smallest_normal) {
+        v.u = a;
+        t.u = f.denorm;
+        t.f = v.f + t.f;
+        code = t.u - f.denorm;
+    } else {
+        code = (a + f.rebias + ((a >> (23 - f.mbits)) & 1)) >> (23 - f.mbits);
+    }
+    return (uint8_t)(code | sign >> 24);
+}
+
+#if defined(__AVX512F__)
+static inline __m128i fp8_16(__m512 x, fp8_format f) {  /* float_to_fp8 on 16 lanes */
+    const __m512i bits = _mm512_castps_si512(x), sign = _mm512_and_si512(bits, _mm512_set1_epi32((int)0x80000000u));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i a = _mm512_min_epu32(_mm512_xor_si512(bits, sign), _mm512_set1_epi32((int)f.largest));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 23 - f.mbits), _mm512_set1_epi32(1));
+    __m512i code = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((int)f.rebias)), odd),
+                                     23 - f.mbits);
+    const __m512i denorm = _mm512_set1_epi32((int)f.denorm);
+    const __m512 shifted = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm));
+    const __mmask16 subnormal = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((int)f.smallest_normal));
+    code = _mm512_mask_mov_epi32(code, subnormal, _mm512_sub_epi32(_mm512_castps_si512(shifted), denorm));
+    code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7F));
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(code, _mm512_srli_epi32(sign, 24)));
+}
+#endif
+
+static void row_to_fp8(uint8_t *out, const char *row, int source_bf16, int64_t n, fp8_format f) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = source_bf16
+            ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16))
+            : _mm512_loadu_ps((const float *)row + i);
+        _mm_storeu_si128((__m128i *)(out + i), fp8_16(x, f));
+    }
+#endif
+    for (; i < n; i++)
+        out[i] = float_to_fp8(source_bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i], f);
+}
+
+/* write_kv for an fp8 cache: each of the `tokens` rows of `row` fp32 (or bf16) values rounded to fp8
+ * (e5m2 or e4m3fn) straight into its slot, with no tensor of rounded rows made first. */
+int write_kv_fp8(const char *key, int64_t key_stride, const char *value, int64_t value_stride, int source_bf16,
+                 int e5m2, uint8_t *cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+    const fp8_format f = fp8_format_of(e5m2);
+    uint8_t *values = cache + num_slots * row;
+    for (int64_t t = 0; t < tokens; t++) {
+        row_to_fp8(cache + slots[t] * row, key + t * key_stride, source_bf16, row, f);
+        row_to_fp8(values + slots[t] * row, value + t * value_stride, source_bf16, row, f);
     }
     return 0;
 }

@@ -22,6 +22,7 @@ from kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+FP8_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # write_kv_fp8's `e5m2` argument
 ISA_NAMES = {0: "plain C", 1: "AVX-512", 2: "AVX-512 + AVX512-BF16"}
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -45,6 +46,8 @@ def library(march: str = "native") -> ctypes.CDLL | None:
     lib.causal_softmax_bf16.argtypes, lib.causal_softmax_bf16.restype = (_P, _I64, _I64, _I64, _I64, _INT), _INT
     lib.argmax_rows_bf16.argtypes, lib.argmax_rows_bf16.restype = (_P, _I64, _I64, _I64, _P, _INT), None
     lib.write_kv.argtypes, lib.write_kv.restype = (_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64), _INT
+    lib.write_kv_fp8.argtypes = (_P, _I64, _P, _I64, _INT, _INT, _P, _P, _I64, _I64, _I64)
+    lib.write_kv_fp8.restype = _INT
     lib.fused_isa.restype = ctypes.c_int
     return lib
 
@@ -148,20 +151,29 @@ def argmax_rows(logits: torch.Tensor, march: str = "native") -> torch.Tensor:
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    march: str = "native") -> None:
     """`reference.write_kv_cache` in one call: key and value [tokens, kv_heads, head_dim] of the cache's
-    dtype, each token's heads contiguous (rows may be strided: views into the step's qkv), into the
-    slots of slot_mapping (int64). An out-of-range slot raises IndexError and writes nothing."""
+    dtype, or fp32/bf16 for an fp8 cache (rounded as `reference.to_cache_dtype` rounds, on the way in),
+    each token's heads contiguous (rows may be strided: views into the step's qkv), into the slots of
+    slot_mapping (int64). An out-of-range slot raises IndexError and writes nothing."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     row = kv_heads * head_dim
+    to_fp8 = kv_cache.dtype in FP8_CODES
     for x in (key, value):
         fits = x.shape == (slot_mapping.shape[0], kv_heads, head_dim) and x.stride(2) == 1 and x.stride(1) == head_dim
-        if x.dtype != kv_cache.dtype or x.device.type != "cpu" or not fits:
+        dtype_fits = x.dtype in SUFFIXES if to_fp8 else x.dtype == kv_cache.dtype
+        if not dtype_fits or x.dtype != key.dtype or x.device.type != "cpu" or not fits:
             raise ValueError(f"key/value {tuple(x.shape)} {x.dtype} do not fit the cache's rows of {kv_heads} x "
                              f"{head_dim} {kv_cache.dtype} (dtype and shape; each row's heads contiguous)")
     if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64:
         raise ValueError("kv_cache must be a contiguous CPU tensor and slot_mapping int64")
     slots = slot_mapping.contiguous()
-    size = kv_cache.element_size()
-    if _lib(march).write_kv(key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size,
-                            kv_cache.data_ptr(), slots.data_ptr(), slots.shape[0], row * size,
-                            num_blocks * block_size):
+    size = key.element_size()
+    strides = (key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size)
+    if to_fp8:
+        failed = _lib(march).write_kv_fp8(*strides, int(key.dtype == torch.bfloat16), FP8_CODES[kv_cache.dtype],
+                                          kv_cache.data_ptr(), slots.data_ptr(), slots.shape[0], row,
+                                          num_blocks * block_size)
+    else:
+        failed = _lib(march).write_kv(*strides, kv_cache.data_ptr(), slots.data_ptr(), slots.shape[0], row * size,
+                                      num_blocks * block_size)
+    if failed:
         raise IndexError(f"a KV slot lies outside the cache's {num_blocks * block_size} slots")

@@ -137,6 +137,48 @@ def test_write_kv_cache_matches_the_reference(dtype: torch.dtype) -> None:
     assert torch.equal(got, expected)
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def every_bf16_pattern(dtype: torch.dtype, low_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """All 65,536 bf16 bit patterns (zeros, subnormals, every binade, infinities, NaNs), as bf16 or
+    as fp32 with `low_bits` below them (what decides a rounding past bf16's mantissa)."""
+    patterns = torch.arange(1 << 16, dtype=torch.int32)
+    if dtype == torch.bfloat16:
+        return patterns.to(torch.int16).view(torch.bfloat16)
+    return ((patterns << 16) | (0 if low_bits is None else low_bits)).view(torch.float32)
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(2, 64), (3, 40)])
+def test_write_kv_cache_rounds_every_value_to_fp8_as_torch_does(march: str, fp8: torch.dtype, dtype: torch.dtype,
+                                                                 kv_heads: int, head_dim: int) -> None:
+    """An fp8 cache written from bf16 or fp32 rows in one call holds, byte for byte, what torch's clamp and
+    cast (`reference.to_cache_dtype`) make of every bf16 value: ties to even, subnormals, saturation
+    at the format's largest, infinities, NaN (a NaN's sign aside), -0; fp32 keys carry random low bits
+    (rounding past a tie) and fp32 values the bit just below bf16's (a sticky bit). Rows of 120 leave
+    scalar tails."""
+    generator = torch.Generator().manual_seed(5)
+    key = every_bf16_pattern(dtype, torch.randint(0, 1 << 16, (1 << 16,), dtype=torch.int32, generator=generator))
+    shuffle = torch.randperm(1 << 16, generator=generator)
+    value = every_bf16_pattern(dtype, torch.tensor(0x8000, dtype=torch.int32))[shuffle]
+    row = kv_heads * head_dim
+    tokens = -(-key.numel() // row)
+    key, value = (torch.cat([x, x[: tokens * row - x.numel()]]).view(tokens, kv_heads, head_dim) for x in (key, value))
+    block_size = 16
+    blocks = -(-tokens // block_size) + 2
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    got = torch.zeros(2, blocks, block_size, kv_heads, head_dim, dtype=fp8)
+    cpu_fused.write_kv_cache(key, value, got, slots, march=march)
+    expected = torch.zeros_like(got)
+    reference.write_kv_cache(key, value, expected, slots)  # torch: clamp, cast, index_copy_
+    both_nan = got.float().isnan() & expected.float().isnan()  # torch's bf16 clamp flips some NaNs' sign
+    mismatch = ((got.view(torch.uint8) != expected.view(torch.uint8)) & ~both_nan).nonzero()
+    assert mismatch.shape[0] == 0, f"{mismatch.shape[0]} bytes differ, first at {mismatch[0].tolist()}"
+
+
 def test_write_kv_cache_refuses_a_slot_outside_the_cache() -> None:
     key = value = torch.randn(2, 3, 64)
     cache = torch.zeros(2, 4, 16, 3, 64)
