@@ -35,10 +35,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(path: Path, *, num_blocks: int = 256, budget: int = 2048, mode: str = "recompute",
-                prefix_caching: bool = True, max_num_seqs: int = 256, block_size: int = 4) -> LLMEngine:
+                prefix_caching: bool = True, max_num_seqs: int = 256, block_size: int = 4,
+                kv_cache_dtype: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=fp32_model(path),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                          kv_cache_dtype=kv_cache_dtype),  # type: ignore[arg-type]
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode,  # type: ignore[arg-type]
                                   max_num_seqs=max_num_seqs)))
 
@@ -92,6 +94,21 @@ def test_preemption_with_undersized_pool_keeps_outputs(checkpoint: Path, referen
                                                        mode: str) -> None:
     engine = make_engine(checkpoint, num_blocks=24, mode=mode)
     assert run_staggered(engine, PROMPTS) == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert_pool_whole(engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_fp8_cache_keeps_its_outputs_through_preemption(checkpoint: Path, reference: list[list[int]],
+                                                           mode: str) -> None:
+    """An fp8 cache's bytes go out and come back whole through a swap (as bytes: torch's CPU index_put_
+    takes no fp8), and a recompute writes them again: an undersized fp8 pool gives the tokens of a large
+    fp8 pool, which differ from the fp32 cache's (so the cache really is fp8)."""
+    large = make_engine(checkpoint, kv_cache_dtype="fp8")
+    fp8_reference = [large.generate([prompt], GREEDY)[0].token_ids for prompt in PROMPTS]
+    assert fp8_reference != reference
+    engine = make_engine(checkpoint, num_blocks=24, mode=mode, kv_cache_dtype="fp8")
+    assert run_staggered(engine, PROMPTS) == fp8_reference
     assert engine.scheduler.num_preemptions > 0
     assert_pool_whole(engine)
 
