@@ -358,9 +358,7 @@ static void row_to_fp8(uint8_t *out, const char *row, int source_bf16, int64_t n
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16) {
-        const __m512 x = source_bf16
-            ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16))
-            : _mm512_loadu_ps((const float *)row + i);
+        const __m512 x = source_bf16 ? load16_bf16((const uint16_t *)row + i) : load16_f32((const float *)row + i);
         _mm_storeu_si128((__m128i *)(out + i), fp8_16(x, f));
     }
 #endif

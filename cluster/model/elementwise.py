@@ -44,15 +44,10 @@ def rotate_heads(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """The step's keys and values [tokens, kv_heads, head_dim] into their cache slots: one C call where
     each row's heads are contiguous and the rows are in the cache's dtype, or in fp32/bf16 for an fp8
-    cache (rounded to it on the way in); an fp8 cache's other layouts rounded by torch's cast, then the
-    C call on the bytes; else torch's index_copy_."""
+    cache (rounded to it on the way in); else torch's cast and index_copy_."""
     rows_fit = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (key, value))
-    fp8 = kv_cache.dtype.itemsize == 1
-    c_call = use_c_kv_write and uses_c_kernels(key) and kv_cache.is_contiguous() and key.dtype == value.dtype
-    if c_call and rows_fit and (key.dtype == kv_cache.dtype or fp8):
+    dtype_fits = key.dtype == value.dtype and (key.dtype == kv_cache.dtype or kv_cache.dtype.itemsize == 1)
+    if use_c_kv_write and uses_c_kernels(key) and kv_cache.is_contiguous() and rows_fit and dtype_fits:
         cpu_fused.write_kv_cache(key, value, kv_cache, slot_mapping)
-    elif c_call and fp8:
-        key, value = (reference.to_cache_dtype(x, kv_cache.dtype).view(torch.uint8) for x in (key, value))
-        cpu_fused.write_kv_cache(key, value, kv_cache.view(torch.uint8), slot_mapping)
     else:
         reference.write_kv_cache(key, value, kv_cache, slot_mapping)
