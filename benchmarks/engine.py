@@ -34,7 +34,7 @@ from benchmarks.common import machine, print_table, save  # noqa: E402
 from cluster.engine.config import KV_CACHE_DTYPES  # noqa: E402
 from cluster.model import elementwise  # noqa: E402
 from cluster.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from kernels import cpu_decode, torch_prefill  # noqa: E402
+from pdserve_kernels import cpu_decode, torch_prefill  # noqa: E402
 
 MS = 1e3
 
@@ -47,7 +47,7 @@ ATTENTION_HELP = ("CPU kernels: fused, fused-chunked (bf16 prompts in chunks eve
 @contextlib.contextmanager
 def cpu_attention(name: str) -> Iterator[str]:
     """CPU kernels for the engines built inside: "fused" (the default: "kernels" plus the fused C
-    elementwise ops, `kernels/cpu_fused.c`, the C KV write and the C mask + softmax of bf16 prefill
+    elementwise ops, `kernels/pdserve_kernels/cpu_fused.c`, the C KV write and the C mask + softmax of bf16 prefill
     chunks; bf16 prompts in SDPA instead of chunks where the CPU has AMX), "fused-chunked" ("fused"
     with the chunks whatever the CPU), "fused-s10" ("fused" as session 10 left it: the C decode kernel
     one token at a time instead of 16, the KV write in torch ops and the chunks, the before arm of

@@ -3,7 +3,7 @@
     python -m benchmarks.kernels [--quick] [--no-engine] [--kv-cache-dtypes auto fp8]
 
 1. Checks: the cache write, decode (split-K off, forced and chosen) and prefill/extend kernels against
-   `kernels.reference` on random scattered caches, in float32, bfloat16 and float16.
+   `pdserve_kernels.reference` on random scattered caches, in float32, bfloat16 and float16.
 2. Decode: median time over a grid of batch (1..256) x context (512..32k) for the head layouts of
    SmolLM2-135M (9 query heads, 3 kv heads, dim 64) and Llama-3-8B (32, 8, 128), as achieved
    bandwidth (K/V bytes read / time) against a device-to-device copy measured in the same run, with
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import console, machine, print_table, save
 from benchmarks.plots import _pyplot, _save
-from kernels import reference
+from pdserve_kernels import reference
 
 LAYOUTS = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # query heads, kv heads, head dim
 BATCHES = (1, 4, 16, 64, 256)
@@ -108,7 +108,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, bool]:
 
 def check_decode(layout: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
                  seq_lens: list[int]) -> dict[str, tuple[float, bool]]:
-    from kernels import triton_decode
+    from pdserve_kernels import triton_decode
 
     heads, kv_heads, head_dim = layout
     blocks = sum(-(-length // BLOCK_SIZE) for length in seq_lens) + 8
@@ -129,7 +129,7 @@ def check_decode(layout: tuple[int, int, int], dtype: torch.dtype, device: torch
 def check_prefill(layout: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
                   sequences: list[tuple[int, int]]) -> dict[str, tuple[float, bool]]:
     """`sequences` as (cached, new) token counts: fresh prompts and extends of a cached prefix."""
-    from kernels import triton_prefill
+    from pdserve_kernels import triton_prefill
 
     heads, kv_heads, head_dim = layout
     seq_lens = [cached + new for cached, new in sequences]
@@ -151,7 +151,7 @@ def check_prefill(layout: tuple[int, int, int], dtype: torch.dtype, device: torc
 
 def check_cache_write(layout: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
                       tokens: int) -> dict[str, tuple[float, bool]]:
-    from kernels import triton_cache
+    from pdserve_kernels import triton_cache
 
     _, kv_heads, head_dim = layout
     blocks = -(-tokens // BLOCK_SIZE) + 8
@@ -192,7 +192,7 @@ def decode_grid(quick: bool) -> list[tuple[int, int]]:
 def time_decode_layout(name: str, grid: list[tuple[int, int]], timer: Timer, copy: float,
                        kv_cache_dtype: torch.dtype = DTYPE) -> list[dict[str, Any]]:
     """Decode over a cache of the model's dtype, or of fp8 (`--kv-cache-dtypes`: half the bytes to read)."""
-    from kernels import triton_decode
+    from pdserve_kernels import triton_decode
 
     heads, kv_heads, head_dim = LAYOUTS[name]
     num_blocks = max(b * -(-c // BLOCK_SIZE) for b, c in grid) + 16
@@ -226,7 +226,7 @@ def time_decode_layout(name: str, grid: list[tuple[int, int]], timer: Timer, cop
 # ---- 3. prefill ------------------------------------------------------------------------------------------
 
 def time_prefill(name: str, batch: int, length: int, timer: Timer) -> dict[str, Any]:
-    from kernels import triton_prefill
+    from pdserve_kernels import triton_prefill
 
     heads, kv_heads, head_dim = LAYOUTS[name]
     tokens, scale = batch * length, head_dim ** -0.5

@@ -20,7 +20,7 @@ from cluster.engine.kv_cache_manager import cdiv
 from cluster.engine.llm_engine import LLMEngine
 from cluster.model import elementwise
 from cluster.model.sampler import Sampler
-from kernels import reference
+from pdserve_kernels import reference
 
 # Long enough that no request finishes while it is being measured.
 NEVER_ENDING = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)

@@ -1,5 +1,5 @@
 """The model's elementwise ops between its matmuls, each either one fused C kernel (CPU tensors of
-fp32 or bf16 where the kernels build: `kernels/cpu_fused.c`) or the torch ops of `kernels/reference`
+fp32 or bf16 where the kernels build: `pdserve_kernels/cpu_fused.c`) or the torch ops of `pdserve_kernels.reference`
 (GPUs, fp16, no compiler). `use_c_kernels` set False gives the torch ops everywhere: the benchmarks
 compare both in one run. docs/engine.md has the why and docs/performance.md the figures."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_fused, reference
+from pdserve_kernels import cpu_fused, reference
 
 use_c_kernels = True
 # False: the KV write in torch ops even where the C kernels serve (the benchmarks' before arm).

@@ -17,7 +17,7 @@ from torch import nn
 
 from cluster.model import elementwise
 from cluster.model.attention.backend import AttentionBackend, AttentionMetadata
-from kernels import reference
+from pdserve_kernels import reference
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

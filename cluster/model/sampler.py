@@ -26,7 +26,7 @@ import torch
 from cluster.common.events import TokenLogprobs
 from cluster.engine.request import Request
 from cluster.model.grammar_masks import GrammarMasks, apply_grammar_masks, fill_grammar_masks
-from kernels import cpu_fused
+from pdserve_kernels import cpu_fused
 
 # Top-p first ranks only this many tokens per row: language models rarely spread top_p of their
 # mass wider, and a partial sort of 1024 costs a tenth of a full sort of a 50k vocabulary on CPU.

@@ -1,5 +1,5 @@
 /* A copy whose stores bypass the caches (non-temporal), for KV written into another process's landing
- * segment (cluster/transfer/stream_copy.py says why). Built at first use by kernels/cpu_build.py. */
+ * segment (cluster/transfer/stream_copy.py says why). Built at first use by kernels/pdserve_kernels/cpu_build.py. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

@@ -13,7 +13,7 @@ process, loaded machine: 4 MiB 0.28 ms plain vs 0.32 streaming, 8 MiB 1.12 vs 1.
 1.99, 64 MiB 7.6 vs 6.6; the copy alone (what the sender waits for) is faster streaming at every
 size. So frames from `STREAM_MIN` on stream, smaller ones stay plain.
 
-The C (`stream_copy.c`) is compiled at first use by `kernels.cpu_build` (its cache is per machine);
+The C (`stream_copy.c`) is compiled at first use by `pdserve_kernels.cpu_build` (its cache is per machine);
 `ready()` does that off the event loop. Where it cannot be built (no compiler, not x86-64: a plain
 memcpy there), the copy is a plain one.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import cpu_build
+from pdserve_kernels import cpu_build
 
 log = logging.getLogger(__name__)
 

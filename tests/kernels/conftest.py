@@ -1,7 +1,7 @@
 """The Triton kernels run here in Triton's interpreter, on CPU tensors (also on GPU machines).
 
 Triton decides when it decorates a kernel whether the kernel is interpreted, so the variable is set
-before any test module imports `kernels.triton_*`.
+before any test module imports `pdserve_kernels.triton_*`.
 """
 
 from __future__ import annotations

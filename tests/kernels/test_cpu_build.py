@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build, cpu_fused
+from pdserve_kernels import cpu_build, cpu_fused
 
 
 def test_without_a_compiler_the_kernels_are_not_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""The C decode kernel (`kernels/cpu_decode.c`) against the torch reference, on the paged cache as the
+"""The C decode kernel (`kernels/pdserve_kernels/cpu_decode.c`) against the torch reference, on the paged cache as the
 runner lays it out: blocks scattered over the pool out of order, ragged lengths ending mid-block,
 padding rows of length 0, GQA groups, and every head size the kernel treats apart (64, 128, other),
 through both of its loops (16 tokens at a time and one at a time) and for CPUs with and without
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_decode, reference
+from pdserve_kernels import cpu_build, cpu_decode, reference
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(torch.float32), reason="no C compiler on this machine")
 

@@ -1,5 +1,5 @@
-"""The fused CPU elementwise kernels (`kernels/cpu_fused.c`) against the torch ops of
-`kernels/reference.py`, in fp32 and bf16, at odd sizes (vector loops and their scalar tails), for
+"""The fused CPU elementwise kernels (`kernels/pdserve_kernels/cpu_fused.c`) against the torch ops of
+`kernels/pdserve_kernels/reference.py`, in fp32 and bf16, at odd sizes (vector loops and their scalar tails), for
 this CPU's build, a build for an AVX2-only CPU (`x86-64-v3`: the plain-C path CI machines without
 AVX-512 take) and one for an AVX-512 CPU without AVX512-BF16 (`skylake-avx512`, where AVX-512 runs)."""
 
@@ -10,7 +10,7 @@ import platform
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_fused, reference
+from pdserve_kernels import cpu_build, cpu_fused, reference
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(torch.float32), reason="no C compiler on this machine")
 

@@ -73,10 +73,10 @@ def test_paged_attention_matches_dense(sequences: list[tuple[int, int]], heads: 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_grouped_matmul_decode_matches_the_reference(dtype: torch.dtype, tolerance: float) -> None:
-    """`kernels.torch_decode` (the torch backend's decode attention in bf16) against the SDPA reference:
+    """`pdserve_kernels.torch_decode` (the torch backend's decode attention in bf16) against the SDPA reference:
     blocks scattered over the pool, unwritten slots huge (a leak past a sequence's end shows), GQA
     groups of 3, and a padding row of length 0 that must come out zeros."""
-    from kernels import reference, torch_decode
+    from pdserve_kernels import reference, torch_decode
 
     generator = torch.Generator().manual_seed(3)
     kv_cache = torch.full((2, 20, 16, 3, 64), 1e4).to(dtype)

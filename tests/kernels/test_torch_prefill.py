@@ -1,4 +1,4 @@
-"""The chunked prefill attention (`kernels/torch_prefill.py`, the torch backend's prefill in bf16)
+"""The chunked prefill attention (`kernels/pdserve_kernels/torch_prefill.py`, the torch backend's prefill in bf16)
 against the SDPA reference: prompts longer than a chunk, cached prefixes (chunked prefill), GQA, and
 the paged form with blocks out of order and the step's own keys."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference, torch_prefill
+from pdserve_kernels import reference, torch_prefill
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 

@@ -31,7 +31,7 @@ from cluster.model.attention.torch_backend import TorchAttentionBackend
 from cluster.model.attention.triton_backend import TritonAttentionBackend
 from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
-from kernels import reference, triton_cache, triton_decode, triton_prefill
+from pdserve_kernels import reference, triton_cache, triton_decode, triton_prefill
 from tests.helpers import fp32_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

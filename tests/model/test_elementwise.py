@@ -1,5 +1,5 @@
 """The model's elementwise ops pick the fused C kernels for CPU tensors they serve and the torch ops
-of `kernels/reference` otherwise (non-contiguous rows, fp16, `use_c_kernels` off), with one result."""
+of `kernels/pdserve_kernels/reference` otherwise (non-contiguous rows, fp16, `use_c_kernels` off), with one result."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.model import elementwise
-from kernels import cpu_fused, reference
+from pdserve_kernels import cpu_fused, reference
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(torch.bfloat16), reason="no C compiler on this machine")
 

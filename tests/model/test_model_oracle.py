@@ -147,7 +147,7 @@ def fp8_kv_attention(fp8: torch.dtype):  # type: ignore[no-untyped-def]
     that dtype holds them (saturated at its largest value): the oracle of an fp8 KV cache."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kernels.reference import to_cache_dtype
+    from pdserve_kernels.reference import to_cache_dtype
 
     def attention(module, query, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
         key, value = (to_cache_dtype(x, fp8).to(x.dtype) for x in (key, value))

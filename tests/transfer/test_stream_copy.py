@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cluster.transfer import stream_copy
-from kernels import cpu_build
+from pdserve_kernels import cpu_build
 
 # Lengths around the C loop's 128-byte steps and the 64-byte head, and a few MiB.
 LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 1000, 4096 + 5, (1 << 20) - 1, 1 << 20, (3 << 20) + 17]

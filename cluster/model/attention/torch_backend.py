@@ -1,5 +1,5 @@
 """The torch attention backend over the paged KV cache (the CPU path): torch ops and, where the
-machine has a C compiler, the C decode kernel (`kernels/cpu_decode.c`)."""
+machine has a C compiler, the C decode kernel (`kernels/pdserve_kernels/cpu_decode.c`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import torch
 
 from cluster.model import elementwise
 from cluster.model.attention.backend import AttentionMetadata
-from kernels import cpu_decode, reference, torch_decode, torch_prefill
+from pdserve_kernels import cpu_decode, reference, torch_decode, torch_prefill
 
 
 class TorchAttentionBackend:
     """Batched decodes (the C kernel, else torch ops: `decode_attention`), prefills one sequence at a
-    time (SDPA in fp32 and on CPUs with AMX, chunked bf16 matmuls otherwise: `kernels/torch_prefill.py`),
+    time (SDPA in fp32 and on CPUs with AMX, chunked bf16 matmuls otherwise: `pdserve_kernels.torch_prefill`),
     with the step's own keys where a prompt has no cached prefix. `use_c_kernel` set False gives the
     torch ops, `use_chunked_prefill` True or False the chunks or SDPA whatever the CPU (None: by the
     CPU); on the class or an instance: the benchmarks compare them in one run."""

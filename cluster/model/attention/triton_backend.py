@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cluster.model.attention.backend import AttentionMetadata
-from kernels import triton_cache, triton_decode, triton_prefill
+from pdserve_kernels import triton_cache, triton_decode, triton_prefill
 
 
 class TritonAttentionBackend:

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
-from kernels.triton_common import FP8_FORMATS, cache_strides, check_device, check_heads, interpreted
+from pdserve_kernels import reference
+from pdserve_kernels.triton_common import FP8_FORMATS, cache_strides, check_device, check_heads, interpreted
 
 
 @triton.jit

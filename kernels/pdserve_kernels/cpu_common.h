@@ -1,6 +1,6 @@
-/* What the CPU kernels (kernels/cpu_*.c) share: bf16 <-> fp32 as torch converts, fp8 (e5m2, e4m3) -> fp32, the fp32
+/* What the CPU kernels (kernels/pdserve_kernels/cpu_*.c) share: bf16 <-> fp32 as torch converts, fp8 (e5m2, e4m3) -> fp32, the fp32
  * load/store pair their dtype-generic macros use, a vectorized e^x and 16-lane loads widened to fp32. Included by path ("cpu_common.h"), next to them;
- * kernels/cpu_build.py keys its cache on this header too. */
+ * kernels/pdserve_kernels/cpu_build.py keys its cache on this header too. */
 #ifndef PDSERVE_CPU_COMMON_H
 #define PDSERVE_CPU_COMMON_H
 

@@ -1,4 +1,4 @@
-"""Compiling the CPU kernels (`kernels/cpu_*.c`) at first use and loading them through ctypes.
+"""Compiling the CPU kernels (`kernels/pdserve_kernels/cpu_*.c`) at first use and loading them through ctypes.
 
 Each source is compiled with the machine's C compiler (`$CC`, else `cc`) for a target CPU
 (`-march=native` by default: AVX-512 code where the CPU has it, AVX2 or plain C elsewhere, chosen by

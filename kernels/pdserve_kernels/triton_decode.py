@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pdserve_kernels.triton_common import (
     FP8_FORMATS,
     LOG2_E,
     cache_operand,

@@ -4,7 +4,7 @@ into the paged cache, the masked softmax of a bf16 prefill chunk, and the greedy
 logits.
 
 At a decode step's 64 rows each torch op costs 10-60 us of dispatch and the model ran ~30 of them per
-layer between its matmuls; here each group is one call. Compiled at first use (`kernels/cpu_build.py`);
+layer between its matmuls; here each group is one call. Compiled at first use (`kernels/pdserve_kernels/cpu_build.py`);
 `available(dtype)` is False where no compiler works or the dtype is neither fp32 nor bf16, and the
 model keeps its torch ops. The results round where the torch ops round (see the C file), so the two
 paths agree to the order of a sum; `tests/kernels/test_cpu_fused.py` holds them to it.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_build
+from pdserve_kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -112,7 +112,7 @@ def sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 
 
 # The elementwise ops between the model's matmuls, as torch ops: the model's path where the fused CPU
-# kernels (`kernels/cpu_fused.c`) are not used, and their oracle.
+# kernels (`kernels/pdserve_kernels/cpu_fused.c`) are not used, and their oracle.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dim, normalized in fp32, rounded to x's dtype, then scaled."""

@@ -13,7 +13,7 @@
  *
  * Each rounds to the dtype where the torch ops it replaces round (bf16 results of bf16 ops, fp32
  * arithmetic inside), so the model computes the same numbers up to the order of a sum. Compiled at
- * first use with `-march=native` (kernels/cpu_build.py): AVX-512 code where the CPU has it, plain C
+ * first use with `-march=native` (kernels/pdserve_kernels/cpu_build.py): AVX-512 code where the CPU has it, plain C
  * that the compiler vectorizes as it can elsewhere.
  */
 #include <math.h>

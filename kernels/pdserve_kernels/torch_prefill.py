@@ -8,7 +8,7 @@ time, is one bf16 matmul against the keys up to the chunk's last position (the k
 read: causal), a softmax, and one matmul with the values. The queries are laid out [kv_head,
 position, head of the group, dim], so a chunk's rows of all the group's heads are one contiguous
 matrix (no copy before the matmuls) and its output rows land in place. The scale is folded into the
-queries. In bf16 on a CPU where `kernels/cpu_fused.c` builds, the mask and the softmax are one C pass
+queries. In bf16 on a CPU where `kernels/pdserve_kernels/cpu_fused.c` builds, the mask and the softmax are one C pass
 (`causal_softmax_`: no exp of a masked score); elsewhere the diagonal block is masked and torch's
 softmax runs. docs/performance.md has the figures.
 
@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from kernels import cpu_fused, reference
+from pdserve_kernels import cpu_fused, reference
 
 CHUNK = 256  # query positions per matmul: 128 and 512 ran slower at 2,048 tokens
 use_c_softmax = True  # False: torch's mask and softmax (the benchmarks compare both in one run)

@@ -1,7 +1,7 @@
 /* Paged decode attention for CPUs: one query token per sequence against its cached context, read
  * straight from the paged KV cache (no gather into a dense tensor), in fp32 arithmetic.
  *
- * Layout (kernels/reference.py): cache[0 = key | 1 = value][block][offset][kv_head][head_dim].
+ * Layout (kernels/pdserve_kernels/reference.py): cache[0 = key | 1 = value][block][offset][kv_head][head_dim].
  * One task per sequence: every head's score for every cached token (one pass over the keys, each
  * token's row of all KV heads read whole), a softmax, then the weighted sum of the values (one
  * pass). Every key and value is read once per step and layer, and only the sequence's own `seq_len`

@@ -31,7 +31,7 @@ def cache_operand(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 @triton.jit
 def widen_kv(x, FP8: tl.constexpr):
     """Keys or values as loaded, widened to float32 if they are fp8 bytes, by moving their bits into an
-    fp16 (exact, as `kernels/cpu_common.h` does): e5m2 is an fp16's top byte; e4m3's exponent and
+    fp16 (exact, as `kernels/pdserve_kernels/cpu_common.h` does): e5m2 is an fp16's top byte; e4m3's exponent and
     mantissa (sign from the sign extension, the exponent's top bit cleared) make the value times 2^-8.
     Bit moves, not fp8 types: the same on every GPU and in the interpreter."""
     if FP8 == 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from pdserve_kernels import reference
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
