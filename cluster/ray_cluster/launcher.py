@@ -234,7 +234,19 @@ class Cluster:
             return pool.num_gpus
         if device == "cpu" or (device == "auto" and not ray.cluster_resources().get("GPU", 0)):
             return 0.0
+        if device == "auto" and self._local_gpus_unusable():
+            return 0.0  # _check_gpus said why, at start
         return GPUS_PER_WORKER
+
+    def _local_gpus_unusable(self) -> str | None:
+        """On the embedded Ray the GPUs Ray sees are this host's: why torch here cannot use them, if it
+        cannot (a CPU build, an old driver). Not asked of a Ray cluster's own: its GPU nodes are elsewhere
+        (each worker refuses GPUs it cannot use: `worker_actor.refuse_unusable_gpus`)."""
+        if self.config.ray_address:
+            return None
+        from cluster.model.device import cuda_unusable_reason
+
+        return cuda_unusable_reason()
 
     def _check_gpus(self) -> None:
         """Refuse at start what can never run: CUDA workers on an embedded Ray without GPUs. On a Ray
@@ -243,8 +255,12 @@ class Cluster:
 
         pools = [] if self.config.attach else [self.config.decode] if self.config.mode == Mode.COLOCATED \
             else [self.config.prefill, self.config.decode]
-        needed = sum(pool.replicas * self.gpus_per_worker(pool) for pool in pools)
         have = float(ray.cluster_resources().get("GPU", 0))
+        if have and self.config.engine.model.device == "auto" and (reason := self._local_gpus_unusable()):
+            log.error("Ray sees %g GPU(s) on this host, but %s. --device auto runs every worker on the CPU and "
+                      "reserves none of them: install torch's CUDA build or a newer driver to use them, or say "
+                      "--device cpu to silence this.", have, reason)
+        needed = sum(pool.replicas * self.gpus_per_worker(pool) for pool in pools)
         if needed <= have:
             return
         message = (f"the workers ask for {needed:g} GPUs (device {self.config.engine.model.device!r}) and the Ray "

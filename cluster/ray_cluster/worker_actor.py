@@ -71,6 +71,21 @@ def kv_host(interface: str = "") -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def refuse_unusable_gpus(device: str) -> None:
+    """A worker Ray gave GPUs that torch here cannot use (a CPU build, an old driver) would run on the
+    CPU while holding them: refused, with why. A cpu worker holds them as its pool asked."""
+    import ray
+
+    gpus = ray.get_gpu_ids()
+    if not gpus or device == "cpu":
+        return
+    from cluster.model.device import cuda_unusable_reason
+
+    if reason := cuda_unusable_reason():
+        raise RuntimeError(f"this worker holds Ray GPU(s) {gpus} for device {device!r}, but {reason}: "
+                           "install torch's CUDA build or a newer driver on this node, or run with --device cpu")
+
+
 def node_cores(threads: int, engine_cpus: frozenset[int] | None = None) -> NodeCores | None:
     """How many threads this worker's engine computes on: `threads` fixed, or (0) every core of its
     node that no other busy worker holds, at least its own share of Ray's CPUs; of `engine_cpus`
@@ -102,6 +117,7 @@ class WorkerActor(ChannelHost):
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
+        refuse_unusable_gpus(engine_config.model.device)
         # Every thread of this process on the front door's cores but the engine thread (`cpu_binding`).
         split = reserve_front_door(reserved_cpus)
         engine_cpus = split.engines if split is not None else None
