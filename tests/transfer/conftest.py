@@ -73,7 +73,7 @@ def _make(kind: str) -> tuple[Any, Any]:
 
 
 ucx_param = pytest.param("ucx", marks=pytest.mark.skipif(not HAS_UCXX, reason="ucxx is not installed "
-                                                         "(pip install ucxx-cu12)"))
+                                                         "(pip install ucxx-cu13)"))
 
 
 @pytest.fixture(params=["loopback", ucx_param])
@@ -88,7 +88,7 @@ def pair(request: pytest.FixtureRequest, loop: asyncio.AbstractEventLoop) -> Ite
 @pytest.fixture
 def ucx_pair(loop: asyncio.AbstractEventLoop) -> Iterator[Pair]:
     if not HAS_UCXX:
-        pytest.skip("ucxx is not installed (pip install ucxx-cu12)")
+        pytest.skip("ucxx is not installed (pip install ucxx-cu13)")
     sender, receiver = _make("ucx")
     loop.run_until_complete(receiver.start())
     yield Pair("ucx", loop, sender, receiver)

@@ -33,7 +33,7 @@ from tests.transfer.conftest import HAS_UCXX, TIMEOUT_S, Pair
 from tests.transfer.peer import frames, payload
 from tests.transfer.test_cross_process import read_line, start_peer
 
-pytestmark = pytest.mark.skipif(not HAS_UCXX, reason="ucxx is not installed (pip install ucxx-cu12)")
+pytestmark = pytest.mark.skipif(not HAS_UCXX, reason="ucxx is not installed (pip install ucxx-cu13)")
 # A killed peer must be seen within this (UCX over TCP sees a reset in tens of milliseconds).
 DETECTED_WITHIN_S = 5.0
 

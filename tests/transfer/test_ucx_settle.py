@@ -15,7 +15,7 @@ import pytest
 
 from tests.transfer.conftest import HAS_UCXX
 
-pytestmark = pytest.mark.skipif(not HAS_UCXX, reason="ucxx is not installed (pip install ucxx-cu12)")
+pytestmark = pytest.mark.skipif(not HAS_UCXX, reason="ucxx is not installed (pip install ucxx-cu13)")
 
 
 @dataclass
