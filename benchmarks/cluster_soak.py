@@ -9,7 +9,7 @@ cancels, invalid requests) through the HTTP gateway to a disaggregated cluster o
 `--kills` times, evenly spread, a decode worker's process is killed (Ray restarts it). Afterwards
 every request must be accounted for (finished, an explicit error, or aborted by its client: the
 `unexpected` count is the one that matters) and every pool whole. Writes
-benchmarks/results/cluster_soak.json. The short version, with a Redis restart too, is
+benchmarks/results/cluster-soak.<machine>.<date>.json. The short version, with a Redis restart too, is
 `tests/ray_cluster/test_cluster_soak.py`.
 """
 
@@ -111,7 +111,7 @@ def main() -> None:
     for line in summary["unexpected"]:
         print("unexpected:", line)
     if not args.no_save:
-        save("cluster_soak", result, info)
+        save("cluster-soak", result, info)
 
 
 if __name__ == "__main__":

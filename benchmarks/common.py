@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -15,6 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +32,67 @@ RESULTS = Path(__file__).resolve().parent / "results"
 console = Console(width=150)  # wide tables also when piped to a log
 
 
+# The widest SIMD a CPU has, best first, by the /proc/cpuinfo flag that shows it: what decides which
+# dtype and kernels run, so what a figure moves with most.
+SIMD_LEVELS = (("amx", "amx_bf16"), ("avx512bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2"),
+               ("sve", "sve"), ("neon", "asimd"))
+# Words of a model name that name a line of CPUs; a CPU named by none goes by its vendor.
+CPU_LINES = ("epyc", "xeon", "threadripper", "ryzen", "core", "graviton")
+VENDORS = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}
+
+
+@dataclass(frozen=True, slots=True)
+class Cpu:
+    """The CPU a figure was measured on, as /proc/cpuinfo (lscpu's source) describes it."""
+
+    model: str
+    vendor: str
+    flags: frozenset[str]
+    cores: int
+
+    @classmethod
+    def here(cls) -> Cpu:
+        fields: dict[str, str] = {}
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())  # the first processor's
+        except OSError:
+            pass
+        flags = fields.get("flags") or fields.get("Features") or ""  # x86 / Arm
+        return cls(model=fields.get("model name") or platform.processor() or "unknown",
+                   vendor=fields.get("vendor_id", ""), flags=frozenset(flags.split()), cores=os.cpu_count() or 1)
+
+
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return Cpu.here().model
+
+
+def machine_slug(cpu: Cpu) -> str:
+    """The machine in a result file's name: the CPU's line (or its vendor), its widest SIMD level and
+    its core count, e.g. `epyc-avx512bf16-2c`, `xeon-amx-2c`."""
+    words = re.findall(r"[a-z0-9]+", cpu.model.lower())
+    line = next((name for name in CPU_LINES if name in words), None)
+    line = line or VENDORS.get(cpu.vendor) or re.sub(r"[^a-z0-9]", "", platform.machine().lower()) or "cpu"
+    level = next((name for name, flag in SIMD_LEVELS if flag in cpu.flags), None)
+    return "-".join(part for part in (line, level, f"{cpu.cores}c") if part)
+
+
+@functools.cache
+def run_date() -> datetime.date:
+    """The UTC day of this run's first result file: every file of a run carries it, past midnight too."""
+    return datetime.datetime.now(datetime.UTC).date()
+
+
+def result_name(benchmark: str, machine_name: str, day: datetime.date, suffix: str = ".json") -> str:
+    return f"{benchmark}.{machine_name}.{day.isoformat()}{suffix}"
+
+
+def result_path(benchmark: str, suffix: str = ".json") -> Path:
+    """Where a run's file goes: `benchmarks/results/<benchmark>.<machine>.<date><suffix>`, for example
+    `step-vs-linear.epyc-avx512bf16-2c.2026-12-03.json`. A later run of the same benchmark on the same
+    kind of machine the same day replaces it; earlier ones live in git history."""
+    return RESULTS / result_name(benchmark, machine_slug(Cpu.here()), run_date(), suffix)
 
 
 def machine(module: str = "benchmarks.engine") -> dict[str, Any]:
@@ -45,7 +101,7 @@ def machine(module: str = "benchmarks.engine") -> dict[str, Any]:
     import transformers
 
     return {
-        "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "cpu": cpu_model(), "cores": os.cpu_count(), "slug": machine_slug(Cpu.here()), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
         "python": platform.python_version(), "load_average_at_start": os.getloadavg(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -72,7 +128,7 @@ def git_state() -> str:
 
 def save(name: str, data: dict[str, Any], info: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = result_path(name)
     path.write_text(json.dumps({"benchmark": name, "machine": info, **data}, indent=2, default=float) + "\n")
     console.print(f"[green]wrote {path.relative_to(RESULTS.parent.parent)}")
     return path

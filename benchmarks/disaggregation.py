@@ -21,8 +21,8 @@ the first arrival to the last finish. Arrivals stop at `--duration`; requests no
 
 Every worker is a Ray actor process; OMP_NUM_THREADS=1 is set before Ray starts (workers inherit
 it), so each worker computes on one thread: 2 workers on 2 cores, see docs/performance.md on why
-one thread. Results go to benchmarks/results/disaggregation.json and disaggregation.png (`--name`
-changes the stem; `--arms disaggregated colocated` runs the arms in the other order, as a check
+one thread. Results go to benchmarks/results/disaggregation.<machine>.<date>.json and .png (`--name`
+changes the first part; `--arms disaggregated colocated` runs the arms in the other order, as a check
 that the machine's load, which drifts during a run, is not what separates them).
 """
 
@@ -46,7 +46,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, console, cpu_model, git_state, print_table  # noqa: E402
+from benchmarks.common import RESULTS, console, cpu_model, git_state, print_table, result_path  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster, init_ray  # noqa: E402
@@ -328,7 +328,7 @@ def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     fig.suptitle(f"2 workers, 2 cores: short {args.short_rate}/s x {args.short_tokens} tokens, "
                  f"long {args.long_prompt[0]}-{args.long_prompt[1]}-token prompts every {args.long_interval:g} s")
     fig.tight_layout()
-    path = RESULTS / f"{args.name}.png"
+    path = result_path(args.name, ".png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     console.print(f"[green]wrote {path.relative_to(RESULTS.parent.parent)}")
@@ -350,7 +350,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-save", action="store_true", help="print only (for trial runs)")
-    parser.add_argument("--name", default=NAME, help="results file stem under benchmarks/results/")
+    parser.add_argument("--name", default=NAME, help="the result files' first part (the machine and the date follow)")
     args = parser.parse_args()
 
     specs = schedule(args)
@@ -379,7 +379,7 @@ def main() -> None:
             "arm_order": list(args.arms),
             "arms": results}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{args.name}.json"
+    path = result_path(args.name)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
     console.print(f"[green]wrote {path.relative_to(RESULTS.parent.parent)}")
     plot(results, args)

@@ -1,4 +1,5 @@
-"""Engine benchmarks, one subcommand each (or `all`); results go to benchmarks/results/<name>.json/.png.
+"""Engine benchmarks, one subcommand each (or `all`); results go to
+benchmarks/results/<subcommand>.<machine>.<date>.json and .png.
 
     python -m benchmarks.engine step-vs-linear --attention sdpa kernels fused   # CPU kernels before / after
     python -m benchmarks.engine --threads 1 step-vs-linear --dtypes bfloat16 --attention fused-s10 fused

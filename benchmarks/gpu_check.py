@@ -14,7 +14,7 @@
    SDPA (its own JSON in benchmarks/results/).
 
 Each step runs in a subprocess with its share of the time; the figures go to
-benchmarks/results/gpu_check.json with the machine. Without a CUDA device it says so and exits 2.
+benchmarks/results/gpu-check-<gpu>.<machine>.<date>.json with the machine. Without a CUDA device it says so and exits 2.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, console, machine
+from benchmarks.common import RESULTS, console, machine, result_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
@@ -130,7 +130,10 @@ def main() -> int:
     if not args.skip_kernels:
         results["kernels"] = run_step("kernel benchmark", [sys.executable, "-m", "benchmarks.kernels", "--quick",
                                                            "--no-engine"], 0.3 * budget)
-    path = RESULTS / "gpu_check.json"
+    from benchmarks.kernels import gpu_slug
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = result_path(f"gpu-check-{gpu_slug(results['gpu'])}")
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     console.print(f"wrote {path}")
     kv = results["serving"].get("kv", {})

@@ -15,7 +15,7 @@
 
 Times are CUDA-event medians after warm-up, with L2 flushed before each run. The grid is bounded
 (batch x context <= 2M tokens) to finish in a few minutes on an H200. Writes
-benchmarks/results/kernels-<gpu>.json and .png. Without a CUDA device it says so and exits with 2.
+benchmarks/results/kernels-<gpu>.<machine>.<date>.json and .png. Without a CUDA device it says so and exits with 2.
 """
 
 from __future__ import annotations

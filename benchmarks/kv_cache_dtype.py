@@ -19,7 +19,7 @@ And what it gains where memory is short (`--parts capacity`): the 64-request wor
 through one engine whose pool holds the model's-dtype KV of `--pool-fraction` of the requests at their
 full length; each fp8 arm gets the same bytes, so more blocks. Output tokens/s, preemptions, steps.
 Speed per step is `python -m benchmarks.engine step-vs-linear --kv-cache-dtypes ...`. Results go to
-benchmarks/results/kv-cache-dtype.json and .png.
+benchmarks/results/kv-cache-dtype.<machine>.<date>.json and .png.
 """
 
 from __future__ import annotations

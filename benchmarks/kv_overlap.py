@@ -13,7 +13,7 @@ Per request: TTFT (arrival to the first token, from the prefill worker), the gap
 token (the exposed transfer, the decode worker's admission and one decode step), and the prefill
 worker's `TransferStats`: bytes, frames, seconds on the wire, and `exposed_s` (the last frame's
 send, i.e. the part of the transfer after the prefill finished). The arms alternate per repeat so
-the machine's drifting load hits both alike. Results: benchmarks/results/kv-overlap.json and .png.
+the machine's drifting load hits both alike. Results: benchmarks/results/kv-overlap.<machine>.<date>.json and .png.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, console, machine, print_table  # noqa: E402
+from benchmarks.common import RESULTS, console, machine, print_table, result_path  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster, init_ray  # noqa: E402
@@ -151,10 +151,10 @@ def main() -> None:
     if args.no_save:
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{NAME}.json"
+    path = result_path(NAME)
     path.write_text(json.dumps({"benchmark": NAME, "machine": info, "workload": vars(args), "summary": summary,
                                 "rows": rows}, indent=1) + "\n")
-    plot(summary, RESULTS / f"{NAME}.png")
+    plot(summary, result_path(NAME, ".png"))
     console.print(f"[green]wrote {path}")
 
 

@@ -28,7 +28,7 @@ Baselines, in the same run (`measure_memcpy`): `memcpy`, np.copyto into one dest
 again (as every run reported; at 16 MiB partly within the L3), and `copies`: memcpy into as many
 destinations in turn as the shm arm's landing segments (`ROTATING`, the transfer's shape), and the
 shm arm's own copy (`cluster.transfer.stream_copy`: streaming stores from 16 MiB) into them.
-Results go to benchmarks/results/kv-transfer.json and kv-transfer.png.
+Results go to benchmarks/results/kv-transfer.<machine>.<date>.json and .png.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 Killed and timed-out mutants count as caught (a mutant that loops for ever is caught by its
 timeout); mutants no fast test reaches count as not caught, like survivors. Mutants listed in
 EQUIVALENT (docs/testing.md says why each one cannot change behaviour) are left out of the score.
-Writes benchmarks/results/mutation.json.
+Writes benchmarks/results/mutation.<machine>.<date>.json (the score does not depend on the machine;
+the name follows the other results').
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import RESULTS, console, print_table
+from benchmarks.common import RESULTS, console, print_table, result_path
 
 MUTANTS = Path(__file__).resolve().parents[1] / "mutants"
 CAUGHT = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout"}
@@ -233,7 +234,8 @@ def main() -> int:
     if args.survivors:
         for name in missed:
             console.print(f"{statuses[name]}: {name}")
-    path = RESULTS / "mutation.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = result_path("mutation")
     path.write_text(json.dumps({"score": table, "not_caught": {name: statuses[name] for name in missed},
                                 "equivalent": EQUIVALENT}, indent=1) + "\n")
     console.print(f"wrote {path}")

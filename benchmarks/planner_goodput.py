@@ -8,14 +8,14 @@
 2. The defaults, each a real cluster on the same requests (one core and one thread per worker,
    the engine's default limits: 2,048 tokens a step, 256 sequences): 1P+1D, colocated x1 and x2.
    Each cluster first times what serving adds to the steps (`planner_runs.measure_serving`); the
-   first of each mode goes into the profile (saved as `planner-goodput.profile.json`).
+   first of each mode goes into the profile (saved as `planner-goodput.<machine>.<date>.profile.json`).
 3. `plan` with budget 2 on that profile, the workload and the SLOs (the search `pdserve plan`
    runs). It sees the profile and the serving latencies, never the measured runs' figures.
 4. The planned configuration on a real cluster, unless it IS one of the defaults (then said so
    plainly, and its margin is against the others).
 5. Per arm, measured against predicted: goodput (requests meeting both SLOs per second, first
    arrival to last token), goodput per worker, attainment, TTFT and TPOT p50/p90.
-Results: benchmarks/results/planner-goodput.json and .png. About 8 minutes on the 2-core box.
+Results: benchmarks/results/planner-goodput.<machine>.<date>.json and .png. About 8 minutes on the 2-core box.
 
 The workload (why this one): Poisson arrivals at 0.9/s of long prompts (512-1,024 tokens, 0.5-1.1 s
 of prefill on one thread of the 2-core box) and short answers (16-48 tokens), under a TTFT SLO of
@@ -45,7 +45,7 @@ from dataclasses import asdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks.common import RESULTS, console, machine, print_table, save  # noqa: E402
+from benchmarks.common import console, machine, print_table, result_path, save  # noqa: E402
 from benchmarks.planner_runs import measured_run, profile_here, specs_for, with_serving  # noqa: E402
 from cluster.planner.measure import MeasureGrid  # noqa: E402
 from cluster.planner.plan import SearchSpace, Slo, plan  # noqa: E402
@@ -180,7 +180,7 @@ def main() -> None:
         runs[name] = topology, measured_run(name, topology, specs, args, profile)
         if topology.mode not in profile.serving:
             profile = with_serving(profile, topology.mode, runs[name][1]["serving"])
-    profile.save(RESULTS / f"{NAME}.profile.json")
+    profile.save(result_path(NAME, ".profile.json"))
     planned = plan(profile, requests, slo, SearchSpace(budget=BUDGET))
     chosen = planned.best.topology
     default_name = next((name for name, topology in DEFAULTS.items() if topology == chosen), None)
@@ -208,7 +208,7 @@ def main() -> None:
                     "rate": args.rate, "num_requests": args.num_requests, "prompt": args.prompt,
                     "output": args.output, "seed": args.seed}, "load_average_after": load,
                 "profile": profile.as_dict()}, info)
-    plot(arms, slo, planned_name, load, RESULTS / f"{NAME}.png")
+    plot(arms, slo, planned_name, load, result_path(NAME, ".png"))
 
 
 if __name__ == "__main__":

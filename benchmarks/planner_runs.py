@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, console
+from benchmarks.common import console, result_path
 from benchmarks.disaggregation import Record, Spec, drive, one, warm_up
 from cluster.planner.accuracy import per_request_agreement
 from cluster.planner.cluster_file import cluster_values
@@ -54,8 +54,9 @@ def profile_here(path: str, grid: MeasureGrid, name: str) -> Profile:
     torch.set_num_threads(1)
     started = time.monotonic()
     profile = measure(engine_for("default", "auto", grid), grid)
-    profile.save(RESULTS / f"{name}.profile.json")
-    console.print(f"profile: {time.monotonic() - started:.0f} s -> {RESULTS / f'{name}.profile.json'}")
+    path = result_path(name, ".profile.json")
+    profile.save(path)
+    console.print(f"profile: {time.monotonic() - started:.0f} s -> {path}")
     return profile
 
 

@@ -15,7 +15,7 @@
    ITL and TPOT p50/p90, predicted against measured; and every request's TTFT against its own
    simulated one (`per_request`: where the percentiles hide a queue the model gets wrong).
 The helpers shared with `benchmarks.planner_goodput` are in `benchmarks.planner_runs`.
-Results: benchmarks/results/planner-validation.json and .png (predicted against measured, with the
+Results: benchmarks/results/planner-validation.<machine>.<date>.json and .png (predicted against measured, with the
 ±25% band). About 6 minutes on the 2-core box at the defaults: the profile ~25 s, each
 configuration ~2 min with its start and warm-up. On a loaded machine the measured side is slower than the
 profile says, so predictions come out low: run it on a quiet machine for figures to quote.
@@ -35,7 +35,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, machine, print_table, save  # noqa: E402
+from benchmarks.common import machine, print_table, result_path, save  # noqa: E402
 from benchmarks.disaggregation import Spec  # noqa: E402
 from benchmarks.planner_runs import (  # noqa: E402
     FIGURES,
@@ -138,7 +138,7 @@ def main() -> None:
     for name, run in results.items():
         timed.setdefault(CONFIGS[name].mode, Serving(**run["serving"]))
     profile = replace(profile, serving={**profile.serving, **timed})
-    profile.save(RESULTS / f"{NAME}.profile.json")
+    profile.save(result_path(NAME, ".profile.json"))
     rows = [[name, key, f"{v['measured_s'] * 1000:.0f}", f"{v['predicted_s'] * 1000:.0f}", f"{v['error']:+.0%}"]
             for name, run in results.items() for key, v in run["comparison"].items()]
     print_table("planner validation (ms)", ["config", "figure", "measured", "predicted", "error"], rows)
@@ -154,7 +154,7 @@ def main() -> None:
                  for name, run in results.items() for agreement in [run["per_request"]]])
     save(NAME, {"results": results, "workload": {"rate": args.rate, "num_requests": args.num_requests,
                                                  "seed": args.seed}, "profile": profile.as_dict()}, info)
-    plot(results, RESULTS / f"{NAME}.png")
+    plot(results, result_path(NAME, ".png"))
 
 
 if __name__ == "__main__":

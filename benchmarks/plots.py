@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, console
+from benchmarks.common import RESULTS, console, result_path
 
 
 def _pyplot() -> Any:
@@ -21,7 +21,7 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, name: str) -> Path:
-    path = RESULTS / f"{name}.png"
+    path = result_path(name, ".png")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     console.print(f"[green]wrote {path.relative_to(RESULTS.parent.parent)}")

@@ -7,7 +7,7 @@ Measures, over `--runs` crashes: the time from the crash (`ray.kill(no_restart=F
 worker streaming half the requests) until every request in flight has finished, against the same
 requests run without a crash in the same session (the ratio is the figure that travels between
 machines), and the time until the router routes to the restarted worker again. Writes
-benchmarks/results/recovery.json.
+benchmarks/results/recovery.<machine>.<date>.json.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine
+from benchmarks.common import RESULTS, machine, result_path
 from cluster.common.sampling_params import SamplingParams
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from
 from cluster.ray_cluster.launcher import Cluster
-
-RESULTS = Path(__file__).parent / "results"
 
 
 async def run_requests(cluster: Cluster, prompts: list[list[int]], params: SamplingParams, tag: str,
@@ -98,7 +96,7 @@ def main() -> None:
                "median_slowdown": statistics.median(r["slowdown"] for r in runs),
                "median_crash_to_rejoined_s": statistics.median(r["crash_to_rejoined_s"] for r in runs)}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "recovery.json").write_text(json.dumps(summary, indent=2))
+    result_path("recovery").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
 
 

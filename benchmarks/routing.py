@@ -17,7 +17,7 @@ Arms (`routing:` in the cluster config, see cluster/ray_cluster/routing_policy.p
 
 Per arm: prefix-cache hit rate of the prefill workers (tokens found / looked up, from their
 counters), TTFT p50/p99 over all requests, output tokens per second over the arm's makespan, and how
-the prompts split between the two prefill workers. Results: benchmarks/results/routing.json/.png.
+the prompts split between the two prefill workers. Results: benchmarks/results/routing.<machine>.<date>.json/.png.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, console, machine, print_table  # noqa: E402
+from benchmarks.common import RESULTS, console, machine, print_table, result_path  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster, init_ray  # noqa: E402
@@ -146,7 +146,7 @@ def plot(results: dict[str, dict[str, Any]]) -> None:
     axes[2].set_title("output tokens per second")
     fig.suptitle("Prefill routing on a shared-prefix workload (2 prefill + 1 decode worker)")
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{NAME}.png", dpi=110)
+    fig.savefig(result_path(NAME, ".png"), dpi=110)
 
 
 def main() -> None:
@@ -172,7 +172,7 @@ def main() -> None:
     if args.no_save:
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{NAME}.json"
+    path = result_path(NAME)
     path.write_text(json.dumps({"benchmark": NAME, "machine": info, "workload": vars(args), "arms": results},
                                indent=1) + "\n")
     plot(results)

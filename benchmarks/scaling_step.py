@@ -35,7 +35,7 @@ at batch 2 a step of this model costs little more than at batch 1, so a second w
 second core adds slots and cores the first could not use. It shows the controller's loop (signal,
 decision, warm-up, routing, drain) closing under a step and the SLO recovering; it does not show
 CPU-bound scaling (with every core busy, a worker more adds nothing) nor node provisioning.
-Results: benchmarks/results/scaling-step.json and .png. About 5-7 minutes on the 2-core box (the
+Results: benchmarks/results/scaling-step.<machine>.<date>.json and .png. About 5-7 minutes on the 2-core box (the
 fixed arm's queue drains after the step); docs/deploy.md has the figures.
 """
 
@@ -53,7 +53,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, console, machine, print_table, save  # noqa: E402
+from benchmarks.common import console, machine, print_table, result_path, save  # noqa: E402
 from benchmarks.disaggregation import Record, Spec, one, warm_up  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolBounds, PoolConfig, ScalingConfig, engine_config_from  # noqa: E402
@@ -287,9 +287,10 @@ def plot(results: dict[str, Any], args: argparse.Namespace) -> None:
     pools.set(xlabel="seconds", ylabel="decode workers", yticks=range(1, args.max_decode + 1))
     pools.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{NAME}.png", dpi=110)
+    path = result_path(NAME, ".png")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    console.print(f"[green]wrote {RESULTS / f'{NAME}.png'}")
+    console.print(f"[green]wrote {path}")
 
 
 def lost(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[float]:

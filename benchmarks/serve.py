@@ -1,8 +1,8 @@
 """Serving sweeps: a server started per setting (`pdserve serve` in a subprocess), driven over HTTP
-by `cluster.bench.serving`; results go to benchmarks/results/serve-<sweep>.json/.png.
+by `cluster.bench.serving`; results go to benchmarks/results/serve-<sweep>.<machine>.<date>.json/.png.
 
     python -m benchmarks.serve                      # both sweeps, ~10 minutes on 2 CPU cores
-    python -m benchmarks.serve rate --quick         # a short version of one sweep (files *-quick.*)
+    python -m benchmarks.serve rate --quick         # a short version of one sweep (files serve-rate-sweep-quick.*)
     python -m benchmarks.serve token-budget --budgets 512 2048
     python -m benchmarks.serve all --cluster        # the disaggregated Ray cluster instead of one engine
 
@@ -39,7 +39,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere
 
-from benchmarks.common import RESULTS, console, cpu_model, git_state, print_table, save  # noqa: E402
+from benchmarks.common import console, cpu_model, git_state, print_table, result_path, save  # noqa: E402
 from benchmarks.plots import _pyplot  # noqa: E402
 from cluster.bench.serving import HttpDriver, LoadConfig, benchmark, finite  # noqa: E402
 from cluster.bench.workloads import WorkloadConfig  # noqa: E402
@@ -166,7 +166,7 @@ def sweep_rate(args: argparse.Namespace, info: dict[str, Any]) -> None:
                   p["ttft_ms"]["p99"], p["itl_ms"]["p50"], p["itl_ms"]["p99"], p["failed"]] for p in points])
     name = result_name("serve-rate-sweep", args)
     save(name, finite({"server": asdict(settings), "plan": asdict(plan), "points": points}), finish(info))
-    plot_rate_sweep(points, RESULTS / f"{name}.png")
+    plot_rate_sweep(points, result_path(name, ".png"))
 
 
 # The token-budget sweep's headline figures: (name, path in a run's summary).
@@ -192,7 +192,7 @@ def sweep_token_budget(args: argparse.Namespace, info: dict[str, Any]) -> None:
     data = {"server": asdict(server_settings(args)), "workload": asdict(workload), "load": asdict(load),
             "repeats": args.repeats, "points": points}
     save(name, finite(data), finish(info))
-    plot_token_budget(points, RESULTS / f"{name}.png")
+    plot_token_budget(points, result_path(name, ".png"))
 
 
 def budget_runs(args: argparse.Namespace, workload: WorkloadConfig, load: LoadConfig) -> \

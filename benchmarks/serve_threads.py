@@ -27,7 +27,7 @@ alternating order so the machine's drift hits each alike, each one step further 
   take the engine's cores: `python -m benchmarks.serve_threads --arms "engine alone, on all cores
   but one" "cluster, 1 colocated worker, 1 core kept for the front door"`.
 Every pdserve arm uses dtype auto. Output tokens per second of each, and each arm over the engine alone, go
-to benchmarks/results/serve-threads.json.
+to benchmarks/results/serve-threads.<machine>.<date>.json (`--name` changes the first part).
 """
 
 from __future__ import annotations
@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--arms", nargs="+", choices=ALL_ARMS, default=list(ARMS),
                         help="the first is the baseline the others are divided by")
+    parser.add_argument("--name", default="serve-threads",
+                        help="the result file's first part (the machine and the date follow)")
     args = parser.parse_args(argv)
     info = machine("benchmarks.serve_threads")
     workload = WorkloadConfig(num_requests=args.requests, input_len=128, output_len=args.output_len,
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         data["ratio_to_transformers_continuous"] = {arm: value / peer for arm, value in medians.items()}
         print_table("over transformers continuous batching (target for 1 prefill + 1 decode: >= 3x)",
                     ["arm", f"/ {ALL_ARMS[5]}"], [[arm, value / peer] for arm, value in medians.items()])
-    save("serve-threads", data, info)
+    save(args.name, data, info)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ and streamed, clients that drop streams or cancel requests, invalid requests), a
 (`LocalService`) behind the HTTP gateway, both in this process on one event loop (the engine steps
 in its own thread), with a small KV pool and queue so that preemption and 429s happen. After the
 soak the engine must settle with nothing running or waiting and its KV pool whole. Writes
-benchmarks/results/soak.json: requests by outcome and kind, completion tokens per second, p50/p99
+benchmarks/results/soak.<machine>.<date>.json: requests by outcome and kind, completion tokens per second, p50/p99
 latency of the finished requests, RSS at the start and end, and the engine's state at the end.
 """
 

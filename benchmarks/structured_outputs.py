@@ -10,7 +10,7 @@ The constrained arms run with the masks filled on a thread during the forward pa
 without. Arms alternate, repeated, so that a busy machine slows them alike; besides tokens/s over
 the whole decode, each arm reports its median step (and the tokens/s it gives), which a few stalls
 of a shared machine do not move, and the median time to fill and to apply one step's masks.
-Writes benchmarks/results/structured-outputs.json, the CPU's flags (lscpu) included.
+Writes benchmarks/results/structured-outputs.<machine>.<date>.json, the CPU's flags (lscpu) included.
 """
 
 from __future__ import annotations
