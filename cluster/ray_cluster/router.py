@@ -226,9 +226,16 @@ class Router(ChannelHost):
         """In the background: add the workers the shared registry lists, and refresh every worker's
         load (waiting queue, free blocks). A dead worker that answers again (Ray restarted it) rejoins."""
         while True:
-            if self.config.redis_url:
-                await self._discover()
-            await asyncio.gather(*(self._poll(handle) for handle in self.prefill + self.decode))
+            try:
+                if self.config.redis_url:
+                    await self._discover()
+            except Exception as error:  # the registry unreadable this time: the loads go on all the same
+                log.warning("reading the worker registry failed: %r", error)
+            polls = await asyncio.gather(*(self._poll(handle) for handle in self.prefill + self.decode),
+                                         return_exceptions=True)
+            for error in polls:
+                if error is not None:  # one worker's poll went wrong: the others' and the next round go on
+                    log.warning("load poll failed: %r", error)
             self.polled.set()
             await asyncio.sleep(LOAD_POLL_S)
 
@@ -269,6 +276,10 @@ class Router(ChannelHost):
             try:
                 handle = ray.get_actor(info.address, namespace=info.meta.get("namespace", RAY_NAMESPACE))
             except ValueError:  # listed, but the actor is gone (its registration has not expired yet)
+                continue
+            except Exception as error:  # a record naming no actor Ray can look up: the others still count
+                log.warning("worker %s's record names no reachable actor (%s): %r", info.worker_id, info.address,
+                            error)
                 continue
             pool = self.prefill if info.role == Role.PREFILL else self.decode
             old = next((h for h in pool if self.ids[id(h)] == info.worker_id), None)

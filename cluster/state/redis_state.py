@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import struct
 from collections.abc import Sequence
@@ -121,6 +122,9 @@ def encode_info(info: WorkerInfo) -> str:
     return json.dumps({"worker_id": info.worker_id, "role": info.role, "address": info.address, "meta": info.meta})
 
 
+log = logging.getLogger(__name__)
+
+
 def decode_info(text: str) -> WorkerInfo:
     fields = json.loads(text)
     return WorkerInfo(fields["worker_id"], fields["role"], fields["address"], dict(fields.get("meta", {})))
@@ -152,6 +156,7 @@ class RedisState(SharedState):
         self.publish_script = self.redis.register_script(PUBLISH_LUA)
         self.match_script = self.redis.register_script(MATCH_LUA)
         self.unlist_expired = self.redis.register_script(UNLIST_EXPIRED_LUA)
+        self.malformed: set[tuple[str, str]] = set()  # worker records found not to decode, logged once
 
     def blocks_key(self, worker_id: str) -> str:
         return f"{self.prefix}:blocks:{worker_id}"
@@ -211,8 +216,21 @@ class RedisState(SharedState):
         expired = [w for w, text in zip(worker_ids, texts, strict=True) if text is None]
         if expired:
             await self.unlist_expired(keys=[self.members_key, *map(self.worker_key, expired)], args=expired)
-        infos = [decode_info(text) for text in texts if text is not None]
+        infos = [info for worker_id, text in zip(worker_ids, texts, strict=True)
+                 if text is not None and (info := self._decoded(worker_id, text)) is not None]
         return [info for info in infos if role is None or info.role == role]
+
+    def _decoded(self, worker_id: str, text: str) -> WorkerInfo | None:
+        """A worker's record, or None where it is not one (written by something else, or another
+        version): skipped, logged once per record, so that one bad record hides no other worker."""
+        try:
+            return decode_info(text)
+        except (ValueError, KeyError, TypeError) as error:
+            if (worker_id, text) not in self.malformed:
+                self.malformed.add((worker_id, text))
+                log.warning("skipping the malformed worker record %s: %r (%.80s)", self.worker_key(worker_id),
+                            error, text)
+            return None
 
     async def take(self, key: str, amount: float, rate_per_s: float, burst: float) -> RateDecision:
         check_bucket(amount, rate_per_s, burst)

@@ -86,6 +86,21 @@ def assert_one_series_per_worker_and_phases_where_they_ran(owner: Cluster, attac
         value(both, "pdserve:kv_transfers_total", worker="prefill-0") == requests
 
 
+def write_malformed_worker_records(url: str) -> None:
+    """Records under the registry's keys that are no worker's: not JSON, a field missing, a bad role."""
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(url)
+    records = {"junk-text": "{not json", "junk-fields": json.dumps({"worker_id": "junk-fields"}),
+               "junk-role": json.dumps({"worker_id": "junk-role", "role": "bogus", "address": "x"})}
+    for worker_id, text in records.items():
+        client.set(f"pdserve:worker:{worker_id}", text)
+        client.sadd("pdserve:workers", worker_id)
+    client.close()
+
+
 def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: Path, dedicated_redis: Any) -> None:
     """Two routers and an attached cluster serve the same workers; Redis killed under load and
     restarted leaves every request served (routing by load alone meanwhile) and the registry whole
@@ -120,8 +135,10 @@ def test_router_replicas_and_an_attached_cluster_share_the_workers(checkpoint: P
         wait_for(lambda: registered(redis_server.url) == ["decode-0", "prefill-0"], "not registered again")
         assert asyncio.run(first.router_stats())["counters"]["pdserve:router_redis_fallbacks"] > 0
 
-        # A decode worker that joins later is found in the registry by every router; with the first
+        # A decode worker that joins later is found in the registry by every router, past records that
+        # are not a worker's (skipped and logged, not the end of the routers' polling); with the first
         # decode worker gone for good, the new one serves both clusters.
+        write_malformed_worker_records(redis_server.url)
         name = f"pdserve-{first.uid}-decode-extra"
         extra = worker_actor_class().options(name=name, namespace=RAY_NAMESPACE, num_cpus=0.1).remote(
             "decode-extra", "decode", engine_config, redis_url=redis_server.url, address=name)

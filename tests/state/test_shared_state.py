@@ -239,6 +239,24 @@ def test_expired_workers_are_unlisted_from_the_members_set(redis_factory: StateF
     run(redis_factory, check)
 
 
+def test_a_malformed_worker_record_is_skipped_and_logged_once(redis_factory: StateFactory,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    async def check(state: RedisState) -> None:
+        await state.register(WorkerInfo("w1", "decode", "a"), ttl_s=30)
+        await state.register(WorkerInfo("w2", "prefill", "b"), ttl_s=30)
+        for worker_id, text in {"w3": "{not json", "w4": '{"worker_id": "w4"}', "w5": '["a list"]',
+                                "w6": '{"worker_id": "w6", "role": "bogus", "address": "c"}'}.items():
+            await state.redis.set(state.worker_key(worker_id), text)
+            await state.redis.sadd(state.members_key, worker_id)
+        assert await listed(state) == ["w1", "w2"]
+        assert await listed(state, "decode") == ["w1"]
+
+    with caplog.at_level("WARNING", logger="cluster.state.redis_state"):
+        run(redis_factory, check)
+    skipped = [record.getMessage() for record in caplog.records if "malformed worker record" in record.getMessage()]
+    assert len(skipped) == 4 and all(f":worker:w{n}" in " ".join(skipped) for n in (3, 4, 5, 6)), skipped
+
+
 def test_replicas_share_buckets_atomically(redis_factory: StateFactory) -> None:
     async def check(one: SharedState, other: SharedState) -> None:
         decisions = await asyncio.gather(*(state.take("k", 1, rate_per_s=0.001, burst=10)
