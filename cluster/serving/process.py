@@ -211,6 +211,7 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
         if on_listening is not None:
             on_listening(http.url, grpc.port if grpc is not None else None)
         service.attach(await backend.start())
+        shutdown.retake()
         log.info("ready: serving %s", service.model_name)
         await _first_of(shutdown.requested.wait(), http.wait())
     finally:
@@ -271,6 +272,15 @@ class Shutdown:
             except (NotImplementedError, RuntimeError, ValueError):
                 continue
             self.previous[number] = previous
+
+    def retake(self) -> None:
+        """Take the signals again once the backend started: Ray's core worker installs its own handler
+        of fatal signals, SIGTERM included, which prints every thread's native stack before passing the
+        signal on. Installed again, ours is the one that runs: one log line, then the drain. (Ray's
+        handler still reports SIGSEGV and SIGABRT.)"""
+        loop = asyncio.get_running_loop()
+        for number in self.previous:
+            loop.add_signal_handler(number, self._on_signal, number)
 
     def uninstall(self) -> None:
         loop = asyncio.get_running_loop()
