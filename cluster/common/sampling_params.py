@@ -50,6 +50,9 @@ class SamplingParams:
     # resumed after them on another worker). A seeded generator skips their draws and a grammar
     # replays them, so the random stream and the grammar's state go on unbroken.
     seed_offset: int = 0
+    # The text the client has of those tokens: the resumed run's text goes on after it (what the lost
+    # worker held back, a partial character or the start of a stop string, is not lost).
+    resumed_text: str = ""
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:

@@ -246,9 +246,15 @@ class LLMEngine:
         return self._output(request, request.output_token_ids[0], None)
 
     def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop,
-                                      skip_special_tokens=params.skip_special_tokens,
-                                      include_stop=params.include_stop_str_in_output)
+        """A resumed run's (`seed_offset` > 0) goes on after the output generated elsewhere, the last
+        `seed_offset` prompt tokens, of which the client has `resumed_text`."""
+        generated = len(prompt_token_ids) - params.seed_offset
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids[:generated], stop=params.stop,
+                                             skip_special_tokens=params.skip_special_tokens,
+                                             include_stop=params.include_stop_str_in_output)
+        if params.seed_offset:
+            detokenizer.resume(prompt_token_ids[generated:], params.resumed_text)
+        return detokenizer
 
     def _new_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> Request:
         if not token_ids:
@@ -259,6 +265,8 @@ class LLMEngine:
                              f"{self.config.scheduler.policy!r}): priority must be 0, got {params.priority}")
         if max(token_ids) >= self.arch.vocab_size or min(token_ids) < 0:
             raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        if params.seed_offset >= len(token_ids):  # a resumed run's generated tokens end its prompt
+            raise ValueError(f"seed_offset {params.seed_offset} must be below the prompt's {len(token_ids)} tokens")
         if any(token >= self.arch.vocab_size for token, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {self.arch.vocab_size})")
         request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
@@ -278,8 +286,6 @@ class LLMEngine:
         last `seed_offset` prompt tokens of a resumed run); ValueError if they do not follow it."""
         assert params.structured is not None
         matcher = self.grammars.matcher(params.structured)
-        if params.seed_offset >= len(token_ids):
-            raise ValueError(f"seed_offset {params.seed_offset} must be below the prompt's {len(token_ids)} tokens")
         for token_id in token_ids[len(token_ids) - params.seed_offset:]:
             if not matcher.accept(token_id):
                 raise ValueError("the output generated before this resumed run does not follow its grammar")

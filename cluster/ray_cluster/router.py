@@ -362,6 +362,7 @@ class Router(ChannelHost):
                     route: tracing.Route = tracing.UNTRACED) -> AsyncIterator[TokenEvent]:
         """`generate`'s attempts: the first, then resumed ones after the tokens already sent."""
         sent: list[int] = []
+        sent_text = ""  # what the client has of `sent`: a resumed run's text goes on after it
         for attempt in range(MAX_RESUMES + 1):
             if request_id in self.aborted:  # aborted while it was being resumed: no new run
                 yield TokenEvent(request_id, len(sent), [], "", True, "abort", len(prompt), "router")
@@ -379,6 +380,7 @@ class Router(ChannelHost):
             # The client has the prompt's logprobs with its first token: a resumed run must not send them again.
             remaining = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(sent)),
                                 seed_offset=params.seed_offset + len(sent),
+                                resumed_text=params.resumed_text + sent_text,
                                 prompt_logprobs=params.prompt_logprobs if not sent else None)
             before = len(sent)  # the resumed run counts its tokens from 0: shift them after these
             ended = False
@@ -388,6 +390,7 @@ class Router(ChannelHost):
                     event = replace(event, request_id=request_id, index=event.index + before,
                                     num_prompt_tokens=len(prompt))
                     sent += event.token_ids
+                    sent_text += event.text
                     ended = event.finished
                     yield event
                 if not ended and request_id in self.aborted:  # it stopped waiting to be resumed

@@ -67,6 +67,15 @@ class IncrementalDetokenizer:
         safe_end = len(self.text) if self.stopped else len(self.text) - self._stop_hold
         return self._emit_until(safe_end)
 
+    def resume(self, token_ids: Sequence[int], streamed_text: str) -> None:
+        """Go on after output tokens generated elsewhere (a run resumed on another worker), of whose text
+        the client has `streamed_text`. The text they make beyond it, held back there (half a
+        character, the start of a possible stop string), comes with the next delta, and a stop string
+        that began in them is matched across the break."""
+        for token_id in token_ids:
+            self.add(token_id)
+        self._emitted = min(len(streamed_text), len(self.text))
+
     def finish(self) -> str:
         """Everything not yet returned, including a trailing incomplete character (as U+FFFD)."""
         if not self.stopped and self._read_offset < len(self._token_ids):

@@ -453,15 +453,19 @@ def ray_stats(cluster: Cluster) -> dict[str, int]:
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint: Path, mode: str) -> None:
-    """Every one of 20 requests finishes with the engine's own tokens, each sent once, though the
-    worker streaming half of them dies midway (seeded sampling: a resumed run goes on with the same
-    random stream). Ray restarts the worker, and it serves new requests again."""
+    """Every one of 20 requests finishes with the engine's own tokens and text, each sent once, though
+    the worker streaming half of them dies midway (seeded sampling: a resumed run goes on with the same
+    random stream). A stop string that never comes makes every worker hold its last characters back
+    (one could be its start): a resumed run sends them, not the text after them only. Ray restarts
+    the worker, and it serves new requests again."""
     import ray
 
     engine_config = engine_config_for(checkpoint, num_blocks=1024)  # room for all 20 on one worker
-    params = SamplingParams(max_tokens=120, temperature=0.8, seed=1234, ignore_eos=True)
+    params = SamplingParams(max_tokens=120, temperature=0.8, seed=1234, ignore_eos=True, stop=["no such text here"])
     prompts = PROMPTS * 4
-    expected = alone(engine_config, PROMPTS, params) * 4
+    engine = LLMEngine(engine_config)
+    outputs = [engine.generate([prompt], params)[0] for prompt in PROMPTS] * 4
+    expected, expected_text = [output.token_ids for output in outputs], [output.text for output in outputs]
     # Colocated: with a core kept for the front door (the restarted worker too binds its engine anew).
     split = split_cpus(1, sorted(os.sched_getaffinity(0))) if mode == "colocated" and len(os.sched_getaffinity(0)) > 1 \
         else None
@@ -471,11 +475,13 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint:
     cluster = Cluster(config).start()
     pace_until_killed(cluster)
     received: list[list[int]] = [[] for _ in prompts]
+    received_text = ["" for _ in prompts]
 
     async def one(index: int, prompt: list[int]) -> None:
         async for event in cluster.generate(prompt, params, request_id=f"kill-{index}"):
             assert event.index == len(received[index])  # in order, nothing repeated
             received[index] += event.token_ids
+            received_text[index] += event.text
 
     async def everything() -> None:
         tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
@@ -500,6 +506,7 @@ def test_a_worker_killed_mid_stream_is_resumed_elsewhere_and_rejoins(checkpoint:
     try:
         asyncio.run(everything())
         assert received == expected
+        assert received_text == expected_text
         assert ray_stats(cluster)["resumed"] >= 1
         wait_until_rejoined(cluster, 1)
         assert ("decode-0" if mode == "disaggregated" else "colocated-0") in asyncio.run(served_by())

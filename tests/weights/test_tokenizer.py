@@ -329,6 +329,36 @@ def test_streaming_with_a_stop_string_matches_cutting_the_decoded_text(
     assert all("\ufffd" not in delta for delta in deltas)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from("ab cé中😀\n."), max_size=40),
+    stop_start=st.integers(0, 40),
+    stop_length=st.integers(1, 4),
+)
+def test_a_run_resumed_at_any_token_streams_what_one_run_streams(
+    tiny: Tokenizer, text: str, stop_start: int, stop_length: int
+) -> None:
+    """A run cut after any token (its worker lost) and resumed on another with the tokens and the text
+    the client has: the held-back text (half a character, a stop string's possible start) is sent by
+    the resumed run, and a stop string across the cut is matched."""
+    output_ids = tiny.encode(text, add_special_tokens=False)
+    full = tiny.decode(output_ids)
+    stops = (full[stop_start : stop_start + stop_length],) if full[stop_start : stop_start + stop_length] else ()
+    prompt = tiny.encode("Question: ")
+    _, whole = stream(tiny, output_ids, prompt, stops)
+    for cut in range(1, len(output_ids)):
+        first = IncrementalDetokenizer(tiny, prompt, stop=stops)
+        streamed = "".join(first.add(token) for token in output_ids[:cut])
+        if first.stopped:
+            break  # the first run ended there: nothing to resume
+        resumed = IncrementalDetokenizer(tiny, prompt, stop=stops)
+        resumed.resume(output_ids[:cut], streamed)
+        rest = [resumed.add(token, final=index == len(output_ids) - 1)
+                for index, token in enumerate(output_ids[cut:], cut) if not resumed.stopped]
+        assert streamed + "".join(rest) == "".join(whole), cut
+        assert resumed.text == "".join(whole) and resumed.stopped == bool(stops and stops[0] in full)
+
+
 # ---- the default model's tokenizer ----------------------------------------------------------------
 
 
