@@ -13,7 +13,7 @@
  * the output of a group of query heads kept in registers over the 16 tokens' values, and the next 16
  * tokens' rows prefetched (blocks lie anywhere in the pool: the hardware prefetcher stops at each)
  * and each tile's lines touched in address order first (see touch_rows).
- * Elsewhere (AVX2, other head sizes, or `tiled` 0: the benchmarks' "before" arm) one token at a time.
+ * Elsewhere (AVX2, other head sizes, or `tiled` 0) one token at a time.
  *
  * The cache is in the model's dtype (fp32, bf16) or in fp8 (`kv_cache_dtype`: e5m2 or e4m3, a byte per
  * element, no scale) under an fp32 or bf16 query: each fp8 key and value widened to fp32 exactly as it
