@@ -5,8 +5,8 @@ step, then runs small batched matmuls: five passes over the context's keys and v
 launches. The C kernel reads each key and value once, straight from the paged cache, with one task
 per sequence spread over torch's intra-op threads (OpenMP: torch's own runtime, shared by soname).
 
-It is compiled at first use for the machine's own CPU (`kernels/pdserve_kernels/cpu_build.py`: 1.5 s of CPU with gcc
-12 here, once per machine). Where no compiler works,
+It is compiled at first use for the machine's own CPU (`kernels/pdserve_kernels/cpu_build.py`: a second or two,
+once per machine). Where no compiler works,
 `available()` is False and the torch backend keeps the torch path. fp32 and bf16 caches, and fp8 e5m2
 caches (e5m2 and e4m3: `kv_cache_dtype`) under an fp32 or bf16 model: each byte widened to fp32 as it is read.
 """

@@ -136,7 +136,7 @@ def causal_softmax_(scores: torch.Tensor, visible: int, repeat: int = 1, march: 
 
 def argmax_rows(logits: torch.Tensor, march: str = "native") -> torch.Tensor:
     """torch.argmax(logits.float(), dim=-1) for bf16 logits [rows, cols] (rows may be strided), without
-    widening them: torch's own bf16 argmax is not vectorized on CPUs (4x slower than widening first)."""
+    widening them: torch's own bf16 argmax is not vectorized on CPUs (slower than widening first)."""
     if logits.dtype != torch.bfloat16 or logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
         raise ValueError("argmax_rows takes CPU bfloat16 logits [rows, cols] with contiguous rows")
     rows, cols = logits.shape
