@@ -154,8 +154,8 @@ def test_query_rows_may_be_strided() -> None:
 
 
 def test_the_kernel_refuses_a_length_past_its_table_or_negative() -> None:
-    """The kernel checks every length against its table (the wrapper no longer does, per layer) before
-    reading anything, in every build."""
+    """The kernel checks every length against its table before reading anything, in every build (the
+    wrapper does not: that would cost a sync to Python per layer)."""
     query, kv_cache, block_tables, lens = paged_case([20, 5], 9, 3, 64, torch.float32, seed=2)
     for march in ("native", "x86-64-v3") if X86 else ("native",):
         for bad in (block_tables.shape[1] * BLOCK_SIZE + 1, -1):
