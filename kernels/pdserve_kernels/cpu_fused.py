@@ -4,10 +4,11 @@ into the paged cache, the masked softmax of a bf16 prefill chunk, and the greedy
 logits.
 
 At a decode step's rows each torch op costs more in dispatch than in arithmetic, and the model runs
-dozens of them per layer between its matmuls; here each group is one call. Compiled at first use (`kernels/pdserve_kernels/cpu_build.py`);
-`available(dtype)` is False where no compiler works or the dtype is neither fp32 nor bf16, and the
-model keeps its torch ops. The results round where the torch ops round (see the C file), so the two
-paths agree to the order of a sum; `tests/kernels/test_cpu_fused.py` holds them to it.
+dozens of them per layer between its matmuls; here each group is one call. Compiled at first use
+(`kernels/pdserve_kernels/cpu_build.py`); `available(dtype)` is False where no compiler works or the
+dtype is neither fp32 nor bf16, and the model keeps its torch ops. The results round where the torch
+ops round (see the C file), so the two paths agree to the order of a sum;
+`tests/kernels/test_cpu_fused.py` holds them to it.
 """
 
 from __future__ import annotations
