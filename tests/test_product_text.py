@@ -5,11 +5,13 @@ named `...-s12.json`) or an issue number ("issue 21", "issue-21"): what changed 
 keeps, and a figure says where it comes from by its command and the machine its JSON records. The
 product files are the package, the kernels, the benchmark scripts, the documents and the names of
 the benchmarks' results. A Ray, HTTP or test session is no work session: only a number after the
-word counts.
+word counts. And the documents cite only files the repository holds.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,3 +95,60 @@ def test_the_patterns_tell_history_from_product_words(text: str, history: bool) 
 ])
 def test_the_name_pattern_tells_a_session_from_a_measure(name: str, history: bool) -> None:
     assert bool(SESSION_IN_NAME.search(name)) is history
+
+
+# ---- the documents cite files that exist -------------------------------------------------------------
+
+TOP_LEVEL = ("cluster", "kernels", "tests", "benchmarks", "docs", "deploy", "helm", "proto", "requirements", ".ci")
+TOP_ALTERNATIVES = "|".join(re.escape(top) for top in TOP_LEVEL)
+CITED = re.compile(r"(?<![\w./-])(?:\.\./)?((?:" + TOP_ALTERNATIVES + r")/[\w./<>{},*-]*)")
+WILDCARD = re.compile(r"[<{*]")
+DOCUMENT = re.compile(r"(?<![\w./-])([A-Za-z][\w-]*\.md)\b")  # a document named alone: in docs/ or at the top
+
+
+def cited_paths(path: Path) -> Iterator[tuple[int, str]]:
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for match in CITED.finditer(line):
+            yield number, match.group(1)
+        for match in DOCUMENT.finditer(line):
+            name = match.group(1)
+            yield number, name if (ROOT / name).is_file() else f"docs/{name}"
+
+
+def exists(cited: str, files: frozenset[str]) -> bool:
+    """A path, a folder, `name.json/png` (one name, two suffixes), a stem (`serve-rate-sweep.{json,png}`,
+    `cpu_decode.c/.py`, `triton_*.py`: some file begins with it) or a template of what a command writes
+    (`kernels-<gpu>.json`: its folder exists)."""
+    wildcard = WILDCARD.search(cited)
+    stem = cited[:wildcard.start()] if wildcard else cited.rstrip(".,:;)")
+    if "/." in stem:  # `cpu_decode.c/.py`: the first name is the path
+        stem = stem[:stem.index("/.")]
+    parent = stem.rsplit("/", 1)[0]
+    if wildcard and cited[wildcard.start()] == "<":
+        return parent in files
+    return any(name.startswith(stem) for name in files) or (parent in files and "." in parent.rsplit("/", 1)[-1])
+
+
+@functools.cache
+def repository_files() -> frozenset[str]:
+    """Every file and folder of the checkout, relative paths; caches, virtual environments and git's
+    own folder left out (pruned, not walked)."""
+    names = set()
+    for folder, folders, files in os.walk(ROOT):
+        folders[:] = [name for name in folders if not (name.startswith(".") and name != ".ci")
+                      and name not in ("__pycache__", "mutants", "build", "dist")]
+        for name in (*folders, *files):
+            names.add(rel(Path(folder) / name))
+    return frozenset(names)
+
+
+DOCUMENTS = ["README.md", *sorted(rel(path) for path in (ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("document", [pytest.param(document, marks=pytest.mark.skipif(
+    document in PENDING, reason="being rewritten on another branch (PENDING)")) for document in DOCUMENTS])
+def test_documents_cite_only_files_that_exist(document: str) -> None:
+    files = repository_files()
+    missing = [f"{document}:{number}: {cited}" for number, cited in cited_paths(ROOT / document)
+               if not exists(cited, files)]
+    assert not missing, "cited but not in the repository:\n" + "\n".join(missing)
