@@ -1,8 +1,7 @@
 """Engine benchmarks, one subcommand each (or `all`); results go to
 benchmarks/results/<subcommand>.<machine>.<date>.json and .png.
 
-    python -m benchmarks.engine step-vs-linear --attention sdpa kernels fused   # CPU kernels before / after
-    python -m benchmarks.engine --threads 1 step-vs-linear --dtypes bfloat16 --attention fused-s10 fused
+    python -m benchmarks.engine step-vs-linear --attention sdpa kernels fused   # torch ops against the C kernels
     python -m benchmarks.engine --threads 2 step-vs-linear --kv-cache-dtypes auto fp8 fp8_e5m2  # fp8 KV caches
     python -m benchmarks.engine scheduler-cost
     python -m benchmarks.engine static-vs-continuous --num-requests 500
@@ -10,7 +9,7 @@ benchmarks/results/<subcommand>.<machine>.<date>.json and .png.
     python -m benchmarks.engine preemption
     python -m benchmarks.engine threads        # how much the machine's noise costs 2 threads vs 1
     python -m benchmarks.engine prefill-vs-linear --lengths 512 2048 --attention sdpa kernels fused
-    python -m benchmarks.engine --threads 1 decode-kernel   # the C decode kernel alone, tiled vs not
+    python -m benchmarks.engine --threads 1 decode-kernel   # the C decode kernel alone, its two loops
 
 The default model (SmolLM2-135M-Instruct) is loaded from the local cache; nothing is downloaded.
 """
@@ -40,9 +39,9 @@ from pdserve_kernels import cpu_decode, torch_prefill  # noqa: E402
 MS = 1e3
 
 
-ATTENTION_CHOICES = ("fused", "fused-chunked", "fused-s10", "kernels", "sdpa")
-ATTENTION_HELP = ("CPU kernels: fused, fused-chunked (bf16 prompts in chunks even with AMX), fused-s10 (session 10's "
-                  "decode loop and KV write), kernels (no fused elementwise ops) and/or sdpa, alternated")
+ATTENTION_CHOICES = ("fused", "fused-chunked", "kernels", "sdpa")
+ATTENTION_HELP = ("CPU kernels: fused, fused-chunked (bf16 prompts in chunks even with AMX), kernels (no fused "
+                  "elementwise ops) and/or sdpa (torch ops only), alternated")
 
 
 @contextlib.contextmanager
@@ -50,23 +49,20 @@ def cpu_attention(name: str) -> Iterator[str]:
     """CPU kernels for the engines built inside: "fused" (the default: "kernels" plus the fused C
     elementwise ops, `kernels/pdserve_kernels/cpu_fused.c`, the C KV write and the C mask + softmax of bf16 prefill
     chunks; bf16 prompts in SDPA instead of chunks where the CPU has AMX), "fused-chunked" ("fused"
-    with the chunks whatever the CPU), "fused-s10" ("fused" as session 10 left it: the C decode kernel
-    one token at a time instead of 16, the KV write in torch ops and the chunks, the before arm of
-    those), "kernels" (the C decode
-    kernel where it builds and chunked bf16 prefill matmuls, the model's elementwise ops and the
-    chunks' softmax in torch) or "sdpa" (the torch path before any: gather + grouped matmuls or SDPA)."""
+    with the chunks whatever the CPU), "kernels" (the C decode kernel where it builds and chunked bf16
+    prefill matmuls, the model's elementwise ops and the chunks' softmax in torch) or "sdpa" (torch
+    ops only: gather + grouped matmuls or SDPA)."""
     saved = (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill, elementwise.use_c_kernels,
-             torch_prefill.use_c_softmax, cpu_decode.use_tiled, elementwise.use_c_kv_write)
+             torch_prefill.use_c_softmax)
     fused = name.startswith("fused")
     TorchAttentionBackend.use_c_kernel = name == "kernels" or fused
     TorchAttentionBackend.use_chunked_prefill = None if name == "fused" else name != "sdpa"
     elementwise.use_c_kernels = torch_prefill.use_c_softmax = fused
-    cpu_decode.use_tiled = elementwise.use_c_kv_write = name != "fused-s10"
     try:
         yield name
     finally:
         (TorchAttentionBackend.use_c_kernel, TorchAttentionBackend.use_chunked_prefill, elementwise.use_c_kernels,
-         torch_prefill.use_c_softmax, cpu_decode.use_tiled, elementwise.use_c_kv_write) = saved
+         torch_prefill.use_c_softmax) = saved
 
 
 def step_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -97,7 +93,7 @@ def cmd_step_vs_linear(args: argparse.Namespace) -> None:
                                                 "ratio (median)", "ratio (min)", "target <= 1.5x"],
                 [[r["dtype"], r["kv_cache_dtype"], r["attention"], r["step_median_s"] * MS, r["linear_median_s"] * MS,
                   r["ratio_median"], r["ratio_min"], "met" if r["ratio_median"] <= 1.5 else "MISSED"] for r in runs])
-    save("step-vs-linear", {"target": "step <= 1.5x linear layers (issue 21)", "runs": runs, "load_average":
+    save("step-vs-linear", {"target": "step <= 1.5x linear layers", "runs": runs, "load_average":
                             os.getloadavg()}, info)
     fp8 = {r["kv_cache_dtype"] for r in runs} - {"float32", "bfloat16"}  # the KV cache named only where it is fp8
     last = {f"{r['dtype']} {r['attention']}" + (f" KV {r['kv_cache_dtype']}" if fp8 else ""): r
@@ -213,7 +209,8 @@ def decode_kernel_case(in_order: bool, layers: int = 30, seqs: int = 64, context
 
 
 def cmd_decode_kernel(args: argparse.Namespace) -> None:
-    """The C decode kernel alone, 16 tokens at a time against one at a time, alternated: CPU time per
+    """The C decode kernel alone, its two loops alternated (16 tokens at a time, where the build has
+    AVX-512 and heads are 64 or 128 wide, and the one-token loop every other CPU runs): CPU time per
     layer (process time over one pass of every layer's cache)."""
     info = machine()
     runs = []
@@ -222,12 +219,11 @@ def cmd_decode_kernel(args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {"one token at a time": [], "16 at a time": []}
         for _ in range(args.repeats):
             for arm in times:
-                cpu_decode.use_tiled = arm == "16 at a time"
+                tiled = arm == "16 at a time"
                 start = time.process_time()
                 for cache in caches:
-                    cpu_decode.paged_decode_attention(query, cache, tables, lens, context, 0.125)
+                    cpu_decode.paged_decode_attention(query, cache, tables, lens, context, 0.125, tiled=tiled)
                 times[arm].append((time.process_time() - start) / len(caches))
-        cpu_decode.use_tiled = True
         runs += [{"case": case, "arm": arm, "ms_per_layer": [t * MS for t in ts],
                   "median_ms": statistics.median(ts) * MS, "min_ms": min(ts) * MS} for arm, ts in times.items()]
     print_table("C decode kernel per layer, 64 rows x ~142 tokens, bf16, 1 thread (CPU ms)",
@@ -246,7 +242,7 @@ def cmd_threads(args: argparse.Namespace) -> None:
 
 
 def cmd_all(args: argparse.Namespace) -> None:
-    # The order the issue ranks them in, each with its defaults unless given here.
+    # Each with its defaults, unless given here.
     for name in ("step-vs-linear", "scheduler-cost", "static-vs-continuous", "vs-transformers", "preemption"):
         sub = build_parser().parse_args([name, *(["--num-requests", str(args.num_requests)]
                                                   if name == "static-vs-continuous" else [])])

@@ -1,4 +1,4 @@
-"""The GPU check: everything in pdserve that needs CUDA, in one run on a lent GPU machine (one H200).
+"""The GPU check: everything in pdserve that needs CUDA, in one run on one GPU machine.
 
     python -m benchmarks.gpu_check [--minutes 8] [--skip-kernels]
 

@@ -91,7 +91,7 @@ EQUIVALENT_NAMED = {
     "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁ_emit_until__mutmut_1": "empty-emit",
     "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁfinish__mutmut_1": "nothing-pending",
     "cluster.weights.detokenizer.xǁIncrementalDetokenizerǁfinish__mutmut_3": "nothing-pending",
-    # The complete run's survivors (session 6), read by three helpers; reasons in docs/testing.md.
+    # Survivors of the complete run, read one by one; reasons in docs/testing.md.
     "cluster.engine.block_pool.xǁBlockPoolǁfree__mutmut_11": "unreachable",  # no hash without prefix caching
     "cluster.engine.kv_cache_manager.xǁKVCacheManagerǁ_cache_full_blocks__mutmut_10": "cost-only",
     **{f"cluster.engine.kv_cache_manager.xǁKVCacheManagerǁallocate_slots__mutmut_{n}": "cost-only"

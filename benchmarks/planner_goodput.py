@@ -1,9 +1,9 @@
-"""Issue 22's "done when": the planned configuration's MEASURED goodput against 1P+1D and colocated.
+"""Does the plan win: the planned configuration's MEASURED goodput against 1P+1D and colocated.
 
     python -m benchmarks.planner_goodput [--profile PROFILE.json] [--rate 0.9] [--num-requests 40]
         [--slo-ttft 1.5] [--slo-tpot 0.1]
 
-1. Profile: one engine of the default model here, one torch thread (`GRID`, prompts to 1,024
+1. Profile: one engine of the default model in this process, one torch thread (`GRID`, prompts to 1,024
    tokens), or `--profile` to reuse one.
 2. The defaults, each a real cluster on the same requests (one core and one thread per worker,
    the engine's default limits: 2,048 tokens a step, 256 sequences): 1P+1D, colocated x1 and x2.
@@ -15,22 +15,19 @@
    plainly, and its margin is against the others).
 5. Per arm, measured against predicted: goodput (requests meeting both SLOs per second, first
    arrival to last token), goodput per worker, attainment, TTFT and TPOT p50/p90.
-Results: benchmarks/results/planner-goodput.<machine>.<date>.json and .png. About 8 minutes on the 2-core box.
+Results: benchmarks/results/planner-goodput.<machine>.<date>.json and .png.
 
-The workload (why this one): Poisson arrivals at 0.9/s of long prompts (512-1,024 tokens, 0.5-1.1 s
-of prefill on one thread of the 2-core box) and short answers (16-48 tokens), under a TTFT SLO of
+The workload (why this one): Poisson arrivals at 0.9/s of long prompts (512-1,024 tokens, around a
+second of prefill each on one CPU thread) and short answers (16-48 tokens), under a TTFT SLO of
 1.5 s and a loose TPOT SLO of 100 ms: a TTFT SLO that 1P+1D cannot hold, as its one prefill worker
-takes every prompt (~0.7 prompt-seconds a second, so prompts queue), while two colocated workers
-share them. Chosen by simulating the plan and the defaults over a few workloads first (`--explore`
-prints that table and stops): with short prompts (64-256) or light load every shape meets the SLOs
-and the goodputs tie (the arrival rate); with TPOT SLOs tight enough to hurt colocated decodes,
-the differences were within a few percent on two cores (a prompt interrupts only its own worker's
-decodes), too close to measure; this one gave colocated x2 0.72 req/s (97% attainment) against
-1P+1D 0.56 (75%) and colocated x1 0.32 (42%) on the quiet-machine profile of 05:23 (decode steps
-scaled to warm, x0.72; first-token latencies of 30 ms colocated and 70 ms disaggregated assumed).
-There the plan's choice is colocated x2 at the engine's default limits (no other limit did better,
-and limits that change nothing stay at the defaults): a default, so its margin is against 1P+1D
-and colocated x1. Each run plans afresh from its own profile and says which it chose.
+takes every prompt (most of its time goes to prompts, so they queue), while two colocated workers
+share them. `--explore` simulates the plan and the defaults over a few workloads and stops: with
+short prompts (64-256) or light load every shape meets the SLOs and the goodputs tie (the arrival
+rate); with TPOT SLOs tight enough to hurt colocated decodes, the simulated differences are within
+a few percent on two cores (a prompt interrupts only its own worker's decodes), too close to
+measure; this workload separates the shapes. The plan may pick one of the defaults (colocated x2 at
+the engine's default limits, on a CPU profile): its margin is then against the others. Each run
+plans afresh from its own profile and says which it chose; docs/performance.md has the figures.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The planner's simulator against real clusters on this machine (issue 22, item 2).
+"""The planner's simulator against real clusters on the machine it runs on.
 
     python -m benchmarks.planner_validation [--rate 0.5] [--num-requests 40] [--profile PROFILE.json]
 
@@ -15,9 +15,9 @@
    ITL and TPOT p50/p90, predicted against measured; and every request's TTFT against its own
    simulated one (`per_request`: where the percentiles hide a queue the model gets wrong).
 The helpers shared with `benchmarks.planner_goodput` are in `benchmarks.planner_runs`.
-Results: benchmarks/results/planner-validation.<machine>.<date>.json and .png (predicted against measured, with the
-±25% band). About 6 minutes on the 2-core box at the defaults: the profile ~25 s, each
-configuration ~2 min with its start and warm-up. On a loaded machine the measured side is slower than the
+Results: benchmarks/results/planner-validation.<machine>.<date>.json and .png (predicted against measured,
+with the ±25% band). Most of its time goes to each configuration's start and warm-up. On a loaded machine
+the measured side is slower than the
 profile says, so predictions come out low: run it on a quiet machine for figures to quote.
 """
 

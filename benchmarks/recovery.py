@@ -5,7 +5,7 @@ and Ray's restart brings the crashed one back into routing.
 
 Measures, over `--runs` crashes: the time from the crash (`ray.kill(no_restart=False)` of the decode
 worker streaming half the requests) until every request in flight has finished, against the same
-requests run without a crash in the same session (the ratio is the figure that travels between
+requests run without a crash in the same run (the ratio is the figure that travels between
 machines), and the time until the router routes to the restarted worker again. Writes
 benchmarks/results/recovery.<machine>.<date>.json.
 """

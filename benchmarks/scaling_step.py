@@ -1,4 +1,4 @@
-"""The live controller through a load step (issue 22, "done when"): fixed pools against `scaling:` on.
+"""The live controller through a load step: fixed pools against `scaling:` on.
 
     python -m benchmarks.scaling_step [--low-load 0.3] [--high-load 1.3] [--phases 20 60 40] [--warm-spares 1]
 
@@ -35,8 +35,8 @@ at batch 2 a step of this model costs little more than at batch 1, so a second w
 second core adds slots and cores the first could not use. It shows the controller's loop (signal,
 decision, warm-up, routing, drain) closing under a step and the SLO recovering; it does not show
 CPU-bound scaling (with every core busy, a worker more adds nothing) nor node provisioning.
-Results: benchmarks/results/scaling-step.<machine>.<date>.json and .png. About 5-7 minutes on the 2-core box (the
-fixed arm's queue drains after the step); docs/deploy.md has the figures.
+Results: benchmarks/results/scaling-step.<machine>.<date>.json and .png (the fixed arm's queue drains after
+the step, which lengthens its run); docs/deploy.md has the figures.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from cluster.ray_cluster.launcher import Cluster  # noqa: E402
 NAME = "scaling-step"
 ARMS = ("fixed", "scaling")
 SAMPLE_S = 0.5  # how often the pools' sizes are read
-SPARE_TIMEOUT_S = 300.0  # a spare loads its model in ~10 s quiet, ~30 s on a loaded machine
+SPARE_TIMEOUT_S = 300.0  # far longer than a spare's model load and warm-up, even on a loaded machine
 
 
 def workload(args: argparse.Namespace) -> list[Spec]:

@@ -1,7 +1,7 @@
 """Serving sweeps: a server started per setting (`pdserve serve` in a subprocess), driven over HTTP
 by `cluster.bench.serving`; results go to benchmarks/results/serve-<sweep>.<machine>.<date>.json/.png.
 
-    python -m benchmarks.serve                      # both sweeps, ~10 minutes on 2 CPU cores
+    python -m benchmarks.serve                      # both sweeps
     python -m benchmarks.serve rate --quick         # a short version of one sweep (files serve-rate-sweep-quick.*)
     python -m benchmarks.serve token-budget --budgets 512 2048
     python -m benchmarks.serve all --cluster        # the disaggregated Ray cluster instead of one engine

@@ -1,6 +1,6 @@
-"""Serving against the engine alone: where the throughput goes between them (issue 21, items 2 and 3).
+"""Serving against the engine alone: where the throughput goes between them.
 
-    python -m benchmarks.serve_threads                   # 64 requests at once, 2 repeats, ~12 minutes
+    python -m benchmarks.serve_threads                   # 64 requests at once, 2 repeats
     python -m benchmarks.serve_threads --requests 32 --repeats 1 --arms "engine alone" "1 prefill + 1 decode"
     python -m benchmarks.serve_threads --arms "engine alone" "1 prefill + 1 decode" "transformers continuous batching"
 
@@ -14,12 +14,12 @@ alternating order so the machine's drift hits each alike, each one step further 
 - `1 prefill + 1 decode`: `make serve`'s layout, threads following the load (a busy worker computes
   on every core no other busy worker holds, `cluster.worker.node_cores`): what splitting the
   phases across two workers costs or gains on this machine;
-- `1 prefill + 1 decode, 1 thread each` (only with `--arms`): OMP_NUM_THREADS=1, as before the
-  threads followed the load;
+- `1 prefill + 1 decode, 1 thread each` (only with `--arms`): OMP_NUM_THREADS=1, a fixed thread
+  per worker instead of threads that follow the load;
 - `transformers continuous batching` (only with `--arms`): the same requests through transformers'
   own continuous batching in this process, as `benchmarks.engine vs-transformers` runs it (its
-  default dtype, fp32; every request given at once, EOS off): the peer issue 21 compares serving
-  with (`make serve` >= 3x it); `ratio_to_transformers_continuous` in the JSON when it ran;
+  default dtype, fp32; every request given at once, EOS off): the peer serving is measured against
+  (the target: `make serve` >= 3x it); `ratio_to_transformers_continuous` in the JSON when it ran;
 - `engine alone, on all cores but one` and `cluster, 1 colocated worker, 1 core kept for the front
   door` (only with `--arms`): `reserved_cpus: 1` (`cluster.worker.cpu_binding`): the worker's engine
   on the cores but the first, the gateway, router, Ray and this process's load client on the first;
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     data: dict[str, Any] = {"workload": {"requests": args.requests, "input_len": 128, "output_len": args.output_len},
                             "runs": runs, "median_tokens_per_s": medians,
                             "ratio_to_engine_alone": {arm: value / alone for arm, value in medians.items()}}
-    if (peer := medians.get(ALL_ARMS[5])) is not None:  # issue 21: make serve (1P+1D) >= 3x this
+    if (peer := medians.get(ALL_ARMS[5])) is not None:  # the target: make serve (1P+1D) >= 3x this
         data["ratio_to_transformers_continuous"] = {arm: value / peer for arm, value in medians.items()}
         print_table("over transformers continuous batching (target for 1 prefill + 1 decode: >= 3x)",
                     ["arm", f"/ {ALL_ARMS[5]}"], [[arm, value / peer] for arm, value in medians.items()])

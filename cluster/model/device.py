@@ -44,9 +44,9 @@ def resolve_dtype(spec: str, device: torch.device) -> tuple[str, str]:
     """The weights' and KV cache's dtype, and why: `spec` unless it is "auto", which picks by the hardware.
 
     On CUDA bf16 where the GPU has it (Ampere and later), else fp16. On a CPU bf16 only where
-    matmuls run natively in it (AMX or AVX512-BF16): on the 2-core AVX512-BF16 EPYC the default
-    model's linear layers run 3.2x faster in bf16 than in fp32, while on an AVX2-only CPU bf16 was
-    measured 3.4x slower (docs/performance.md).
+    matmuls run natively in it (AMX or AVX512-BF16): there the linear layers run several times faster
+    in bf16 than in fp32, while elsewhere bf16 is emulated and several times slower
+    (docs/performance.md).
     """
     if spec != "auto":
         return spec, "asked for"

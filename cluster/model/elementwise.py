@@ -10,8 +10,6 @@ import torch
 from pdserve_kernels import cpu_fused, reference
 
 use_c_kernels = True
-# False: the KV write in torch ops even where the C kernels serve (the benchmarks' before arm).
-use_c_kv_write = True
 
 
 def uses_c_kernels(x: torch.Tensor) -> bool:
@@ -47,7 +45,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     cache (rounded to it on the way in); else torch's cast and index_copy_."""
     rows_fit = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (key, value))
     dtype_fits = key.dtype == value.dtype and (key.dtype == kv_cache.dtype or kv_cache.dtype.itemsize == 1)
-    if use_c_kv_write and uses_c_kernels(key) and kv_cache.is_contiguous() and rows_fit and dtype_fits:
+    if uses_c_kernels(key) and kv_cache.is_contiguous() and rows_fit and dtype_fits:
         cpu_fused.write_kv_cache(key, value, kv_cache, slot_mapping)
     else:
         reference.write_kv_cache(key, value, kv_cache, slot_mapping)

@@ -38,8 +38,9 @@ def grammar_rows(requests: Sequence[Request]) -> list[int]:
 def fill_grammar_masks(requests: Sequence[Request], rows: list[int] | None = None) -> GrammarMasks | None:
     """The masks of `requests`' constrained rows, computed now; None when no row has a grammar.
 
-    Row by row: llguidance's own thread pool (`LLExecutor`) fought torch's threads for the cores,
-    and made steps several times slower on a 2-core CPU (docs/structured-outputs.md).
+    Row by row: llguidance's own thread pool (`LLExecutor`) would fight torch's threads for the
+    cores, which makes steps several times slower on a machine with few cores
+    (docs/structured-outputs.md).
     """
     rows = grammar_rows(requests) if rows is None else rows
     if not rows:
@@ -66,8 +67,8 @@ def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
 
 def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
     """[rows, words] int32 bit sets on the CPU -> [rows, vocab_size] bools on `device`, True where the
-    token is forbidden. On the CPU numpy unpacks the bits in one pass (torch's shifts took 40 times
-    longer: 6 ms for 32 rows of a 49k vocabulary); a GPU unpacks the few words it is sent itself."""
+    token is forbidden. On the CPU numpy unpacks the bits in one pass (torch's shifts take tens of
+    times longer); a GPU unpacks the few words it is sent itself."""
     if device.type == "cpu" and sys.byteorder == "little":
         return forbidden_tokens_numpy(bitmask, vocab_size)
     return forbidden_tokens_torch(bitmask.to(device, non_blocking=True), vocab_size)

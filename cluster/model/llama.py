@@ -38,6 +38,10 @@ class ArchitectureConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
+    # The attention window of the layers that slide (Mistral 7B v0.1's 4,096), None where every layer
+    # attends to its whole context. The engine attends to the whole context: it refuses a context
+    # longer than the window (`LLMEngine`), where the answers would no longer be the model's.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ArchitectureConfig:
@@ -69,7 +73,28 @@ class ArchitectureConfig:
             qkv_bias=architectures[0] == "Qwen2ForCausalLM" or config.get("attention_bias", False),
             # Qwen2 biases q/k/v only; Llama's attention_bias covers the output projection too.
             o_bias=architectures[0] != "Qwen2ForCausalLM" and config.get("attention_bias", False),
+            sliding_window=sliding_window(config, architectures[0]),
         )
+
+
+def sliding_window(config: dict[str, Any], architecture: str) -> int | None:
+    """The window of a Hugging Face config's sliding layers as transformers applies it, None if no
+    layer slides: Llama has none whatever the file says; Mistral slides every layer, 4,096 tokens
+    when the key is absent (MistralConfig's default; v0.2 and later write null); Qwen2 only with
+    `use_sliding_window`, and only its layers from `max_window_layers` on (`layer_types` where written)."""
+    if architecture == "LlamaForCausalLM":
+        return None
+    window = config.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
+    if window is None or (architecture == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False)):
+        return None
+    layer_types = config.get("layer_types")
+    if layer_types is None and architecture == "Qwen2ForCausalLM":
+        first = config.get("max_window_layers", 0)
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(config["num_hidden_layers"])]
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
 
 
 def rope_inverse_frequencies(config: ArchitectureConfig) -> torch.Tensor:

@@ -56,8 +56,8 @@ def keep_freed_host_memory() -> None:
     """Stop glibc handing freed multi-megabyte blocks back to the OS.
 
     Otherwise every step's large temporaries (gathered keys and values, activations) come back as
-    fresh pages and are page-faulted in again, which made the CPU attention gather several times
-    slower here. Allocations of 32 MiB and more still come fresh (and zeroed) from mmap.
+    fresh pages and are page-faulted in again, which makes the CPU attention gather several times
+    slower. Allocations of 32 MiB and more still come fresh (and zeroed) from mmap.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -148,7 +148,7 @@ class Sampler:
     def _draw_exponentials(
         self, shape: torch.Size, requests: Sequence[Request], device: torch.device
     ) -> torch.Tensor:
-        """Exponential(1) draws as -log(uniform): on CPU 4x faster than `exponential_`."""
+        """Exponential(1) draws as -log(uniform): on CPUs several times faster than `exponential_`."""
         uniforms = torch.empty(shape, device=device)
         unseeded = [row for row, request in enumerate(requests) if request.sampling_params.seed is None]
         shared = self._shared_generator(device)
@@ -191,8 +191,8 @@ class Sampler:
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum. The runner hands bf16 models' logits over in bf16 (widening them to
     fp32 is exact, so every token and logprob is what the fp32 copy gives): on CPUs their argmax is a C
-    kernel, since torch's bf16 argmax is not vectorized there (0.9 ms at 64 x 49,152 against 2.3 ms
-    to widen then argmax, and 11.7 ms for torch's bf16 argmax; docs/performance.md)."""
+    kernel, since torch's bf16 argmax is not vectorized there (faster than widening then argmax, and
+    than torch's bf16 argmax: docs/performance.md)."""
     if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.stride(-1) == 1 \
             and logits.shape[-1] > 0 and cpu_fused.available(torch.bfloat16):
         return cpu_fused.argmax_rows(logits)

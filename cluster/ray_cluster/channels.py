@@ -1,14 +1,14 @@
 """Many requests' streams over one Ray stream per (caller, actor) pair: a step's tokens in one message.
 
 A Ray streaming call costs each side a fraction of a millisecond per item, whatever the item. One
-stream per request made a decode step of 64 requests 64 items at every hop (worker to router,
-router to gateway): 2.7 ms of CPU per token in the router and the gateway together, on cores the
-engines need (issue 21, item 3). Here a caller opens one `channel` per actor and starts each request
+stream per request would make a decode step of 64 requests 64 items at every hop (worker to router,
+router to gateway), CPU the router and the gateway take from the cores the engines compute on
+(docs/performance.md has the figures). Here a caller opens one `channel` per actor and starts each request
 with a short `open` call; the actor runs the request's stream in a task and every item it yields
 waits in the channel's outbox until the channel's next message, which carries all that waited. So
 one message carries a whole step of every request the caller has on that actor.
 
-What a per-request Ray stream gave, kept:
+What per-request Ray streams give, kept:
 - a caller that stops reading a request early (its client left) cancels the actor's task (`close`);
 - an actor that dies fails every request it held with `RayActorError`, as their streams did;
 - an error raised by a request's stream on the actor is raised to that request's reader alone.

@@ -1,6 +1,6 @@
 """Work a front door must not do on its event loop: tokenizing, rendering chat templates, formatting
 large answers. The loop also serves /health, every other stream, gRPC, Redis calls and Ray streams;
-a 1 MiB prompt takes seconds to tokenize on these CPUs, and held there it would stall them all.
+a 1 MiB prompt can take seconds to tokenize, and held there it would stall them all.
 
 `OffLoop.run` runs such work in a small thread pool of the process and bounds how long a request may
 wait for it (queued behind others included): past `timeout_s` the request is refused as the server

@@ -162,7 +162,7 @@ class KVSender(Protocol):
 
     async def start(self) -> None:
         """Get ready to send (the worker calls it as it starts), so that the first send does not pay
-        for what every send needs once (UCX: its import and initialisation, ~0.5 s)."""
+        for what every send needs once (UCX: its import and initialisation)."""
         ...
 
     async def close(self) -> None: ...

@@ -1,8 +1,8 @@
 """KV transfer through shared memory between two workers on one host: one memcpy, no socket.
 
 The UCX connector (`ucx.py`) carries the control: a frame's header, a one-byte "written" marker and
-the ack travel on the same UCX endpoint (TCP) as before, so connects, deadlines, cancellation and a
-dead peer are detected exactly as on the TCP path. Only the payload takes another road:
+the ack travel on the UCX endpoint (TCP) as every frame does, so connects, deadlines, cancellation
+and a dead peer are detected exactly as on the TCP path. Only the payload takes another road:
 
     decode worker (receiver)                        prefill worker (sender), same host
     landing = await receiver.landing_memory(t, n)   (the ticket's address names the receiver's
@@ -175,8 +175,9 @@ class Segments:
         """A writable view of `nbytes` in a segment for the transfer with `token`, or None when shared
         memory cannot hold it (no /dev/shm, full: the caller uses ordinary memory).
 
-        A pooled segment comes at once; a new one is allocated and faulted in on a thread (~75 ms
-        per 64 MiB here: its pages zeroed, its page tables filled), not on the caller's event loop."""
+        A pooled segment comes at once; a new one is allocated and faulted in on a thread (its pages
+        zeroed, its page tables filled: tens of milliseconds for a large one), not on the caller's
+        event loop."""
         if nbytes <= 0 or token in self._live or token in self._making:
             return None
         segment = self._take_idle(size_class(nbytes))
@@ -210,7 +211,7 @@ class Segments:
         thread, smallest first, as far as the pool holds them); returns how many were pooled. A
         decode worker makes them at start (`UCXReceiver.prefault_landing_up_to`): its first
         transfers of any size up to `largest` then take pooled segments instead of faulting new ones
-        in (~0.7 ms per MiB, on their reservation's critical path)."""
+        in on their reservation's critical path."""
         pooled = 0
         for size in (MIN_SEGMENT << shift for shift in range((size_class(largest) // MIN_SEGMENT).bit_length())):
             if any(len(idle.memory) == size for idle in self._idle):
@@ -360,7 +361,7 @@ def make_segment(path: str, size: int) -> _Segment | None:
 
 def map_populated(fd: int, size: int) -> mmap.mmap:
     """`size` bytes of the file `fd`, mapped shared and writable, with every page table entry filled
-    now (~0.7 ms per MiB here), so that the copy into it does not fault page by page.
+    now, so that the copy into it does not fault page by page.
 
     Filled by madvise(MADV_POPULATE_WRITE) through ctypes, which lets go of the GIL: on a thread, the
     event loop runs meanwhile (mmap's own MAP_POPULATE holds the GIL throughout, on Python 3.11).
@@ -395,7 +396,7 @@ def _unlink(path: str) -> None:
 
 class Mappings:
     """A sender's mappings of receivers' segments, by inode, so that a pooled segment is mapped (its
-    page tables filled: ~0.2 ms per MiB, on a thread) once, not for every transfer. Least recently used ones are
+    page tables filled, on a thread) once, not for every transfer. Least recently used ones are
     unmapped beyond `max_bytes` (a mapping keeps its segment's memory alive after the receiver let
     it go)."""
 

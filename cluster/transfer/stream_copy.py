@@ -3,15 +3,15 @@
 Why: the destination is a pooled segment this process has not written lately. With ordinary stores
 (glibc's memcpy) every destination line is first read from memory (read for ownership), then
 written back: three memory transfers per byte. Non-temporal stores write whole lines without reading
-them: two. One process here (2-core EPYC, 16 MiB into a pooled /dev/shm segment, medians): 0.70 ms
-against memcpy's 1.00 ms; 64 MiB: 2.8 against 3.8 ms (docs/performance.md, "KV transfer between two
-processes"). glibc switches to such stores itself only above its `x86_non_temporal_threshold`, which
-it derives from the shared cache the CPU reports: 288 MiB on this VM, so never for KV frames.
+them: two, so the copy into a segment takes about a quarter less time (docs/performance.md, "KV
+transfer between two processes"). glibc switches to such stores itself only above its
+`x86_non_temporal_threshold`, which it derives from the shared cache the CPU reports: on VMs that
+report a large one, never for KV frames.
 The cost: the receiver then reads the KV from memory, not from the last-level cache where a plain
-copy may have left part of it (here both processes share one 32 MiB L3). Copy then read it back, one
-process, loaded machine: 4 MiB 0.28 ms plain vs 0.32 streaming, 8 MiB 1.12 vs 1.17, 16 MiB 1.93 vs
-1.99, 64 MiB 7.6 vs 6.6; the copy alone (what the sender waits for) is faster streaming at every
-size. So frames from `STREAM_MIN` on stream, smaller ones stay plain.
+copy may have left part of it when both processes share it. Copying then reading back, frames of up
+to 16 MiB come out a little faster plain, larger ones faster streaming; the copy alone (what the
+sender waits for) is faster streaming at every size. So frames from `STREAM_MIN` on stream, smaller ones
+stay plain.
 
 The C (`stream_copy.c`) is compiled at first use by `pdserve_kernels.cpu_build` (its cache is per machine);
 `ready()` does that off the event loop. Where it cannot be built (no compiler, not x86-64: a plain

@@ -31,33 +31,32 @@ tens of milliseconds over TCP: TransferError here.
 
 Progress. ucxx 0.52 is used in "blocking" progress mode, with two repairs (`_Progress`, `_Link`):
 its blocking mode never re-arms the worker, so after the first UCX event the event loop spins
-forever (~70% of a core), and its `Endpoint.send/recv` await a request with a `sleep(0)` loop, which
-spins while the peer works (on 2 loaded cores that steals the peer's CPU: the ack of a 1 MiB
-transfer waited ~8 ms, a scheduler slice). Requests are awaited on UCX progress events instead; an
-idle receiver uses ~1% of a core. Both use ucxx internals (checked against ucxx 0.52): `_Progress`
+forever (most of a core), and its `Endpoint.send/recv` await a request with a `sleep(0)` loop, which
+spins while the peer works (on few loaded cores that steals the peer's CPU: an ack then waits a
+scheduler slice). Requests are awaited on UCX progress events instead, and an idle receiver uses
+next to no CPU. Both use ucxx internals (checked against ucxx 0.52): `_Progress`
 falls back to polling if they change, `_Link` fails loudly. A connect is tried in several short
 attempts (`UCXSender._connect`): one to a just-closed port sometimes hangs in ucxx's handshake.
 
 Transports. UCX reads its settings from the environment when `ucxx.init` runs (once per process,
 `init_ucx`); set them before the first receiver or sender starts, or pass `transports=`:
 - default (UCX_TLS unset, or `UCX_TLS=tcp`): listener endpoints have error handling on, which on a
-  host without RDMA means TCP, loopback included (~0.5-0.75 GB/s between two processes here,
-  `benchmarks/kv_transfer.py`).
-- `UCX_TLS=sm,self` (shared memory: 1-5 GB/s, as fast as a memcpy at 64 MiB) is used by UCX only
+  host without RDMA means TCP, loopback included (`benchmarks/kv_transfer.py` measures it).
+- `UCX_TLS=sm,self` (shared memory, several times faster than TCP) is used by UCX only
   for endpoints created from a worker address with error handling off; a dead peer then hangs
   instead of failing. This connector does not do that: listener endpoints always have error
   handling on, so sm is never chosen for them, and UCX_TLS=sm,self alone makes the connect fail
   ("Destination is unreachable"). The benchmark measures sm with worker-address endpoints.
-- RDMA (`UCX_TLS=rc,...`) needs a NIC these machines do not have; untested.
+- RDMA (`UCX_TLS=rc,...`) needs an RDMA NIC; the tests do not cover it.
 - GPU memory: a payload or receive buffer in device memory (`DeviceBytes`) is moved by UCX's
   `cuda_copy` transport (pipelined through UCX's own pinned buffers over TCP), `cuda_ipc` between
   processes on one node, GPUDirect RDMA with `rc` + `gdr_copy`. UCX_TLS must allow `cuda_copy`
   (`ucx_carries_device_memory`); otherwise the worker stages through pinned host memory itself.
   Written against ucxx's documented `__cuda_array_interface__` support, not yet run on a GPU.
 UCX_WARN_UNUSED_ENV_VARS=n is set by default (each process would print a warning otherwise). The
-thread progress mode is slower on 2 cores; polling collapses under load. UCX_TCP_MAX_POLL=1 (UCX
-reads a socket less greedily per progress call) made no consistent difference in the benchmark
-(within its run-to-run noise of ~20%). UCXX_LOG_LEVEL=FATAL silences UCXX's own "endpoint error"
+thread progress mode is slower on few cores; polling collapses under load. UCX_TCP_MAX_POLL=1 (UCX
+reads a socket less greedily per progress call) makes no difference beyond the benchmark's
+run-to-run noise. UCXX_LOG_LEVEL=FATAL silences UCXX's own "endpoint error"
 lines, printed when a peer is unreachable or dies.
 The listener binds every interface (ucxx takes no bind address): `host` is the address advertised.
 """
@@ -169,7 +168,7 @@ def fix_handshake() -> None:
     connect: `UCXSender._connect` does after each attempt), the bytearray is freed while the receive
     is still posted; on a loaded machine the peer's reply then arrives and UCX writes it into freed
     memory. Python's allocator is corrupted and the process dies later of SIGSEGV in
-    `_PyObject_Malloc` (seen in prefill workers under load, at the first `_Progress` after a connect).
+    `_PyObject_Malloc` (in a prefill worker under load, at the first `_Progress` after a connect).
     Same wire exchange (the info, then a checksum check), in the same order; fails loudly if ucxx moves it.
     """
     from ucxx._lib.arr import Array
@@ -226,7 +225,7 @@ class _Progress:
 
     ucxx 0.52's blocking mode progresses the worker when its epoll descriptor is readable but never
     arms the worker again after the first event, so the descriptor stays readable and the event
-    loop spins (~70% of a core, idle or not, for the life of the process). This replaces its reader
+    loop spins (most of a core, idle or not, for the life of the process). This replaces its reader
     with one that re-arms (progress, let ready tasks run, `worker.arm()` until it holds: the ucx-py
     recipe) and resolves a future on each progress: `wait` returns then, so `_Link` and `complete`
     check their requests exactly when UCX did something. Relies on ucxx internals (`ProgressTasks`);
@@ -374,8 +373,8 @@ class _Link:
     """One ucxx endpoint whose operations are awaited without spinning the event loop.
 
     ucxx's `Endpoint.send/recv` await their request with a `sleep(0)` loop: the loop spins for as
-    long as the peer takes, which on 2 cores steals the very CPU the peer needs (a 1 MiB ack took
-    ~8 ms, a scheduler slice). Here a request is posted through the same (internal) calls and its
+    long as the peer takes, which on few cores steals the very CPU the peer needs (an ack then waits
+    a scheduler slice). Here a request is posted through the same (internal) calls and its
     completion checked after each UCX progress (`_Progress.wait`).
     """
 
@@ -761,8 +760,9 @@ class UCXSender:
         return ucx_carries_device_memory(self._transports)
 
     async def start(self) -> None:
-        """Import and initialise UCX now (~0.5 s), with this loop's progress driver: not on the first
-        send, where it held the first prompts' second tokens after every start of the worker."""
+        """Import and initialise UCX now (about half a second), with this loop's progress driver: not
+        on the first send, where it would hold the first prompts' second tokens after every start of
+        the worker."""
         init_ucx(self._transports)
         _Progress.of(asyncio.get_running_loop())
 
@@ -884,7 +884,7 @@ class UCXSender:
         ack = bytearray(1)
         try:
             # One round trip: the control messages are posted, not awaited one by one (each wait is a
-            # wake-up of this process: ~0.2 ms, as long as a 2 MiB copy). The ack's receive is posted
+            # wake-up of this process, as long as a copy of megabytes). The ack's receive is posted
             # before the payload, so the ack completes at the very progress that brings it.
             sends = [link.post_send(bytearray(PREFIX.pack(length) + header_bytes))]
             acked = link.post_recv(ack)

@@ -15,8 +15,9 @@ import torch
 def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: int = 2, hidden_size: int = 64,  # noqa: PLR0913
                        num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 320, qkv_bias: bool = False,
                        tie_word_embeddings: bool = False, rope_scaling: dict | None = None, seed: int = 0,
-                       max_position_embeddings: int = 512) -> Path:
-    """Save a random-weight Llama (or Qwen2, which biases q/k/v) with transformers, as safetensors."""
+                       max_position_embeddings: int = 512, sliding_window: int | None = None) -> Path:
+    """Save a random-weight Llama (or Qwen2, which biases q/k/v, or Mistral, whose layers attend through
+    `sliding_window` tokens where it is set) with transformers, as safetensors."""
     import transformers
 
     torch.manual_seed(seed)
@@ -29,6 +30,9 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
     if architecture == "qwen2":
         config = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(config)
+    elif architecture == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=sliding_window)
+        model = transformers.MistralForCausalLM(config)
     else:
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling
@@ -110,14 +114,16 @@ def build_tiny_tokenizer(path: Path, *, vocab_size: int = 320, add_bos_token: bo
 
 def build_tiny_llama_checkpoint(path: Path, *, num_layers: int = 2, hidden: int = 64,  # noqa: PLR0913
                                 heads: int = 4, kv_heads: int = 2, vocab: int = 320, qkv_bias: bool = False,
-                                tie: bool = False, seed: int = 0, add_bos_token: bool = False) -> Path:
+                                tie: bool = False, seed: int = 0, add_bos_token: bool = False,
+                                architecture: str | None = None, sliding_window: int | None = None) -> Path:
     """A complete random-weight checkpoint directory: `build_random_llama` weights plus a tiny tokenizer.
 
-    `qkv_bias=True` makes it a Qwen2ForCausalLM (biases on q/k/v only). bos/eos ids 1 and 2 agree
-    between config.json, generation_config.json and the tokenizer.
+    `qkv_bias=True` makes it a Qwen2ForCausalLM (biases on q/k/v only), `architecture="mistral"` a
+    MistralForCausalLM (with `sliding_window`, if given). bos/eos ids 1 and 2 agree between
+    config.json, generation_config.json and the tokenizer.
     """
-    build_random_llama(path, architecture="qwen2" if qkv_bias else "llama", num_layers=num_layers,
+    build_random_llama(path, architecture=architecture or ("qwen2" if qkv_bias else "llama"), num_layers=num_layers,
                        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, vocab_size=vocab,
-                       tie_word_embeddings=tie, seed=seed)
+                       tie_word_embeddings=tie, seed=seed, sliding_window=sliding_window)
     return build_tiny_tokenizer(path, vocab_size=vocab, add_bos_token=add_bos_token)
 

@@ -1,15 +1,14 @@
 """Cores kept for the front door: the engines compute on the others.
 
 torch's threads meet at a barrier after every op, so a thread that loses its core for a moment
-holds its whole team up: on a 2-core host a colocated worker's two threads spent ~6 CPU-seconds
-more than the engine alone on the same requests while the gateway, the router, Ray and the load
-client took 2.6 (docs/performance.md, "Serving against the engine alone"). vLLM's CPU backend answers
-this by reserving cores for its API server (VLLM_CPU_NUM_OF_RESERVED_CPU); `reserved_cpus: K` does
-the same here: the gateway process, and with it every process it starts (Ray's, the router, the
-workers), runs on the first K cores of the host, and each worker's engine thread, with the
-OpenMP threads it starts, on the rest. Served so, a worker matched the engine alone on the same
-cores (1.00); worth it where K is a small part of the cores: on a 2-core host it halves the
-engine's, and sharing serves more (it is off by default).
+holds its whole team up: a worker whose cores the gateway, the router, Ray and a load client share
+spends more CPU on the same requests than the engine alone (docs/performance.md). vLLM's CPU backend
+answers this by reserving cores for its API server (VLLM_CPU_NUM_OF_RESERVED_CPU); `reserved_cpus: K`
+does the same here: the gateway process, and with it every process it starts (Ray's, the router, the
+workers), runs on the first K cores of the host, and each worker's engine thread, with the OpenMP
+threads it starts, on the rest, where it computes as fast as the engine alone on those cores. It is
+worth it where K is a small part of the cores: on a 2-core host it halves the engine's, and sharing
+serves more (it is off by default).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Ray gives each worker a share of a node's CPUs (`num_cpus`, fractional so that a
 worker fit on 2 cores) and sets its OMP_NUM_THREADS to that share, at least 1: on a 2-core host a
 decode worker then computes on one core while the other idles whenever the prefill worker has no
 prompt, which is most of a decode-heavy run. More threads than that, fixed, oversubscribe the cores
-while both are busy, and torch's intra-op threads then wait for each other at every op (a 2-thread
-step ran 8x slower while another process held the second core: docs/performance.md). So the threads
+while both are busy, and torch's intra-op threads then wait for each other at every op (a step
+runs several times slower while another process holds one of its cores: docs/performance.md). So the threads
 follow the load: before each step a busy worker claims its own share plus every core no other busy
 worker claims, and an idle one withdraws its claim.
 

@@ -3,11 +3,10 @@
 torch computes on OpenMP threads, and an OpenMP runtime keeps a team of threads for each thread
 that ran a parallel op, for as long as that thread lives. libgomp (torch's OpenMP) counts every
 team's threads, and once they outnumber the cores it stops spinning at its barriers: every op then
-puts its threads to sleep and wakes them (a futex each), which made a worker's decode steps 1.3-2.4x
-slower than the same engine's on a process's only team (docs/performance.md, "the engine thread's
-OpenMP team"). A worker loaded its model on the actor's main thread and warmed up on an executor's,
-both alive for good, so the engine thread's team was never alone. Loading and warming up on threads
-that end leaves the engine thread's team the only one.
+puts its threads to sleep and wakes them (a futex each), and every decode step slows down
+(docs/performance.md has the figures). An actor's main thread and an executor's live for good: a
+model loaded or warmed up there would keep a second team alive beside the engine thread's. Loading
+and warming up on threads that end leaves the engine thread's team the only one.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
  * the output of a group of query heads kept in registers over the 16 tokens' values, and the next 16
  * tokens' rows prefetched (blocks lie anywhere in the pool: the hardware prefetcher stops at each)
  * and each tile's lines touched in address order first (see touch_rows).
- * Elsewhere (AVX2, other head sizes, or `tiled` 0: the benchmarks' "before" arm) one token at a time.
+ * Elsewhere (AVX2, other head sizes, or `tiled` 0) one token at a time.
  *
  * The cache is in the model's dtype (fp32, bf16) or in fp8 (`kv_cache_dtype`: e5m2 or e4m3, a byte per
  * element, no scale) under an fp32 or bf16 query: each fp8 key and value widened to fp32 exactly as it
@@ -162,10 +162,10 @@ static inline void prefetch_rows(const char *const rows[TILE], int64_t n, int64_
 }
 
 /* One load of every cache line of the tile's rows, in address order, before the tile's loops read
- * them one KV head at a time (a stride through the rows). Measured: without it the tiled loops were
- * slower than one token at a time on a cache read from memory in order (0.71-0.79 ms against 0.52-0.66
- * a layer); with it faster (0.52-0.58), prefetching or not. The hardware's stream prefetcher follows
- * loads in address order, not the strided ones. */
+ * them one KV head at a time (a stride through the rows). The hardware's stream prefetcher follows
+ * loads in address order, not the strided ones: without this pass the tiled loops are slower than one
+ * token at a time on a cache read from memory in order, with it faster, prefetching or not
+ * (docs/performance.md). */
 static volatile char tile_sink;
 static inline void touch_rows(const char *const rows[TILE], int64_t n, int64_t row_bytes) {
     char x = 0;  /* one byte a line (a char may alias anything); kept alive through the volatile sink */
@@ -298,8 +298,7 @@ DEFINE_VALUES16(e4m3, uint8_t)
 
 /* A tile's key rows as the scores read them: the cache's own rows (`keep_rows`), or fp8 rows widened
  * once into `tile` (fp32 or bf16, both exact for fp8), not once per query head of a KV head's group.
- * Measured (AMX Xeon, bf16, 64 rows x 142 tokens): widening 16 at a time in the scores' inner loop made
- * fp8 attention no faster than bf16's (13.7-15.9 against 15.2 ms a step) though it reads half the bytes;
+ * Widening in the scores' inner loop, once per query head, costs what reading half the bytes saves;
  * widened once to bf16, the scores keep bf16's `vdpbf16ps`. */
 static inline const char *const *keep_rows(const char *const rows[TILE], int64_t n, int64_t row_elems, char *tile,
                                            const char *out[TILE]) {

@@ -5,8 +5,8 @@ step, then runs small batched matmuls: five passes over the context's keys and v
 launches. The C kernel reads each key and value once, straight from the paged cache, with one task
 per sequence spread over torch's intra-op threads (OpenMP: torch's own runtime, shared by soname).
 
-It is compiled at first use for the machine's own CPU (`kernels/pdserve_kernels/cpu_build.py`: 1.5 s of CPU with gcc
-12 here, once per machine). Where no compiler works,
+It is compiled at first use for the machine's own CPU (`kernels/pdserve_kernels/cpu_build.py`: a second or two,
+once per machine). Where no compiler works,
 `available()` is False and the torch backend keeps the torch path. fp32 and bf16 caches, and fp8 e5m2
 caches (e5m2 and e4m3: `kv_cache_dtype`) under an fp32 or bf16 model: each byte widened to fp32 as it is read.
 """
@@ -22,9 +22,6 @@ import torch
 from pdserve_kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-# 16 tokens at a time where the build has AVX-512 and heads are 64 or 128 wide (cpu_decode.c); False
-# gives session 10's one token at a time: the benchmarks' "before" arm (`benchmarks.engine`).
-use_tiled = True
 TOO_LONG = 2  # the kernel's answer when a length exceeds its block table: nothing read
 # By (query dtype, cache dtype): the model's dtype for both, or an fp8 e5m2 cache (`kv_cache_dtype`).
 FUNCTIONS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
@@ -57,12 +54,15 @@ def available(dtype: torch.dtype, march: str = "native") -> bool:
     return any(dtype == cache for _, cache in FUNCTIONS) and _library(march) is not None
 
 
-def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,  # noqa: PLR0913
                            seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-                           march: str = "native") -> torch.Tensor:
+                           march: str = "native", *, tiled: bool = True) -> torch.Tensor:
     """One query token per sequence ([batch, heads, head_dim]) over its whole cached context; a
     sequence of length 0 (a padding row) gives zeros. `max_seq_len` is unused: each sequence reads
-    its own length. Same contract as `reference.paged_decode_attention`."""
+    its own length. Same contract as `reference.paged_decode_attention`. `tiled` False takes the
+    one-token loop even where the build and head size allow 16 tokens at a time (cpu_decode.c), the
+    loop every other CPU and head size runs: the tests check both, `benchmarks.engine decode-kernel`
+    times both."""
     library = _library(march)
     if library is None or not available(kv_cache.dtype, march):
         raise RuntimeError("the CPU decode kernel is not available here: check `available(dtype)` first")
@@ -80,7 +80,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     lens = seq_lens.to(torch.int32).contiguous()  # no copy where it is already
     out = q.new_empty((batch, heads, head_dim))
     shape = DecodeShape(batch, heads, kv_heads, head_dim, block_size, num_blocks, tables.stride(0) if batch else 0,
-                        scale, torch.get_num_threads(), int(use_tiled), q.stride(0) if batch else 0,
+                        scale, torch.get_num_threads(), int(tiled), q.stride(0) if batch else 0,
                         tables.shape[1])
     failed = getattr(library, FUNCTIONS[query_dtype, kv_cache.dtype])(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()), ctypes.c_void_p(tables.data_ptr()),

@@ -3,11 +3,12 @@ RMSNorm after it, SiLU(gate) * up, the rotary embedding of queries and keys, the
 into the paged cache, the masked softmax of a bf16 prefill chunk, and the greedy argmax over bf16
 logits.
 
-At a decode step's 64 rows each torch op costs 10-60 us of dispatch and the model ran ~30 of them per
-layer between its matmuls; here each group is one call. Compiled at first use (`kernels/pdserve_kernels/cpu_build.py`);
-`available(dtype)` is False where no compiler works or the dtype is neither fp32 nor bf16, and the
-model keeps its torch ops. The results round where the torch ops round (see the C file), so the two
-paths agree to the order of a sum; `tests/kernels/test_cpu_fused.py` holds them to it.
+At a decode step's rows each torch op costs more in dispatch than in arithmetic, and the model runs
+dozens of them per layer between its matmuls; here each group is one call. Compiled at first use
+(`kernels/pdserve_kernels/cpu_build.py`); `available(dtype)` is False where no compiler works or the
+dtype is neither fp32 nor bf16, and the model keeps its torch ops. The results round where the torch
+ops round (see the C file), so the two paths agree to the order of a sum;
+`tests/kernels/test_cpu_fused.py` holds them to it.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def causal_softmax_(scores: torch.Tensor, visible: int, repeat: int = 1, march: 
 
 def argmax_rows(logits: torch.Tensor, march: str = "native") -> torch.Tensor:
     """torch.argmax(logits.float(), dim=-1) for bf16 logits [rows, cols] (rows may be strided), without
-    widening them: torch's own bf16 argmax is not vectorized on CPUs (4x slower than widening first)."""
+    widening them: torch's own bf16 argmax is not vectorized on CPUs (slower than widening first)."""
     if logits.dtype != torch.bfloat16 or logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
         raise ValueError("argmax_rows takes CPU bfloat16 logits [rows, cols] with contiguous rows")
     rows, cols = logits.shape

@@ -3,10 +3,9 @@
 `reference.paged_decode_attention` (the tests' oracle) calls `scaled_dot_product_attention` with a
 padding mask and GQA; on CPUs that takes the math path. One query token per sequence needs no more
 than two grouped matmuls: each KV head's query group times its keys, a softmax in fp32, times its
-values. Measured per layer at 64 rows and 142 tokens of context (the default model's 9 query and 3 KV
-heads, 1 thread, the 2-core AVX512-BF16 EPYC, medians of 40): SDPA 11-12 ms in fp32 and in bf16,
-these matmuls 4-5 ms in fp32 and 2.5-3 ms in bf16, gather included. The gathered keys and values are
-made contiguous first: matmuls over the gather's transposed view ran 2x slower than SDPA in fp32.
+values: a fraction of SDPA's time in fp32 and in bf16, gather included (docs/performance.md). The
+gathered keys and values are made contiguous first: matmuls over the gather's transposed view are
+slower than SDPA.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Causal prefill attention for CPUs in bf16 and fp16 as chunked matmuls: what the torch backend runs
 for prompts when the cache is not fp32.
 
-SDPA's CPU flash kernel runs a 2,048-token prompt of the default model (9 query and 3 KV heads of 64)
-in 80-90 ms per layer whatever the dtype, on the 2-core AVX512-BF16 EPYC with 1 thread: it does not
-profit from the CPU's bf16 matmuls. Here each KV head's query group, `CHUNK` query positions at a
+SDPA's CPU flash kernel takes about as long for a prompt in bf16 as in fp32 on a CPU without AMX: it
+does not profit from the CPU's bf16 matmuls. Here each KV head's query group, `CHUNK` query positions at a
 time, is one bf16 matmul against the keys up to the chunk's last position (the keys past it are never
 read: causal), a softmax, and one matmul with the values. The queries are laid out [kv_head,
 position, head of the group, dim], so a chunk's rows of all the group's heads are one contiguous
@@ -12,9 +11,8 @@ queries. In bf16 on a CPU where `kernels/pdserve_kernels/cpu_fused.c` builds, th
 (`causal_softmax_`: no exp of a masked score); elsewhere the diagonal block is masked and torch's
 softmax runs. docs/performance.md has the figures.
 
-Where the CPU has AMX, torch's flash kernel multiplies in AMX tiles and wins instead: 8.7-8.9 ms a
-layer at 2,048 tokens against these matmuls' 13-13.7 (2 threads, the 2-core AMX Xeon of session 13),
-and 620 against 770 ms for the whole prompt in the engine. `sdpa_is_faster` is that choice.
+Where the CPU has AMX, torch's flash kernel multiplies in AMX tiles and is faster than these
+matmuls, per layer and for a whole prompt in the engine. `sdpa_is_faster` is that choice.
 
 Precision is that of bf16 scores (as `torch_decode`'s matmuls give): scores rounded to bf16, where
 the flash kernel keeps them in fp32 until the probabilities; the oracle tests bound the effect.
@@ -28,13 +26,13 @@ import torch
 
 from pdserve_kernels import cpu_fused, reference
 
-CHUNK = 256  # query positions per matmul: 128 and 512 ran slower at 2,048 tokens
+CHUNK = 256  # query positions per matmul: faster than 128 or 512 on 2,048-token prompts
 use_c_softmax = True  # False: torch's mask and softmax (the benchmarks compare both in one run)
 
 
 @functools.cache
 def sdpa_is_faster() -> bool:
-    """Whether SDPA's flash kernel beats these chunks for bf16 prompts here: where the CPU has AMX."""
+    """Whether SDPA's flash kernel beats these chunks for bf16 prompts on this CPU: where it has AMX."""
     return bool(torch.cpu.get_capabilities().get("amx_bf16"))
 
 
@@ -59,8 +57,7 @@ def grouped_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     future = None if c_softmax else torch.full((CHUNK, CHUNK), float("-inf"), dtype=keys.dtype,
                                                device=query.device).triu_(1)
     # Every chunk's scores in one buffer: a fresh [rows * group, seen] tensor per chunk is a large
-    # allocation, mapped and faulted in anew (2,048 tokens, AMX Xeon: 14.1-15.2 ms a layer in the
-    # engine with one per chunk, 13.0-13.6 with the buffer).
+    # allocation, mapped and faulted in anew each time, which costs several percent of the layer.
     scratch = torch.empty(min(CHUNK, query_len) * group * seq_len, dtype=keys.dtype, device=query.device)
     for kv_head in range(kv_heads):
         for start in range(0, query_len, CHUNK):

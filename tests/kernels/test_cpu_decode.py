@@ -7,7 +7,6 @@ AVX-512; caches in the model's dtype and in fp8 e5m2 (`kv_cache_dtype`) under bf
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -65,7 +64,8 @@ def test_decode_kernel_matches_the_reference(march: str, dtypes: tuple[torch.dty
                                                      query_dtype=query_dtype)
     scale = head_dim ** -0.5
     expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
-    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march,
+                                            tiled=tiled)
     assert got.dtype == query_dtype and got.shape == query.shape
     tolerance = TOLERANCE[query_dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
@@ -73,12 +73,9 @@ def test_decode_kernel_matches_the_reference(march: str, dtypes: tuple[torch.dty
 
 
 @pytest.fixture(params=[True, False], ids=["tiled", "token-at-a-time"])
-def tiled(request: pytest.FixtureRequest) -> Iterator[bool]:
+def tiled(request: pytest.FixtureRequest) -> bool:
     """Both loops of the kernel where the build has AVX-512: 16 tokens at a time (the default) and one."""
-    saved = cpu_decode.use_tiled
-    cpu_decode.use_tiled = request.param
-    yield request.param
-    cpu_decode.use_tiled = saved
+    return bool(request.param)
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -96,7 +93,8 @@ def test_tiles_over_query_groups_and_block_sizes(march: str, dtypes: tuple[torch
                                                      block_size=block_size, query_dtype=query_dtype)
     scale = head_dim ** -0.5
     expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
-    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, march=march,
+                                            tiled=tiled)
     tolerance = TOLERANCE[query_dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
@@ -115,7 +113,8 @@ def test_every_fp8_value_is_read_exactly(march: str, fp8: torch.dtype, tiled: bo
     kv_cache = kv_cache.view(fp8)
     query = torch.randn(4, 2, 64)
     lens = torch.ones(4, dtype=torch.int32)
-    got = cpu_decode.paged_decode_attention(query, kv_cache, torch.arange(4).view(4, 1), lens, 1, 0.125, march=march)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, torch.arange(4).view(4, 1), lens, 1, 0.125, march=march,
+                                            tiled=tiled)
     expected = codes.view(fp8).float().view(4, 1, 64).expand(4, 2, 64)
     assert torch.equal(got, expected)
 
@@ -155,8 +154,8 @@ def test_query_rows_may_be_strided() -> None:
 
 
 def test_the_kernel_refuses_a_length_past_its_table_or_negative() -> None:
-    """The kernel checks every length against its table (the wrapper no longer does, per layer) before
-    reading anything, in every build."""
+    """The kernel checks every length against its table before reading anything, in every build (the
+    wrapper does not: that would cost a sync to Python per layer)."""
     query, kv_cache, block_tables, lens = paged_case([20, 5], 9, 3, 64, torch.float32, seed=2)
     for march in ("native", "x86-64-v3") if X86 else ("native",):
         for bad in (block_tables.shape[1] * BLOCK_SIZE + 1, -1):

@@ -13,7 +13,7 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
-from cluster.model.llama import ArchitectureConfig
+from cluster.model.llama import ArchitectureConfig, sliding_window
 from cluster.model.runner import ModelRunner
 from cluster.weights.loader import iterate_safetensors, load_hf_config
 from cluster.weights.synthetic import build_random_llama
@@ -26,6 +26,9 @@ CASES = {
     "llama-mha-tied-llama3-rope-bias": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True,
                                             rope_scaling=LLAMA3_ROPE, qkv_bias=True),
     "qwen2-gqa-qkv-bias": dict(architecture="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96),
+    # A window wider than every sequence here: transformers' sliding mask changes nothing, nor may ours.
+    "mistral-gqa-window-past-the-context": dict(architecture="mistral", num_heads=4, num_kv_heads=2,
+                                                sliding_window=64),
 }
 
 
@@ -90,6 +93,24 @@ def test_bfloat16_puts_weights_and_cache_in_bfloat16(tmp_path: Path) -> None:
                          max_model_len=256, block_size=4, num_blocks=16)
     assert runner.kv_caches[0].dtype == torch.bfloat16
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+
+
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24}
+
+
+@pytest.mark.parametrize(("config", "window"), [
+    ({"architectures": ["LlamaForCausalLM"], "sliding_window": 128}, None),  # transformers' Llama has none
+    ({"architectures": ["MistralForCausalLM"]}, 4096),  # MistralConfig's default where the key is absent
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None),  # Mistral v0.2 and later
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, 4096),
+    ({**QWEN2, "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 21}, None),  # Qwen2.5
+    ({**QWEN2, "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 21}, 4096),
+    ({**QWEN2, "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 24}, None),
+    ({**QWEN2, "sliding_window": 4096, "use_sliding_window": True, "layer_types": ["full_attention"] * 24}, None),
+], ids=["llama", "mistral-default", "mistral-null", "mistral-4096", "qwen2-off", "qwen2-upper-layers",
+        "qwen2-no-layer-slides", "qwen2-layer-types"])
+def test_sliding_window_is_read_as_transformers_applies_it(config: dict, window: int | None) -> None:
+    assert sliding_window(config, config["architectures"][0]) == window
 
 
 def test_unknown_architecture_is_a_clear_error() -> None:

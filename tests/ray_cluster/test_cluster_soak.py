@@ -69,7 +69,7 @@ def pools_whole(cluster: Cluster) -> bool:
 def test_the_soak_through_a_worker_crash_and_a_redis_restart_accounts_for_every_request(
         checkpoint: Path, dedicated_redis: Any, decode_workers: int) -> None:
     """With 2 decode workers the killed one's requests resume on the other; with 1 (the default
-    shape) they wait for Ray to restart it (before, every one of them failed: "internal error")."""
+    shape) they wait for Ray to restart it, and none fails."""
     import ray
 
     engine_config = fp32_engine(checkpoint, block_size=4, num_blocks=256, max_num_seqs=8)

@@ -126,9 +126,9 @@ async def leave_mid_stream(url: str, model: str) -> None:
 
 def test_clients_cannot_reach_each_others_requests_through_ids(cluster: Cluster) -> None:
     """On the cluster path: two clients sending the same X-Request-Id get two requests (the second is
-    not refused, the first is not aborted), and a prompt of token ids outside the vocabulary is a 400
-    (before, 2**64 broke the router's prefix hashes: a 500) that leaves nothing behind for a later
-    request with that id to trip on."""
+    not refused, the first is not aborted), and a prompt of token ids outside the vocabulary (2**64
+    among them, which the router's prefix hashes cannot take) is a 400 that leaves nothing behind for
+    a later request with that id to trip on."""
     from cluster.serving.http.gateway import HttpServer, build_app
 
     async def main() -> None:
@@ -305,7 +305,7 @@ def test_a_decode_worker_alone_computes_on_every_core_of_its_host(cluster: Clust
 def test_a_steps_tokens_cross_each_hop_in_one_message(cluster: Cluster) -> None:
     """8 requests decoding together: the decode worker sends their tokens to the router, and the router
     to the gateway, a step's worth per message on one channel (`cluster.ray_cluster.channels`), not
-    one Ray stream item per request per step (2.7 ms of CPU per token in the router and gateway).
+    one Ray stream item per request per step (each item costs the router and the gateway CPU).
     So neither sends many more messages than the decode worker runs steps, its requests' admissions
     and (the router) their first tokens from the prefill worker."""
     import ray

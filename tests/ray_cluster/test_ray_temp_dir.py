@@ -22,7 +22,7 @@ print(launcher._temp_dir, launcher.shutdown_ray in registered)
 
 
 def test_ray_temporary_directories_go_with_ray_or_the_process_unless_kept() -> None:
-    """Two starts of Ray (each ~10 s on 2 cores): one stopped with keep_logs, one left running when the
+    """Two starts of Ray (each takes seconds): one stopped with keep_logs, one left running when the
     process ends, where the exit hook (`shutdown_ray` itself, the tests' and `pdserve`'s plain stop)
     removes its directory."""
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,

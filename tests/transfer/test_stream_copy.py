@@ -29,7 +29,7 @@ def library() -> ctypes.CDLL:
 
 @pytest.fixture(scope="module", params=["native", "x86-64"], ids=["this-cpu", "sse2-only"])
 def built_for(request: pytest.FixtureRequest, library: ctypes.CDLL) -> ctypes.CDLL:
-    """The copy built for this CPU (AVX2 here) and for a plain x86-64 one (its SSE2 loop)."""
+    """The copy built for this CPU (AVX2 where it has it) and for a plain x86-64 one (its SSE2 loop)."""
     if request.param == "native":
         return library
     if platform.machine() != "x86_64":

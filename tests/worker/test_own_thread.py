@@ -1,6 +1,6 @@
 """The engine thread's OpenMP team must be the process's only one: with another thread's team alive,
-libgomp stops spinning at its barriers and every op sleeps and wakes its threads (a worker's decode
-steps ran 1.3-2.4x slower, docs/performance.md). Counted in the engine thread's voluntary context
+libgomp stops spinning at its barriers and every op sleeps and wakes its threads, which slows every
+decode step (docs/performance.md). Counted in the engine thread's voluntary context
 switches per step (not in seconds), in a fresh process served the way `pdserve serve --local` does."""
 
 from __future__ import annotations

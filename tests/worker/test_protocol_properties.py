@@ -24,7 +24,7 @@ every request, waits for both engines to go idle and checks that everything is b
 Requests are picked by a drawn index taken modulo the requests a rule applies to (`_flow`): which
 ones qualify depends on timing, and draws that depend on timing make hypothesis's replays
 inconsistent. A failure that depends on timing may still not replay exactly; every await is
-bounded (AWAIT_S), so a hang fails the test instead of stalling it. About 20 s on 2 slow cores.
+bounded (AWAIT_S), so a hang fails the test instead of stalling it.
 """
 
 from __future__ import annotations

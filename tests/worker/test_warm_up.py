@@ -130,10 +130,10 @@ asyncio.run(main())
 
 
 def test_a_prefill_worker_readies_ucx_when_it_starts_not_at_its_first_send(checkpoint: Path) -> None:
-    """Importing and initialising ucxx takes ~0.5 s (0.43-0.51 s on the 2-core machines). Left to a
-    prefill worker's first send, it held the first prompts after every start or restart of the worker
-    that long between their first token and the second (seen in the kill tests' timelines, session 13).
-    The worker readies its sender while it starts (a fresh process: nothing imported ucxx before)."""
+    """Importing and initialising ucxx takes about half a second. Left to a prefill worker's first send,
+    it would hold the first prompts after every start or restart of the worker that long between their
+    first token and the second. The worker readies its sender while it starts (a fresh process:
+    nothing imported ucxx before)."""
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", UCX_AT_START, str(checkpoint)], cwd=root, capture_output=True,
                             text=True, timeout=300, check=False)

@@ -209,7 +209,7 @@ def test_an_abort_from_elsewhere_ends_the_stream_and_ids_are_not_shared(checkpoi
 
 def test_a_refused_prompt_leaves_nothing_behind_and_its_id_stays_usable(checkpoint: Path) -> None:
     """A prompt the model cannot take (token ids past the vocabulary) is refused by the decode worker
-    with nothing of it kept: before, its stream entry stayed, and the id was refused for good."""
+    with nothing of it kept: no stream entry stays behind to refuse the id for good."""
     async def main() -> None:
         async with running_pair(checkpoint) as (prefill, decode, _):
             with pytest.raises(ValueError, match="token ids"):
@@ -267,10 +267,10 @@ def test_forged_kv_frames_are_refused_and_a_bad_first_token_is_recomputed(checkp
 
 
 def test_an_engine_thread_that_fails_outside_a_step_fails_the_worker_loudly(checkpoint: Path) -> None:
-    """The KV import runs on the engine thread outside any step: one that raises left the worker
-    alive with a dead thread, and every later call hung. Now its stream gets the error, the worker
-    reports why, `on_fatal` hears of it (a Ray actor ends its process there, so Ray restarts it),
-    and every later call fails at once."""
+    """The KV import runs on the engine thread outside any step. One that raises must not leave the
+    worker alive with a dead thread, where every later call would hang: its stream gets the error, the
+    worker reports why, `on_fatal` hears of it (a Ray actor ends its process there, so Ray restarts
+    it), and every later call fails at once."""
     fatal: list[BaseException] = []
 
     async def main() -> None:
@@ -395,7 +395,7 @@ def test_a_streamed_first_token_that_ends_the_request_ends_it_on_the_decode_work
 def test_kv_from_a_prefill_worker_in_another_dtype_lands_without_a_recompute(checkpoint: Path) -> None:
     """dtype auto resolves on each worker's own CPU: a bf16 prefill worker (AVX512-BF16) and an fp32
     decode worker (AVX2) in one cluster. The prefill sends its KV in the dtype the ticket names, so the
-    decode worker's blocks take it as they are; before, every such transfer failed and was recomputed."""
+    decode worker's blocks take it as they are, with no transfer failed and recomputed."""
     async def main() -> None:
         bf16 = LLMEngine(EngineConfig(model=replace(fp32_model(checkpoint), dtype="bfloat16"),
                                       cache=CacheConfig(block_size=4, num_blocks=128)))

@@ -252,7 +252,7 @@ def test_a_call_whose_response_stays_unsent_is_cancelled_and_its_request_aborted
 
 def test_an_abort_ends_only_a_request_of_the_callers_own_key(server: GrpcServer, service: LocalService) -> None:
     """Request ids are scoped by the bearer a client sends: another key (or none) aborting the same id
-    is a no-op, and the owner's stream runs to its end (before, any caller could end any request)."""
+    is a no-op, and the owner's stream runs to its end."""
     with Client(target(server), api_key="alice", timeout=WAIT_S * 3) as alice, \
             Client(target(server), api_key="bob", timeout=WAIT_S * 3) as bob, \
             Client(target(server), timeout=WAIT_S * 3) as anonymous:
@@ -377,8 +377,8 @@ def test_api_key(server_loop: ServerLoop, service: LocalService) -> None:
 
 def test_tenants_have_their_own_keys_rate_limits_and_request_ids(server_loop: ServerLoop,
                                                                     service: LocalService) -> None:
-    """Several keys, one tenant each: rate limits on gRPC as on HTTP (before, gRPC had none), per
-    tenant, RESOURCE_EXHAUSTED with a retry-after; and a tenant's Abort cannot reach another's request."""
+    """Several keys, one tenant each: rate limits on gRPC as on HTTP, per tenant, RESOURCE_EXHAUSTED
+    with a retry-after; and a tenant's Abort cannot reach another's request."""
     tenants = ApiKeys.from_entries([{"name": "a", "key": "key-a"}, {"name": "b", "key": "key-b"},
                                     {"name": "fast", "key": "key-fast", "rate_limit_rps": 1000}])
     server = server_loop.start_server(service, api_key=tenants,

@@ -79,7 +79,7 @@ def test_prompt_logprobs_are_not_streamed(client: openai.OpenAI) -> None:
 
 
 def test_echo_with_a_batch_of_prompts_is_refused_as_without_it(client: openai.OpenAI) -> None:
-    """Found by the schemathesis fuzz: `echo` read the one prompt before the batch was refused, a 500."""
+    """A batch of prompts is refused (400) before `echo` reads the one prompt, which would fail (a 500)."""
     for echo in (False, True):
         with pytest.raises(openai.BadRequestError, match="batched prompts are not supported"):
             client.completions.create(model=served(client), prompt=["a", "", "b"], max_tokens=2, echo=echo)

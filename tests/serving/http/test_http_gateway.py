@@ -126,8 +126,8 @@ def test_a_request_id_over_the_limit_is_a_400_naming_it(client: httpx.Client, gi
 
 
 def test_a_client_cannot_end_another_clients_request_by_reusing_its_id(client: httpx.Client, tiny: LiveGateway) -> None:
-    """Two clients that send the same X-Request-Id are two requests: the second neither is refused
-    nor ends the first (before, it got a 400 "already in use" whose clean-up aborted the first)."""
+    """Two clients that send the same X-Request-Id are two requests: the second is not refused and
+    does not end the first (the gateway names requests itself; a client's id is only echoed)."""
     long_body = {"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
     headers = {"X-Request-Id": "shared-id"}
     with client.stream("POST", "/v1/completions", json=long_body, headers=headers) as first:

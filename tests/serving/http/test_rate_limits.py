@@ -104,7 +104,7 @@ def test_tokens_per_minute_quota(checkpoint: Path) -> None:
 @pytest.mark.parametrize("trusted", [False, True])
 def test_without_keys_the_bucket_is_the_address_whatever_the_client_sends(checkpoint: Path, trusted: bool) -> None:
     """Keyless, a client is its address: a fresh bearer or X-Forwarded-For per request does not give it
-    a fresh bucket (before, any bearer was a bucket of its own). X-Forwarded-For counts only from a
+    a fresh bucket (a bearer that names no key is no bucket of its own). X-Forwarded-For counts only from a
     trusted proxy: here the test itself, on 127.0.0.1, when `trusted`."""
     async def main() -> None:
         service, (server,) = await gateways(checkpoint, "", 1, "", "127.0.0.1" if trusted else "",
