@@ -233,9 +233,9 @@ class Router(ChannelHost):
                 log.warning("reading the worker registry failed: %r", error)
             polls = await asyncio.gather(*(self._poll(handle) for handle in self.prefill + self.decode),
                                          return_exceptions=True)
-            for error in polls:
-                if error is not None:  # one worker's poll went wrong: the others' and the next round go on
-                    log.warning("load poll failed: %r", error)
+            for outcome in polls:
+                if outcome is not None:  # one worker's poll went wrong: the others' and the next round go on
+                    log.warning("load poll failed: %r", outcome)
             self.polled.set()
             await asyncio.sleep(LOAD_POLL_S)
 
