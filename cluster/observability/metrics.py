@@ -23,7 +23,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -138,6 +144,7 @@ class _Snapshot(Collector):
         self.decisions: dict[str, int] = {}
         self.extra: dict[str, float] = {}
         self.scaling: dict[str, Any] = {}  # the live controller's `Scaler.status` (empty: it is off)
+        self.recoveries: dict[str, float] = {}  # the routers' `recovery_stats`, summed
 
     def collect(self) -> Iterator[Metric]:
         if self.export_workers:
@@ -148,6 +155,15 @@ class _Snapshot(Collector):
         yield decisions
         for name, total in self.extra.items():
             yield CounterMetricFamily(name, "See docs/observability.md.", value=total)
+        if self.recoveries:
+            recovery = SummaryMetricFamily(
+                "pdserve:worker_recovery_seconds", "Dead workers back in service: seconds from found dead (total) "
+                "and of each phase (restart, model_load, init_rest, warm_up, rejoin).", labels=["phase"])
+            recovered = int(self.recoveries.get("count", 0))
+            for phase, seconds in self.recoveries.items():
+                if phase != "count":
+                    recovery.add_metric([phase], count_value=recovered, sum_value=seconds)
+            yield recovery
         if self.scaling:
             yield from self._scaling_families()
 
@@ -242,5 +258,6 @@ class ClusterMetrics:
             decisions.update(found.get("decisions", {}))
             extra.update(found.get("counters", {}))
             self.snapshot.scaling = found.get("scaling", self.snapshot.scaling)
+            self.snapshot.recoveries = found.get("recoveries", self.snapshot.recoveries)
         self.snapshot.decisions, self.snapshot.extra = decisions, extra
         return generate_latest(self.registry)

@@ -355,12 +355,16 @@ class Cluster:
     async def router_stats(self) -> dict[str, Any]:
         """Every router replica's decisions and Redis fallbacks, summed, and the scaler's (for /metrics)."""
         decisions: dict[str, int] = {}
+        recoveries: dict[str, float] = {}
         fallbacks = 0
         for router in self.routers:
             for decision, count in (await control(router.stats).remote()).items():
                 decisions[decision] = decisions.get(decision, 0) + count
+            for phase, seconds in (await control(router.recovery_stats).remote()).items():
+                recoveries[phase] = recoveries.get(phase, 0.0) + seconds
             fallbacks += await control(router.state_fallbacks).remote()
-        stats = {"decisions": decisions, "counters": {"pdserve:router_redis_fallbacks": fallbacks}}
+        stats = {"decisions": decisions, "counters": {"pdserve:router_redis_fallbacks": fallbacks},
+                 "recoveries": recoveries}
         return {**stats, "scaling": await self.scaling()} if self.scaler is not None else stats
 
     async def scaling(self) -> dict[str, Any]:

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 
 WAIT_POLL_S = 0.1  # how often a request waiting for a restarted worker looks
+RECOVERY_PHASES = ("total", "restart", "model_load", "init_rest", "warm_up", "rejoin")
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
 
 
@@ -155,6 +156,9 @@ class Router(ChannelHost):
         # Requests aborted while in flight: a run between two attempts (resuming) must not start again.
         self.aborted: set[str] = set()
         self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
+        self.down_since: dict[int, tuple[float, float]] = {}  # dead workers: (monotonic, wall clock) found dead
+        # Recoveries of dead workers, rejoined: how many, and the seconds of each phase summed (`RECOVERY_PHASES`).
+        self.recoveries: dict[str, float] = dict.fromkeys(("count", *RECOVERY_PHASES), 0.0)
         self.retired: list[Any] = []  # handles replaced by new actors under the same worker id
         self.turn = 0
         self.channels = Inboxes()  # one channel to each worker, all requests' tokens on it
@@ -258,6 +262,7 @@ class Router(ChannelHost):
             self.dead.discard(id(handle))
             log.warning("worker %s answers again: routing to it", self.ids[id(handle)])
             self.decisions["rejoined"] += 1
+            await self._log_recovery(handle)
             if not self.config.redis_url:  # it restarted with an empty cache
                 await self.state.forget_worker(self.ids[id(handle)])
 
@@ -331,6 +336,35 @@ class Router(ChannelHost):
     def _mark_dead(self, handle: Any) -> None:
         self.dead.add(id(handle))
         self.loads.pop(id(handle), None)
+        self.down_since.setdefault(id(handle), (time.monotonic(), time.time()))
+
+    async def _log_recovery(self, handle: Any) -> None:
+        """A dead worker answers again: how long it was out of service, and where the time went
+        (each phase's seconds summed in `recoveries`, exported as pdserve:worker_recovery_seconds)."""
+        found = self.down_since.pop(id(handle), None)
+        if found is None:
+            return
+        total = time.monotonic() - found[0]
+        try:
+            timings = await asyncio.wait_for(control(handle.startup).remote(), POLL_TIMEOUT_S)
+        except Exception as error:  # the timeline is a report: the worker serves all the same
+            log.warning("worker %s answers again after %.1f s (its start timings: %r)", self.ids[id(handle)], total,
+                        error)
+            return
+        phases = {"total": total, "restart": max(0.0, timings["init_began"] - found[1]),
+                  "model_load": timings["model_load_s"], "init_rest": timings["init_s"] - timings["model_load_s"],
+                  "warm_up": timings.get("warm_up_s", 0.0),
+                  "rejoin": max(0.0, time.time() - timings.get("serving_since", time.time()))}
+        self.recoveries["count"] += 1
+        for phase, seconds in phases.items():
+            self.recoveries[phase] += seconds
+        log.warning("worker %s back in service %.1f s after it was found dead: Ray restarted its process in %.1f s, "
+                    "the model loaded in %.1f s (the rest of its start %.1f s), warm-up %.1f s, routed to %.1f s "
+                    "after", self.ids[id(handle)], *phases.values())
+
+    async def recovery_stats(self) -> dict[str, float]:
+        """Recoveries seen by this router: "count", and each phase's seconds summed (`RECOVERY_PHASES`)."""
+        return dict(self.recoveries)
 
     async def live_workers(self) -> list[str]:
         """The ids of the workers this router sends requests to now."""

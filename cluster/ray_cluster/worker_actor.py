@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -114,6 +115,9 @@ class WorkerActor(ChannelHost):
                  overlap_transfer: bool = True, redis_url: str = "", address: str = "",
                  ucx_transports: str = "", spec: Any = None, traces: tracing.TracingConfig | None = None,
                  threads: int = 0, kv_shared_memory: bool = True, reserved_cpus: int = 0) -> None:
+        # Wall-clock times (the router compares them with its own): when this process began to build
+        # the worker, and how long each part of its start took (`startup`).
+        self.timings: dict[str, float] = {"init_began": time.time()}
         from cluster.engine.llm_engine import LLMEngine
         from cluster.transfer.ucx import UCXReceiver, UCXSender
 
@@ -131,7 +135,9 @@ class WorkerActor(ChannelHost):
             if role == Role.DECODE else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
         # Loaded on a thread that ends: its OpenMP team must not outlive it (`cluster.worker.own_thread`).
+        began = time.perf_counter()
         engine = in_own_thread(lambda: LLMEngine(engine_config))
+        self.timings["model_load_s"] = time.perf_counter() - began
         self.made_as = spec  # how the launcher made it: a gateway taking a named worker over compares
         # Router replicas find the worker in the registry by its Ray actor name.
         # The actor id tells routers a new actor under a name they know (a named worker made again).
@@ -148,13 +154,25 @@ class WorkerActor(ChannelHost):
         # first call of that group starts it. Control calls (`control` group: aborts, load polls)
         # run on another loop, in another thread, and hand their work over to this one.
         self.home: asyncio.AbstractEventLoop | None = None
+        self.timings["init_s"] = time.time() - self.timings["init_began"]
 
     async def _ready(self) -> Worker:
         if self.started is None:
             self.home = asyncio.get_running_loop()
-            self.started = self.home.create_task(self.worker.start())
+            self.started = self.home.create_task(self._start())
         await asyncio.shield(self.started)
         return self.worker
+
+    async def _start(self) -> None:
+        began = time.perf_counter()
+        await self.worker.start()
+        self.timings["warm_up_s"] = time.perf_counter() - began
+        self.timings["serving_since"] = time.time()
+
+    async def startup(self) -> dict[str, float]:
+        """When this process began to build the worker (wall clock), and how long it took to build
+        (`init_s`, of which `model_load_s`) and to warm up (`warm_up_s`): a recovery's timeline."""
+        return dict(self.timings)
 
     async def _at_home(self, work: Callable[[Worker], Awaitable[T]]) -> T:
         """Run `work(worker)` on the worker's own loop, from whichever loop this call came in on."""

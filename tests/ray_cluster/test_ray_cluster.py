@@ -534,7 +534,8 @@ def thread_cpus(handle: Any) -> set[tuple[int, ...]]:
 def test_the_only_decode_worker_killed_mid_stream_costs_time_not_answers(checkpoint: Path) -> None:
     """The default shape (1 prefill + 1 decode): 6 greedy streams of 150 tokens, the decode worker's
     process killed midway. No stream ends with an error: the resumed requests wait for Ray to restart
-    the worker and each finishes with the tokens of an undisturbed run, each token once."""
+    the worker and each finishes with the tokens of an undisturbed run, each token once. The router
+    reports the recovery's timeline (pdserve:worker_recovery_seconds), its phases within the whole."""
     import ray
 
     engine_config = engine_config_for(checkpoint, num_blocks=1024)
@@ -567,6 +568,11 @@ def test_the_only_decode_worker_killed_mid_stream_costs_time_not_answers(checkpo
         assert received == expected
         assert ray_stats(cluster)["resumed"] >= 1
         assert_pools_whole(cluster)
+        recoveries = asyncio.run(cluster.router_stats())["recoveries"]
+        print("recovery:", recoveries)
+        assert recoveries["count"] == 1 and all(seconds >= 0 for seconds in recoveries.values())
+        parts = sum(recoveries[phase] for phase in ("restart", "model_load", "init_rest", "warm_up", "rejoin"))
+        assert recoveries["model_load"] > 0 and parts <= recoveries["total"] + 0.5, recoveries  # 0.5 s: two clocks
     finally:
         cluster.stop()
 
