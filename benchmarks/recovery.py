@@ -1,12 +1,16 @@
-"""How fast the cluster recovers from a worker crash: requests in flight finish on the other worker,
-and Ray's restart brings the crashed one back into routing.
+"""How fast the cluster recovers from a decode worker's crash: the requests in flight finish (on the other
+decode worker, or on the crashed one once Ray restarted it), and the restarted worker rejoins routing.
 
-    python -m benchmarks.recovery            # tiny random-weight model, 1 prefill + 2 decode workers
+    python -m benchmarks.recovery                                  # tiny random-weight model, 1P + 2D
+    python -m benchmarks.recovery --model default --decode 1 --requests 6 --max-tokens 150 --kill-after-s 6
+                                                                   # `make serve`'s shape and model
 
-Measures, over `--runs` crashes: the time from the crash (`ray.kill(no_restart=False)` of the decode
-worker streaming half the requests) until every request in flight has finished, against the same
-requests run without a crash in the same run (the ratio is the figure that travels between
-machines), and the time until the router routes to the restarted worker again. Writes
+Each of `--runs` rounds runs the requests (greedy, EOS ignored) undisturbed, then again with the decode
+worker streaming them killed (`ray.kill(no_restart=False)`: a crash, Ray starts it again) once every
+request is streaming, or `--kill-after-s` after they were sent. Reported per round: the undisturbed
+time, each stream's end after the kill (first and last), whether every resumed text equals the
+undisturbed one, and the router's recovery timeline (pdserve:worker_recovery_seconds: Ray's restart,
+the model load, the rest of the worker's start, its warm-up, back in routing). Writes
 benchmarks/results/recovery.<machine>.<date>.json.
 """
 
@@ -28,33 +32,54 @@ from cluster.ray_cluster.launcher import Cluster
 
 
 async def run_requests(cluster: Cluster, prompts: list[list[int]], params: SamplingParams, tag: str,
-                       crash: Any = None) -> tuple[float, float]:
-    """(seconds for every request to finish, the monotonic time of the crash; 0 without one)."""
+                       crash: Any = None, kill_after_s: float = 0.0) -> dict[str, Any]:
+    """Every stream's text and end time; with `crash`, the monotonic time of the kill too."""
     started = time.monotonic()
     streaming = [0] * len(prompts)
+    texts = [""] * len(prompts)
+    ends = [0.0] * len(prompts)
 
     async def one(index: int) -> None:
         async for event in cluster.generate(prompts[index], params, request_id=f"{tag}-{index}"):
             streaming[index] += len(event.token_ids)
+            texts[index] += event.text
+        ends[index] = time.monotonic()
 
     tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
     crashed_at = 0.0
     if crash is not None:
         import ray
 
-        while min(streaming) < 8:  # every request is streaming
+        while min(streaming) < 8 or time.monotonic() - started < kill_after_s:
             await asyncio.sleep(0.005)
         ray.kill(crash, no_restart=False)
         crashed_at = time.monotonic()
     await asyncio.gather(*tasks)
-    done = time.monotonic()
-    return done - started, crashed_at
+    return {"seconds": max(ends) - started, "texts": texts, "crashed_at": crashed_at,
+            "ends_after_kill": sorted(end - crashed_at for end in ends) if crash is not None else []}
 
 
-def decisions(cluster: Cluster) -> dict[str, int]:
-    import ray
+def router_counts(cluster: Cluster) -> tuple[dict[str, int], dict[str, float]]:
+    stats = asyncio.run(cluster.router_stats())
+    return stats["decisions"], stats["recoveries"]
 
-    return dict(ray.get(cluster.router.stats.remote(), timeout=30))
+
+def one_round(cluster: Cluster, prompts: list[list[int]], params: SamplingParams, run: int,
+              kill_after_s: float) -> dict[str, Any]:
+    baseline = asyncio.run(run_requests(cluster, prompts, params, f"base{run}"))
+    before, recovered_before = router_counts(cluster)
+    crashed = asyncio.run(run_requests(cluster, prompts, params, f"crash{run}", cluster.decode[0], kill_after_s))
+    while router_counts(cluster)[0]["rejoined"] == before["rejoined"]:
+        time.sleep(0.05)
+    decisions, recovered = router_counts(cluster)
+    timeline = {phase: seconds - recovered_before.get(phase, 0.0) for phase, seconds in recovered.items()
+                if phase != "count"}
+    return {"baseline_s": baseline["seconds"], "with_crash_s": crashed["seconds"],
+            "slowdown": crashed["seconds"] / baseline["seconds"],
+            "first_stream_end_after_kill_s": crashed["ends_after_kill"][0],
+            "last_stream_end_after_kill_s": crashed["ends_after_kill"][-1],
+            "texts_equal_undisturbed": sum(a == b for a, b in zip(crashed["texts"], baseline["texts"], strict=True)),
+            "resumed_requests": decisions["resumed"] - before["resumed"], "recovery_timeline_s": timeline}
 
 
 def main() -> None:
@@ -62,14 +87,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--model", default="", help="a checkpoint, or `default`; none: a tiny random-weight one")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--decode", type=int, default=2, help="decode workers (the first is killed)")
+    parser.add_argument("--kill-after-s", type=float, default=0.0, help="kill no sooner than this after sending")
     args = parser.parse_args()
 
-    from cluster.weights.synthetic import build_tiny_llama_checkpoint
+    model = args.model
+    if not model:
+        from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
-    checkpoint = build_tiny_llama_checkpoint(Path(tempfile.mkdtemp(prefix="recovery-")))
-    engine = engine_config_from({"model": str(checkpoint), "block_size": 4, "num_blocks": 512})
-    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
-                           engine=engine, worker_max_restarts=args.runs)
+        model = str(build_tiny_llama_checkpoint(Path(tempfile.mkdtemp(prefix="recovery-"))))
+    engine = engine_config_from({"model": model, "dtype": args.dtype, "num_blocks": 1024})
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1),
+                           decode=PoolConfig(replicas=args.decode, num_cpus=0.1), engine=engine,
+                           worker_max_restarts=args.runs)
     prompts = [[3 + (5 * i + 7 * j) % 290 for j in range(24)] for i in range(args.requests)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     cluster = Cluster(config).start()
@@ -77,26 +109,19 @@ def main() -> None:
     try:
         asyncio.run(run_requests(cluster, prompts, params, "warm"))
         for run in range(args.runs):
-            baseline_s, _ = asyncio.run(run_requests(cluster, prompts, params, f"base{run}"))
-            before = decisions(cluster)
-            crash = run_requests(cluster, prompts, params, f"crash{run}", cluster.decode[0])
-            crashed_s, crashed_at = asyncio.run(crash)
-            done_at = time.monotonic()
-            while decisions(cluster)["rejoined"] == before["rejoined"]:
-                time.sleep(0.05)
-            runs.append({"baseline_s": baseline_s, "with_crash_s": crashed_s, "slowdown": crashed_s / baseline_s,
-                         "resumed_requests": decisions(cluster)["resumed"] - before["resumed"],
-                         "crash_to_requests_done_s": done_at - crashed_at,
-                         "crash_to_rejoined_s": time.monotonic() - crashed_at})
-            print(runs[-1], flush=True)
+            runs.append(one_round(cluster, prompts, params, run, args.kill_after_s))
+            print(json.dumps(runs[-1]), flush=True)
     finally:
         cluster.stop()
-    summary = {"machine": machine("benchmarks.recovery"), "requests": args.requests, "max_tokens": args.max_tokens,
-               "runs": runs,
+    summary = {"machine": machine("benchmarks.recovery"), "model": args.model or "tiny", "dtype": args.dtype,
+               "decode_workers": args.decode, "requests": args.requests, "max_tokens": args.max_tokens,
+               "kill_after_s": args.kill_after_s, "runs": runs,
                "median_slowdown": statistics.median(r["slowdown"] for r in runs),
-               "median_crash_to_rejoined_s": statistics.median(r["crash_to_rejoined_s"] for r in runs)}
+               "median_last_stream_end_after_kill_s": statistics.median(r["last_stream_end_after_kill_s"]
+                                                                        for r in runs)}
     RESULTS.mkdir(exist_ok=True)
-    result_path("recovery").write_text(json.dumps(summary, indent=2))
+    path = result_path("recovery" if not args.model else f"recovery-{Path(args.model).name}-{args.decode}d")
+    path.write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
 
 

@@ -45,11 +45,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    group.add_argument("--deterministic", action="store_true",
+                       help="every token's result independent of its batch, of chunking and of resumes (slower)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device),
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device,
+                          deterministic=args.deterministic),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching),
@@ -206,7 +209,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
     if traces:
         overrides["tracing"] = traces
     engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb", "kv_cache_dtype",
-                                                 "max_num_batched_tokens", "max_num_seqs")
+                                                 "max_num_batched_tokens", "max_num_seqs", "deterministic")
               if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
@@ -476,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default auto (the model's dtype); fp8 (= fp8_e4m3), fp8_e5m2: one byte per key and value")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
+    serve.add_argument("--deterministic", action="store_const", const=True, default=None,
+                       help="every token's result independent of its batch, of chunking and of whether its KV came "
+                       "from a prefill, a decode or a resume: a stream resumed after a worker died keeps the text "
+                       "of an undisturbed run, in any dtype (slower; CPUs only)")
     status = commands.add_parser("status", help="show a running server's workers, their load and KV usage")
     status.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP address")
     status.add_argument("--api-key", default=None, help="default: $PDSERVE_API_KEY")

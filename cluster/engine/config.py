@@ -36,12 +36,18 @@ class ModelConfig:
     # "auto": the first CUDA device where torch sees one, else the CPU; "cpu"; "cuda" or "cuda:N".
     device: str = "auto"
     seed: int = 0
+    # Every token's numbers independent of its batch, of chunking and of whether its KV came from a
+    # prefill, a decode or a recompute (`cluster.model.batch_invariant`): a resumed stream, a request
+    # alone or among others, give the same text in any dtype. Slower; the torch backend only.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(DEVICE_PATTERN.fullmatch(self.device) is not None,
                  f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _require(self.max_model_len >= 0, f"max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
+        _require(isinstance(self.deterministic, bool),
+                 f"deterministic must be true or false, got {self.deterministic!r}")
 
 
 @dataclass(frozen=True, slots=True)

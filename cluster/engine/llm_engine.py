@@ -128,7 +128,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.arch, iterate_safetensors(self.model_dir), dtype=self.dtype, device=str(self.device),
             attention_backend=config.attention_backend, max_model_len=self.max_model_len,
-            block_size=config.cache.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
+            block_size=config.cache.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype,
+            deterministic=config.model.deterministic)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         # Hashes chain from the served model name, so every worker of a cluster (and the routers that
         # match prompts against the blocks workers publish) compute the same ones, whatever the path.

@@ -18,6 +18,7 @@ import torch
 
 from cluster.common.events import TokenLogprobs
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
+from cluster.model import batch_invariant
 from cluster.model.attention.backend import AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
 from cluster.model.cuda_graphs import DecodeGraphs
@@ -105,7 +106,8 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, arch: ArchitectureConfig, weights: Iterable[tuple[str, torch.Tensor]], *,  # noqa: PLR0913
                  dtype: str, device: str, attention_backend: str, max_model_len: int,
-                 block_size: int, num_blocks: int, kv_cache_dtype: str | None = None) -> None:
+                 block_size: int, num_blocks: int, kv_cache_dtype: str | None = None,
+                 deterministic: bool = False) -> None:
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -113,10 +115,12 @@ class ModelRunner:
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_host_memory()
-        backend = get_attention_backend(attention_backend, self.device)
+        backend = get_attention_backend(attention_backend, self.device, deterministic)
         with torch.device(self.device), skip_weight_init():
             model = LlamaForCausalLM(arch, backend, max_positions=max_model_len)
         model.load_weights(weights)
+        if deterministic:
+            batch_invariant.tile_linear_layers(model)
         self.model = model.to(self.dtype).eval()
         self.model.rotary.to(torch.float32)  # positions stay exact whatever the weights' dtype
         shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)

@@ -41,6 +41,7 @@ engine:
   kv_cache_dtype: auto      # fp8 (e4m3), fp8_e5m2: a byte per key and value (a pool may set its own)
   max_num_batched_tokens: 2048
   max_num_seqs: 256
+  deterministic: false      # every token independent of its batch, chunking and resumes (slower; CPUs)
 ```
 
 `resources` are Ray custom resources (e.g. `{prefill_node: 1}`) that pin a pool to the nodes meant
@@ -285,7 +286,7 @@ class ClusterConfig:
 
 ENGINE_KEYS = {
     "model": ("model", "model"), "dtype": ("model", "dtype"), "device": ("model", "device"),
-    "max_model_len": ("model", "max_model_len"),
+    "max_model_len": ("model", "max_model_len"), "deterministic": ("model", "deterministic"),
     "block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "kv_cache_dtype": ("cache", "kv_cache_dtype"),

@@ -85,7 +85,10 @@ class RepeatFilter:
             self.sent = event.index + len(event.token_ids)
             return event
         repeated = self.sent - event.index
-        tokens, logprobs = event.token_ids[repeated:], event.logprobs[repeated:]
+        tokens = event.token_ids[repeated:]
+        # The restated first token comes without logprobs (the prefill worker sent them): the event's
+        # logprobs, when asked for, are those of its last tokens.
+        logprobs = event.logprobs[max(0, len(event.logprobs) - len(tokens)):] if tokens else []
         extra = event.text.removeprefix(self.first_text) if event.text.startswith(self.first_text) else ""
         if not (tokens or extra or event.finished):
             return None

@@ -531,15 +531,21 @@ def thread_cpus(handle: Any) -> set[tuple[int, ...]]:
     return sets
 
 
-def test_the_only_decode_worker_killed_mid_stream_costs_time_not_answers(checkpoint: Path) -> None:
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_only_decode_worker_killed_mid_stream_costs_time_not_answers(checkpoint: Path, deterministic: bool) -> None:
     """The default shape (1 prefill + 1 decode): 6 greedy streams of 150 tokens, the decode worker's
     process killed midway. No stream ends with an error: the resumed requests wait for Ray to restart
     the worker and each finishes with the tokens of an undisturbed run, each token once. The router
-    reports the recovery's timeline (pdserve:worker_recovery_seconds), its phases within the whole."""
+    reports the recovery's timeline (pdserve:worker_recovery_seconds), its phases within the whole.
+    In bf16 with `deterministic`, every token's log-probability too is the undisturbed run's to the
+    last bit, though the resumed runs prefilled what had been decoded."""
     import ray
 
     engine_config = engine_config_for(checkpoint, num_blocks=1024)
-    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    if deterministic:
+        engine_config = replace(engine_config, model=replace(engine_config.model, dtype="bfloat16",
+                                                             deterministic=True))
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True, logprobs=1 if deterministic else None)
     prompts = (PROMPTS * 2)[:6]
     expected = alone(engine_config, prompts, params)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
@@ -547,29 +553,37 @@ def test_the_only_decode_worker_killed_mid_stream_costs_time_not_answers(checkpo
     cluster = Cluster(config).start()
     pace_until_killed(cluster)
     received: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
 
-    async def one(index: int, prompt: list[int]) -> None:
-        async for event in cluster.generate(prompt, params, request_id=f"only-{index}"):
+    async def one(index: int, prompt: list[int], tag: str) -> None:
+        async for event in cluster.generate(prompt, params, request_id=f"{tag}-{index}"):
             assert event.index == len(received[index])  # in order, nothing repeated
             received[index] += event.token_ids
+            logprobs[index] += [entry.logprob for entry in event.logprobs]
 
-    async def everything() -> None:
-        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+    async def everything(kill: bool) -> None:
+        tasks = [asyncio.create_task(one(i, p, f"kill{kill}")) for i, p in enumerate(prompts)]
         deadline = time.monotonic() + 120
-        while min(len(tokens) for tokens in received) < 10:
+        while kill and min(len(tokens) for tokens in received) < 10:
             assert not any(task.done() for task in tasks) and time.monotonic() < deadline, \
                 f"not all streaming: {_stream_states(received, tasks)}"
             await asyncio.sleep(0.005)
-        ray.kill(cluster.decode[0], no_restart=False)  # a crash: Ray starts it again
+        if kill:
+            ray.kill(cluster.decode[0], no_restart=False)  # a crash: Ray starts it again
         await asyncio.wait_for(asyncio.gather(*tasks), 180)
 
     try:
-        asyncio.run(everything())
+        undisturbed = None
+        if deterministic:
+            asyncio.run(everything(kill=False))
+            undisturbed = [list(row) for row in logprobs]
+            received, logprobs = [[] for _ in prompts], [[] for _ in prompts]
+        asyncio.run(everything(kill=True))
         assert received == expected
+        assert undisturbed is None or logprobs == undisturbed
         assert ray_stats(cluster)["resumed"] >= 1
         assert_pools_whole(cluster)
         recoveries = asyncio.run(cluster.router_stats())["recoveries"]
-        print("recovery:", recoveries)
         assert recoveries["count"] == 1 and all(seconds >= 0 for seconds in recoveries.values())
         parts = sum(recoveries[phase] for phase in ("restart", "model_load", "init_rest", "warm_up", "rejoin"))
         assert recoveries["model_load"] > 0 and parts <= recoveries["total"] + 0.5, recoveries  # 0.5 s: two clocks

@@ -60,3 +60,12 @@ def test_prompt_logprobs_reach_the_client_once() -> None:
     relayed = _relay(first, restated, _event(2, [9], "c", True))
     assert [e.prompt_logprobs for e in relayed] == [prompt_logprobs, None, None]
     assert [e.token_ids for e in relayed] == [[7], [8], [9]]
+
+
+def test_a_restated_first_token_without_logprobs_keeps_those_of_the_tokens_after_it() -> None:
+    """The decode worker has no logprobs of the first token (the prefill worker sampled it): merged with
+    the next ones, its event carries theirs only, and each relayed token keeps its own."""
+    restated = _event(0, [7, 8, 9], "abc")
+    restated = replace(restated, logprobs=restated.logprobs[1:])
+    relayed = _relay(_event(0, [7], "a"), restated, _event(3, [10], "d", True))
+    assert [entry.token_id for e in relayed for entry in e.logprobs] == [7, 8, 9, 10]

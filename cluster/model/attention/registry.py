@@ -15,9 +15,17 @@ def backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """By `backend_name`. Triton loads only when asked for."""
+def get_attention_backend(name: str, device: torch.device, deterministic: bool = False) -> AttentionBackend:
+    """By `backend_name`. Triton loads only when asked for. `deterministic`: the torch backend with every
+    token through the decode kernel (`cluster.model.batch_invariant`), on CPUs."""
     name = backend_name(name, device)
+    if deterministic:
+        if name != "torch" or device.type != "cpu":
+            raise ValueError(f"deterministic mode runs the torch attention backend on CPUs; not {name} on "
+                             f"{device.type} yet")
+        from cluster.model.attention.deterministic_backend import DeterministicTorchBackend
+
+        return DeterministicTorchBackend()
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
