@@ -2,8 +2,8 @@
 decode worker, or on the crashed one once Ray restarted it), and the restarted worker rejoins routing.
 
     python -m benchmarks.recovery                                  # tiny random-weight model, 1P + 2D
-    python -m benchmarks.recovery --model default --decode 1 --requests 6 --max-tokens 150 --kill-after-s 6
-                                                                   # `make serve`'s shape and model
+    python -m benchmarks.recovery --model default --decode 1 --requests 6 --max-tokens 300 --kill-after-s 2 \
+        [--deterministic]                                          # `make serve`'s shape and model
 
 Each of `--runs` rounds runs the requests (greedy, EOS ignored) undisturbed, then again with the decode
 worker streaming them killed (`ray.kill(no_restart=False)`: a crash, Ray starts it again) once every
@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--model", default="", help="a checkpoint, or `default`; none: a tiny random-weight one")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--decode", type=int, default=2, help="decode workers (the first is killed)")
+    parser.add_argument("--deterministic", action="store_true", help="deterministic mode (`--deterministic`)")
     parser.add_argument("--kill-after-s", type=float, default=0.0, help="kill no sooner than this after sending")
     args = parser.parse_args()
 
@@ -98,7 +99,8 @@ def main() -> None:
         from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
         model = str(build_tiny_llama_checkpoint(Path(tempfile.mkdtemp(prefix="recovery-"))))
-    engine = engine_config_from({"model": model, "dtype": args.dtype, "num_blocks": 1024})
+    engine = engine_config_from({"model": model, "dtype": args.dtype, "num_blocks": 1024,
+                                 "deterministic": args.deterministic})
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1),
                            decode=PoolConfig(replicas=args.decode, num_cpus=0.1), engine=engine,
                            worker_max_restarts=args.runs)
@@ -114,13 +116,15 @@ def main() -> None:
     finally:
         cluster.stop()
     summary = {"machine": machine("benchmarks.recovery"), "model": args.model or "tiny", "dtype": args.dtype,
+               "deterministic": args.deterministic,
                "decode_workers": args.decode, "requests": args.requests, "max_tokens": args.max_tokens,
                "kill_after_s": args.kill_after_s, "runs": runs,
                "median_slowdown": statistics.median(r["slowdown"] for r in runs),
                "median_last_stream_end_after_kill_s": statistics.median(r["last_stream_end_after_kill_s"]
                                                                         for r in runs)}
     RESULTS.mkdir(exist_ok=True)
-    path = result_path("recovery" if not args.model else f"recovery-{Path(args.model).name}-{args.decode}d")
+    name = "recovery" if not args.model else f"recovery-{Path(args.model).name}-{args.decode}d"
+    path = result_path(name + ("-deterministic" if args.deterministic else ""))
     path.write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
 
