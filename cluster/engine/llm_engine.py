@@ -28,7 +28,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.grammar.compiler import GrammarCompiler
 from cluster.grammar.matcher import GrammarMatcher
 from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from cluster.model.llama import ArchitectureConfig
+from cluster.model.registry import architecture_config
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
 from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from cluster.weights.detokenizer import IncrementalDetokenizer
@@ -121,7 +121,7 @@ class LLMEngine:
         self.model_dir = resolve_model_path(config.model.model, progress=progress)
         self.model_name = served_model_name(config.model.model)
         hf_config = load_hf_config(self.model_dir)
-        self.arch = ArchitectureConfig.from_hf(hf_config)
+        self.arch = architecture_config(hf_config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len()

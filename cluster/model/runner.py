@@ -19,11 +19,12 @@ import torch
 from cluster.common.events import TokenLogprobs
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
 from cluster.model import batch_invariant
+from cluster.model.architecture import ArchitectureConfig
 from cluster.model.attention.backend import AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
 from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.model.grammar_masks import GrammarMasker
-from cluster.model.llama import ArchitectureConfig, LlamaForCausalLM
+from cluster.model.registry import model_class_for
 from cluster.model.sampler import Sampler
 
 # glibc serves allocations above 32 MiB with fresh (zero-filled) pages from mmap.
@@ -117,7 +118,7 @@ class ModelRunner:
             keep_freed_host_memory()
         backend = get_attention_backend(attention_backend, self.device, deterministic)
         with torch.device(self.device), skip_weight_init():
-            model = LlamaForCausalLM(arch, backend, max_positions=max_model_len)
+            model = model_class_for(arch.architecture)(arch, backend, max_positions=max_model_len)
         model.load_weights(weights)
         if deterministic:
             batch_invariant.tile_linear_layers(model)

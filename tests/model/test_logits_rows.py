@@ -13,7 +13,7 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
-from cluster.model.llama import ArchitectureConfig
+from cluster.model.registry import architecture_config
 from cluster.model.runner import ModelRunner
 from cluster.weights.loader import iterate_safetensors, load_hf_config
 from cluster.weights.synthetic import build_random_llama
@@ -21,7 +21,7 @@ from cluster.weights.synthetic import build_random_llama
 
 def test_lm_head_sees_only_the_rows_that_sample(tmp_path: Path) -> None:
     path = build_random_llama(tmp_path)
-    arch = ArchitectureConfig.from_hf(load_hf_config(path))
+    arch = architecture_config(load_hf_config(path))
     runner = ModelRunner(arch, iterate_safetensors(path), dtype="float32", device="cpu", attention_backend="torch",
                          max_model_len=128, block_size=4, num_blocks=64)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=24), KVCacheManager(BlockPool(64), 4),

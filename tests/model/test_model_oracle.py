@@ -13,7 +13,7 @@ from cluster.engine.config import SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request
 from cluster.engine.scheduler import Scheduler
-from cluster.model.llama import ArchitectureConfig, sliding_window
+from cluster.model.registry import architecture_config
 from cluster.model.runner import ModelRunner
 from cluster.weights.loader import iterate_safetensors, load_hf_config
 from cluster.weights.synthetic import build_random_llama
@@ -33,7 +33,7 @@ CASES = {
 
 
 def make_parts(path: Path, budget: int, block_size: int = 4, num_blocks: int = 64) -> tuple[ModelRunner, Scheduler]:
-    arch = ArchitectureConfig.from_hf(load_hf_config(path))
+    arch = architecture_config(load_hf_config(path))
     runner = ModelRunner(arch, iterate_safetensors(path), dtype="float32", device="cpu", attention_backend="torch",
                          max_model_len=256, block_size=block_size, num_blocks=num_blocks)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), KVCacheManager(BlockPool(num_blocks),
@@ -88,14 +88,17 @@ def test_logits_match_transformers_in_prefill_chunks_and_decode(tmp_path: Path, 
 
 def test_bfloat16_puts_weights_and_cache_in_bfloat16(tmp_path: Path) -> None:
     path = build_random_llama(tmp_path)
-    arch = ArchitectureConfig.from_hf(load_hf_config(path))
+    arch = architecture_config(load_hf_config(path))
     runner = ModelRunner(arch, iterate_safetensors(path), dtype="bfloat16", device="cpu", attention_backend="torch",
                          max_model_len=256, block_size=4, num_blocks=16)
     assert runner.kv_caches[0].dtype == torch.bfloat16
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24}
+# The fields every Llama-shaped config.json writes: what the sliding window cases leave alone.
+SHAPE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 24,
+         "num_attention_heads": 4}
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"]}
 
 
 @pytest.mark.parametrize(("config", "window"), [
@@ -110,12 +113,16 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 24}
 ], ids=["llama", "mistral-default", "mistral-null", "mistral-4096", "qwen2-off", "qwen2-upper-layers",
         "qwen2-no-layer-slides", "qwen2-layer-types"])
 def test_sliding_window_is_read_as_transformers_applies_it(config: dict, window: int | None) -> None:
-    assert sliding_window(config, config["architectures"][0]) == window
+    assert architecture_config({**SHAPE, **config}).sliding_window == window
 
 
-def test_unknown_architecture_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        ArchitectureConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+@pytest.mark.parametrize(("architecture", "qkv_bias", "o_bias"), [
+    ("LlamaForCausalLM", True, True), ("MistralForCausalLM", False, False), ("Qwen2ForCausalLM", True, False)])
+def test_each_architecture_reads_its_own_attention_biases(architecture: str, qkv_bias: bool, o_bias: bool) -> None:
+    """Llama's `attention_bias` covers q/k/v and the output projection; Qwen2 biases q/k/v whatever the
+    file says; Mistral has no bias."""
+    arch = architecture_config({**SHAPE, "architectures": [architecture], "attention_bias": True})
+    assert (arch.architecture, arch.qkv_bias, arch.o_bias) == (architecture, qkv_bias, o_bias)
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked-prefill", "sdpa-prefill"])
@@ -134,7 +141,7 @@ def test_bfloat16_logits_stay_as_close_to_float32_as_transformers_bfloat16(
     monkeypatch.setattr(TorchAttentionBackend, "use_chunked_prefill", chunked)
     path = build_random_llama(tmp_path, num_heads=6, num_kv_heads=2, hidden_size=384, vocab_size=512,
                               max_position_embeddings=512)
-    arch = ArchitectureConfig.from_hf(load_hf_config(path))
+    arch = architecture_config(load_hf_config(path))
     runner = ModelRunner(arch, iterate_safetensors(path), dtype="bfloat16", device="cpu", attention_backend="torch",
                          max_model_len=512, block_size=16, num_blocks=64)
     generator = torch.Generator().manual_seed(0)
@@ -193,7 +200,7 @@ def test_an_fp8_cache_gives_the_logits_of_keys_and_values_rounded_to_fp8(
     AttentionInterface.register(name, fp8_kv_attention(fp8))
     path = build_random_llama(tmp_path, num_heads=6, num_kv_heads=2, hidden_size=384, vocab_size=512,
                               max_position_embeddings=512)
-    arch = ArchitectureConfig.from_hf(load_hf_config(path))
+    arch = architecture_config(load_hf_config(path))
     runner = ModelRunner(arch, iterate_safetensors(path), dtype=model_dtype, device="cpu", attention_backend="torch",
                          max_model_len=512, block_size=16, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     assert runner.kv_caches[0].dtype == fp8

@@ -1,4 +1,5 @@
-"""A Llama-architecture decoder over the paged KV cache (Llama 1-3, Mistral, SmolLM, Qwen2).
+"""A Llama-architecture decoder over the paged KV cache (Llama 1-3, SmolLM; Mistral and Qwen2 build it
+too, with their own config readers in `mistral.py` and `qwen2.py`), and Llama's config reader.
 
 Inputs are flat: every token of the step in one row ([tokens]), whatever request it belongs to.
 Parameters keep Hugging Face names except two fusions that save matmuls: q/k/v become `qkv_proj`
@@ -16,83 +17,54 @@ import torch
 from torch import nn
 
 from cluster.model import elementwise
+from cluster.model.architecture import ArchitectureConfig
 from cluster.model.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve_kernels import reference
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+def read_config(config: dict[str, Any]) -> ArchitectureConfig:
+    """Llama's config.json (Llama 1-3, SmolLM): `attention_bias` biases q/k/v and the output projection;
+    no layer slides whatever `sliding_window` says (transformers' Llama has none)."""
+    bias = bool(config.get("attention_bias", False))
+    return llama_shaped_config(config, qkv_bias=bias, o_bias=bias, sliding_window=None)
 
 
-@dataclass(frozen=True, slots=True)
-class ArchitectureConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    # The attention window of the layers that slide (Mistral 7B v0.1's 4,096), None where every layer
-    # attends to its whole context. The engine attends to the whole context: it refuses a context
-    # longer than the window (`LLMEngine`), where the answers would no longer be the model's.
-    sliding_window: int | None = None
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> ArchitectureConfig:
-        architectures = config.get("architectures") or [config.get("model_type", "unknown")]
-        if architectures[0] not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {architectures[0]!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = config["num_attention_heads"]
-        # transformers 5 keeps rope settings under rope_parameters; earlier versions at the top level.
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if config.get("mlp_bias"):
-            raise ValueError("mlp_bias=True checkpoints are not supported")
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: default, linear, llama3")
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-            qkv_bias=architectures[0] == "Qwen2ForCausalLM" or config.get("attention_bias", False),
-            # Qwen2 biases q/k/v only; Llama's attention_bias covers the output projection too.
-            o_bias=architectures[0] != "Qwen2ForCausalLM" and config.get("attention_bias", False),
-            sliding_window=sliding_window(config, architectures[0]),
-        )
+def llama_shaped_config(config: dict[str, Any], *, qkv_bias: bool, o_bias: bool,
+                        sliding_window: int | None) -> ArchitectureConfig:
+    """The fields every Llama-shaped config.json writes alike, with the ones its architecture decides.
+    Refuses what this forward pass does not implement (`mlp_bias`, RoPE scalings other than linear and
+    Llama 3's)."""
+    heads = config["num_attention_heads"]
+    # transformers 5 keeps rope settings under rope_parameters; earlier versions at the top level.
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if config.get("mlp_bias"):
+        raise ValueError("mlp_bias=True checkpoints are not supported")
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: default, linear, llama3")
+    return ArchitectureConfig(
+        architecture=config["architectures"][0],
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        sliding_window=sliding_window,
+    )
 
 
-def sliding_window(config: dict[str, Any], architecture: str) -> int | None:
-    """The window of a Hugging Face config's sliding layers as transformers applies it, None if no
-    layer slides: Llama has none whatever the file says; Mistral slides every layer, 4,096 tokens
-    when the key is absent (MistralConfig's default; v0.2 and later write null); Qwen2 only with
-    `use_sliding_window`, and only its layers from `max_window_layers` on (`layer_types` where written)."""
-    if architecture == "LlamaForCausalLM":
-        return None
-    window = config.get("sliding_window", 4096 if architecture == "MistralForCausalLM" else None)
-    if window is None or (architecture == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False)):
-        return None
-    layer_types = config.get("layer_types")
-    if layer_types is None and architecture == "Qwen2ForCausalLM":
-        first = config.get("max_window_layers", 0)
-        layer_types = ["sliding_attention" if i >= first else "full_attention"
-                       for i in range(config["num_hidden_layers"])]
-    if layer_types is not None and "sliding_attention" not in layer_types:
+def window_of_sliding_layers(window: int | None, layer_types: list[str] | None) -> int | None:
+    """`window` where some layer slides (every layer where `layer_types` is not written), else None."""
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
         return None
     return int(window)
 

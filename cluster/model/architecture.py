@@ -1,0 +1,31 @@
+"""`ArchitectureConfig`: what the forward pass reads of a checkpoint's config.json, whatever the
+architecture. Each architecture's module (`cluster/model/models/`) reads its own quirks into it;
+`cluster.model.registry.architecture_config` picks that reader by the `architectures` name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureConfig:
+    architecture: str  # the Hugging Face name (config.json's `architectures[0]`): the registry's key
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    # The attention window of the layers that slide (Mistral 7B v0.1's 4,096), None where every layer
+    # attends to its whole context. The engine attends to the whole context: it refuses a context
+    # longer than the window (`LLMEngine`), where the answers would no longer be the model's.
+    sliding_window: int | None = None

@@ -1,0 +1,2 @@
+"""One module per decoder family, each registered by its Hugging Face `architectures` name in
+`cluster.model.registry`."""
