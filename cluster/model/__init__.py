@@ -1,2 +1,2 @@
-"""The forward pass: the Llama model, the runner that batches a scheduler step onto it, the sampler,
-CUDA graphs, and the attention backends over the paged KV cache."""
+"""The forward pass: the decoders by architecture (`registry`, `models/`), the runner that batches a
+scheduler step onto one, the sampler, CUDA graphs, and the attention backends over the paged KV cache."""
