@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from redis.exceptions import RedisError
 
+from cluster.state.in_process import InProcessState
 from cluster.state.interface import RateDecision, SharedState, WorkerInfo, check_bucket, check_ttl
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,10 @@ class CircuitBreaker:
 
 class ResilientState(SharedState):
     """`primary` (Redis) when it answers within `timeout_s`; otherwise a safe answer at once, so that a
-    slow or absent Redis never stops serving: `match` {} (route by load alone), `take` allowed (fail
-    open), `workers` the last list Redis gave plus the workers registered through this object,
-    writes dropped. `fallbacks` counts them per method, for metrics. It recovers by itself.
+    slow or absent Redis never stops serving: `match` {} (route by load alone), `take` from this
+    process's own buckets (rate limits per replica, never off), `workers` the last list Redis gave plus
+    the workers registered through this object, writes dropped. `fallbacks` counts them per method, for
+    metrics. It recovers by itself.
 
     Heartbeats of workers registered through this object re-register them when Redis has lost them
     (restarted empty), and answer False so the worker publishes its cached blocks again."""
@@ -99,6 +101,7 @@ class ResilientState(SharedState):
         self.last_workers: list[WorkerInfo] = []
         # Workers registered through this object: worker id -> (info, when its registration expires).
         self.local: dict[str, tuple[WorkerInfo, float]] = {}
+        self.own_buckets = InProcessState()  # the rate limits' buckets while Redis is away
 
     @property
     def healthy(self) -> bool:
@@ -182,9 +185,13 @@ class ResilientState(SharedState):
         return [info for info in listed if role is None or info.role == role]
 
     async def take(self, key: str, amount: float, rate_per_s: float, burst: float) -> RateDecision:
+        """Redis's shared bucket; while Redis is away, this process's own (the limits hold per gateway
+        replica then, never off)."""
         check_bucket(amount, rate_per_s, burst)
-        allowed = RateDecision(True, 0.0, burst)
-        return await self.call("take", lambda: self.primary.take(key, amount, rate_per_s, burst), allowed)
+        decision = await self.call("take", lambda: self.primary.take(key, amount, rate_per_s, burst), None)
+        if decision is None:
+            return await self.own_buckets.take(key, amount, rate_per_s, burst)
+        return decision
 
     async def close(self) -> None:
         await self.primary.close()

@@ -19,6 +19,7 @@ from cluster.serving.rate_limits import RateLimits
 from cluster.state.connect import connect_state
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.helpers import fp32_model
+from tests.state.conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +49,14 @@ async def gateways(checkpoint: Path, redis_url: str, count: int, api_key: str | 
     return service, servers
 
 
-@pytest.mark.parametrize("where", ["in_process", "redis"])
+@pytest.mark.parametrize("where", ["in_process", "redis", "redis_down"])
 def test_requests_per_second_per_tenant_shared_by_replicas(checkpoint: Path, redis_server: Any, where: str) -> None:
-    url = redis_server.url if where == "redis" else ""
+    """With Redis down, a gateway's limits fall back to its own buckets (docs/cluster.md): never off."""
+    url = {"in_process": "", "redis": redis_server.url, "redis_down": f"redis://127.0.0.1:{free_port()}/0"}[where]
 
     async def main() -> None:
-        # One gateway without Redis (its own buckets); two replicas sharing Redis's.
-        service, servers = await gateways(checkpoint, url, 2 if url else 1, TENANTS, requests_per_s=0.2)
+        # One gateway without Redis, or with it down (its own buckets); two replicas sharing Redis's.
+        service, servers = await gateways(checkpoint, url, 2 if where == "redis" else 1, TENANTS, requests_per_s=0.2)
         try:
             key = {"Authorization": "Bearer key-a"}
             async with httpx.AsyncClient(timeout=60) as client:
