@@ -47,6 +47,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import RESULTS, console, cpu_model, git_state, print_table, result_path  # noqa: E402
+from cluster.bench.arrivals import ArrivalProcess  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster, init_ray  # noqa: E402
@@ -88,18 +89,16 @@ class Record:
 
 
 def schedule(args: argparse.Namespace) -> list[Spec]:
+    """The short requests' Poisson arrivals, then their prompts, then the long requests' prompts."""
     rng = np.random.default_rng(args.seed)
     specs: list[Spec] = []
-    t = float(rng.exponential(1 / args.short_rate))
-    while t < args.duration:
+    for t in ArrivalProcess(args.short_rate).times_until(rng, args.duration):
         n = int(rng.integers(args.short_prompt[0], args.short_prompt[1] + 1))
         specs.append(Spec(f"short-{len(specs)}", "short", t, rng.integers(1000, 30000, n).tolist(), args.short_tokens))
-        t += float(rng.exponential(1 / args.short_rate))
-    t, index = args.long_interval / 2, 0
-    while t < args.duration:
+    longs = ArrivalProcess(1 / args.long_interval, "fixed")  # the first at half an interval
+    for index, t in enumerate(longs.times_until(rng, args.duration, start=-args.long_interval / 2)):
         n = int(rng.integers(args.long_prompt[0], args.long_prompt[1] + 1))
         specs.append(Spec(f"long-{index}", "long", t, rng.integers(1000, 30000, n).tolist(), args.long_tokens))
-        t, index = t + args.long_interval, index + 1
     return sorted(specs, key=lambda s: s.arrival_s)
 
 

@@ -46,6 +46,7 @@ from benchmarks.planner_runs import (  # noqa: E402
     profile_here,
     with_serving,
 )
+from cluster.bench.arrivals import ArrivalProcess  # noqa: E402
 from cluster.planner.front_door import cores_between  # noqa: E402
 from cluster.planner.measure import MeasureGrid  # noqa: E402
 from cluster.planner.profile import Profile, Serving  # noqa: E402
@@ -70,9 +71,10 @@ CONFIGS = {"colocated-1": Topology(COLOCATED, 0, 1), "colocated-2": Topology(COL
 
 def workload(args: argparse.Namespace) -> tuple[list[Spec], list[RequestSpec]]:
     rng = np.random.default_rng(args.seed)
-    arrivals = np.cumsum(rng.exponential(1 / args.rate, args.num_requests)) - 1 / args.rate
+    # The first request one mean gap early (at 0 when its own gap was shorter): the run starts busy.
+    arrivals = ArrivalProcess(args.rate).times(rng, args.num_requests, start=-1 / args.rate)
     specs, requests = [], []
-    for index, at in enumerate(np.maximum(arrivals, 0.0)):
+    for index, at in enumerate(max(t, 0.0) for t in arrivals):
         prompt = rng.integers(1000, 30000, int(rng.integers(64, 257))).tolist()
         output = int(rng.integers(16, 65))
         specs.append(Spec(f"r{index}", "short", float(at), prompt, output))

@@ -36,6 +36,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import RESULTS, console, machine, print_table, result_path  # noqa: E402
+from cluster.bench.arrivals import ArrivalProcess  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster, init_ray  # noqa: E402
@@ -72,12 +73,13 @@ class Recorder:
 
 
 async def chats(cluster: Cluster, recorder: Recorder, args: argparse.Namespace, system: list[int]) -> None:
+    """Poisson arrivals at `--rate` for `--duration` seconds, each sent at its planned time."""
     rng = np.random.default_rng(args.seed + 1)
-    start, tasks, index = time.perf_counter(), [], 0
-    while time.perf_counter() - start < args.duration:
-        await asyncio.sleep(rng.exponential(1 / args.rate))
+    arrivals = ArrivalProcess(args.rate).times_until(rng, args.duration)
+    start, tasks = time.perf_counter(), []
+    for index, at in enumerate(arrivals):
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         tasks.append(asyncio.create_task(recorder.request(cluster, system + ids(rng, 32), f"chat-{index}")))
-        index += 1
     await asyncio.gather(*tasks)
 
 

@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import console, machine, print_table, result_path, save  # noqa: E402
 from benchmarks.disaggregation import Record, Spec, one, warm_up  # noqa: E402
+from cluster.bench.arrivals import ArrivalProcess  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolBounds, PoolConfig, ScalingConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster  # noqa: E402
@@ -66,18 +67,15 @@ SPARE_TIMEOUT_S = 300.0  # far longer than a spare's model load and warm-up, eve
 
 
 def workload(args: argparse.Namespace) -> list[Spec]:
-    """Poisson arrivals at the low rate, then the high rate, then the low rate again."""
+    """Poisson arrivals at the low rate, then the high rate, then the low rate again; then the prompts."""
     rng = np.random.default_rng(args.seed)
-    specs: list[Spec] = []
+    arrivals: list[float] = []
     begin = 0.0
     for duration, rate in zip(args.phases, (args.low_rate, args.high_rate, args.low_rate), strict=True):
-        at = begin + float(rng.exponential(1 / rate))
-        while at < begin + duration:
-            prompt = rng.integers(1000, 30000, int(rng.integers(64, 193))).tolist()
-            specs.append(Spec(f"r{len(specs)}", "short", at, prompt, args.output_tokens))
-            at += float(rng.exponential(1 / rate))
+        arrivals += ArrivalProcess(rate).times_until(rng, begin + duration, start=begin)
         begin += duration
-    return specs
+    return [Spec(f"r{index}", "short", at, rng.integers(1000, 30000, int(rng.integers(64, 193))).tolist(),
+                 args.output_tokens) for index, at in enumerate(arrivals)]
 
 
 def cluster_config(arm: str, args: argparse.Namespace) -> ClusterConfig:

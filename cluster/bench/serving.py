@@ -39,13 +39,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cluster.bench.arrivals import arrival_offsets
 from cluster.bench.metrics import BenchSummary, Distribution, RequestRecord, parse_goodput, summarize
 from cluster.bench.workloads import (
     WORKLOADS,
     BenchRequest,
     Conversation,
     WorkloadConfig,
-    arrival_offsets,
     build_workload,
     total_requests,
 )

@@ -1,4 +1,4 @@
-"""What a serving benchmark sends, and when: workloads and arrival processes.
+"""What a serving benchmark sends: workloads.
 
 A workload is a list of `Conversation`s, each one or more turns (`BenchRequest`s) sent one after
 another: turn k+1 leaves once turn k's answer has ended. The arrival process schedules the starts
@@ -19,8 +19,7 @@ Workloads:
   endpoint (a trailing assistant message is dropped: it is the reference answer, not the prompt).
   A line's optional `max_tokens` sets its output length; otherwise it is drawn as for `synthetic`.
 
-Arrivals: a gamma process at `request_rate` per second whose shape is the `burstiness` (1 is
-Poisson; below 1 burstier, above 1 more regular); an infinite rate sends everything at once.
+When each conversation starts is `cluster.bench.arrivals`' business.
 """
 
 from __future__ import annotations
@@ -188,20 +187,6 @@ def _conversation_of(line: str, where: str) -> tuple[list[Message], int | None]:
         raise ValueError(f"{where}: no message to send")
     max_tokens = entry.get("max_tokens")
     return messages, int(max_tokens) if max_tokens else None
-
-
-def arrival_offsets(count: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Seconds from the start at which each of `count` arrivals happens: gamma-distributed gaps of
-    mean 1 / request_rate and shape `burstiness` (coefficient of variation 1 / sqrt(burstiness))."""
-    if burstiness <= 0:
-        raise ValueError(f"burstiness must be positive, got {burstiness}")
-    if request_rate <= 0:
-        raise ValueError(f"the request rate must be positive (inf: all at once), got {request_rate}")
-    if math.isinf(request_rate):
-        return [0.0] * count
-    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), count)
-    gaps[0] = 0.0  # the first request leaves at once
-    return [float(t) for t in np.cumsum(gaps)]
 
 
 def total_requests(conversations: Sequence[Conversation]) -> int:

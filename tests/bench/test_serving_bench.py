@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from cluster.bench.arrivals import arrival_offsets
 from cluster.bench.metrics import Distribution, RequestRecord, inter_token_latencies, parse_goodput, summarize
 from cluster.bench.serving import (
     BenchRun,
@@ -31,7 +32,6 @@ from cluster.bench.workloads import (
     BenchRequest,
     Conversation,
     WorkloadConfig,
-    arrival_offsets,
     build_workload,
     read_conversations,
 )
