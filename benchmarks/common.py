@@ -13,20 +13,13 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
-
-from cluster.engine.llm_engine import LLMEngine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 console = Console(width=150)  # wide tables also when piped to a log
@@ -95,6 +88,11 @@ def result_path(benchmark: str, suffix: str = ".json") -> Path:
     return RESULTS / result_name(benchmark, machine_slug(Cpu.here()), run_date(), suffix)
 
 
+def png_path(benchmark: str) -> Path:
+    """A figure's path, beside its JSON results."""
+    return result_path(benchmark, ".png")
+
+
 def machine(module: str = "benchmarks.engine") -> dict[str, Any]:
     """What the numbers were measured on (the load average tells how noisy the machine was), and the
     command that reproduces them (`python -m <module> <this run's arguments>`)."""
@@ -108,6 +106,11 @@ def machine(module: str = "benchmarks.engine") -> dict[str, Any]:
         "command": f"python -m {module} " + shlex.join(sys.argv[1:]),
         "git": git_state(),
     }
+
+
+def gpu_slug(gpu: str) -> str:
+    """A GPU's name as it goes into result file names (`kernels-<slug>`, `gpu-check-<slug>`)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
 
 
 def git_state() -> str:
@@ -145,56 +148,3 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
-
-
-class Timers:
-    """Seconds spent per named section, accumulated; wraps callables so the engine's own call sites
-    are timed in place (a perf_counter pair per call, a few hundred nanoseconds)."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = defaultdict(float)
-
-    def wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        totals = self.totals
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                totals[name] += time.perf_counter() - start
-
-        return timed
-
-    @contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.totals[name] += time.perf_counter() - start
-
-    def take(self) -> dict[str, float]:
-        """The totals so far, then zero."""
-        totals = dict(self.totals)
-        self.totals.clear()
-        return totals
-
-
-def fake_tokens(count: int, rng: np.random.Generator) -> list[int]:
-    # Ordinary vocabulary ids, as synthetic_workload uses: no special tokens.
-    return rng.integers(1000, 30000, count).tolist()
-
-
-def stub_prefill(engine: LLMEngine, rng: np.random.Generator) -> int:
-    """Advance every queued request to steady decode without a forward pass: the scheduler admits
-    and 'computes' prompts, sampled tokens are made up. KV slots keep their zeros, which changes no
-    timing: every op of a decode step costs the same whatever the values. Returns the steps taken."""
-    scheduler, steps = engine.scheduler, 0
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.running):
-        output = scheduler.schedule()
-        sampled = {s.request.request_id: token for s, token in
-                   zip(output.scheduled, fake_tokens(len(output.scheduled), rng), strict=True) if s.samples}
-        scheduler.update_from_output(output, sampled)
-        steps += 1
-    return steps

@@ -41,14 +41,15 @@ import platform  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+from dataclasses import asdict  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 from benchmarks.common import RESULTS, console, cpu_model, git_state, print_table, result_path  # noqa: E402
 from cluster.bench.arrivals import ArrivalProcess  # noqa: E402
-from cluster.common.sampling_params import SamplingParams  # noqa: E402
+from cluster.bench.cluster_runs import Record, drive, warm_up  # noqa: E402
+from cluster.bench.workloads import RequestShape, TimedRequest, timed_requests  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster, init_ray  # noqa: E402
 
@@ -56,50 +57,14 @@ NAME = "disaggregation"
 ARMS = ("colocated", "disaggregated")
 
 
-@dataclass(slots=True)
-class Spec:
-    request_id: str
-    kind: str  # "short" or "long"
-    arrival_s: float  # planned, from the arm's start
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass(slots=True)
-class Record:
-    request_id: str
-    kind: str
-    prompt_len: int
-    planned_s: float
-    sent_s: float = 0.0
-    # (seconds from the arm's start, tokens in the event) for every event that carried tokens
-    events: list[tuple[float, int]] = field(default_factory=list)
-    finished_s: float | None = None
-    num_tokens: int = 0
-    worker_ids: list[str] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.events[0][0] - self.sent_s if self.events else None
-
-    @property
-    def gaps_s(self) -> list[float]:
-        return [b[0] - a[0] for a, b in zip(self.events, self.events[1:], strict=False)]
-
-
-def schedule(args: argparse.Namespace) -> list[Spec]:
-    """The short requests' Poisson arrivals, then their prompts, then the long requests' prompts."""
+def schedule(args: argparse.Namespace) -> list[TimedRequest]:
+    """The short requests' Poisson arrivals and prompts, then the long requests' (the first at half an interval)."""
     rng = np.random.default_rng(args.seed)
-    specs: list[Spec] = []
-    for t in ArrivalProcess(args.short_rate).times_until(rng, args.duration):
-        n = int(rng.integers(args.short_prompt[0], args.short_prompt[1] + 1))
-        specs.append(Spec(f"short-{len(specs)}", "short", t, rng.integers(1000, 30000, n).tolist(), args.short_tokens))
-    longs = ArrivalProcess(1 / args.long_interval, "fixed")  # the first at half an interval
-    for index, t in enumerate(longs.times_until(rng, args.duration, start=-args.long_interval / 2)):
-        n = int(rng.integers(args.long_prompt[0], args.long_prompt[1] + 1))
-        specs.append(Spec(f"long-{index}", "long", t, rng.integers(1000, 30000, n).tolist(), args.long_tokens))
-    return sorted(specs, key=lambda s: s.arrival_s)
+    short = timed_requests(rng, ArrivalProcess(args.short_rate).times_until(rng, args.duration),
+                           RequestShape(tuple(args.short_prompt), (args.short_tokens,) * 2, "short"), "short-")
+    longs = ArrivalProcess(1 / args.long_interval, "fixed").times_until(rng, args.duration, -args.long_interval / 2)
+    long_ = timed_requests(rng, longs, RequestShape(tuple(args.long_prompt), (args.long_tokens,) * 2, "long"), "long-")
+    return sorted(short + long_, key=lambda r: r.arrival_s)
 
 
 def cluster_config(mode: str, args: argparse.Namespace) -> ClusterConfig:
@@ -110,61 +75,6 @@ def cluster_config(mode: str, args: argparse.Namespace) -> ClusterConfig:
                              decode=PoolConfig(replicas=2, num_cpus=args.num_cpus), engine=engine)
     return ClusterConfig(mode="disaggregated", prefill=PoolConfig(replicas=1, num_cpus=args.num_cpus),
                          decode=PoolConfig(replicas=1, num_cpus=args.num_cpus), engine=engine)
-
-
-async def one(cluster: Cluster, spec: Spec, record: Record, start: float, run_id: str) -> None:
-    await asyncio.sleep(max(0.0, start + spec.arrival_s - time.perf_counter()))
-    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0, ignore_eos=True)
-    record.sent_s = time.perf_counter() - start
-    async for event in cluster.generate(spec.prompt, params, request_id=f"{run_id}-{spec.request_id}"):
-        now = time.perf_counter() - start
-        if event.token_ids:
-            if event.index != record.num_tokens:
-                record.error = f"event index {event.index}, expected {record.num_tokens}"
-            record.events.append((now, len(event.token_ids)))
-            record.num_tokens += len(event.token_ids)
-        if event.worker_id not in record.worker_ids:
-            record.worker_ids.append(event.worker_id)
-        if event.finished:
-            record.finished_s = now
-    if record.num_tokens != spec.max_tokens and record.error is None:
-        record.error = f"{record.num_tokens} tokens, expected {spec.max_tokens}"
-
-
-async def drive(cluster: Cluster, specs: list[Spec], args: argparse.Namespace, run_id: str) -> list[Record]:
-    records = [Record(s.request_id, s.kind, len(s.prompt), s.arrival_s) for s in specs]
-    start = time.perf_counter()
-    tasks = [asyncio.create_task(one(cluster, s, r, start, run_id)) for s, r in zip(specs, records, strict=True)]
-    deadline = args.duration + args.drain
-    with console.status(f"{run_id}: {len(specs)} requests over {args.duration:.0f} s") as status:
-        while not all(t.done() for t in tasks):
-            elapsed = time.perf_counter() - start
-            if elapsed > deadline:
-                break
-            done = sum(t.done() for t in tasks)
-            status.update(f"{run_id}: {elapsed:5.1f} s, {done}/{len(tasks)} requests done")
-            await asyncio.sleep(0.5)
-    for task, record in zip(tasks, records, strict=True):
-        if not task.done():
-            task.cancel()
-            record.error = record.error or f"unfinished after {deadline:.0f} s"
-        elif task.exception() is not None:
-            record.error = f"{type(task.exception()).__name__}: {task.exception()}"
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return records
-
-
-async def warm_up(cluster: Cluster, args: argparse.Namespace) -> None:
-    """Two short requests at once (one per worker in the colocated arm) and a 512-token prompt."""
-    rng = np.random.default_rng(12345)
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-
-    async def run(prompt: list[int], request_id: str) -> None:
-        async for _ in cluster.generate(prompt, params, request_id=request_id):
-            pass
-
-    await asyncio.gather(*(run(rng.integers(1000, 30000, 48).tolist(), f"warm-{i}") for i in range(2)))
-    await asyncio.gather(*(run(rng.integers(1000, 30000, 512).tolist(), f"warm-long-{i}") for i in range(2)))
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -216,7 +126,7 @@ def worker_threads() -> int:
     return ray.get(threads.remote(), timeout=120)
 
 
-def run_arm(mode: str, specs: list[Spec], args: argparse.Namespace) -> dict[str, Any]:
+def run_arm(mode: str, specs: list[TimedRequest], args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     console.rule(f"[bold]{mode}")
@@ -226,8 +136,8 @@ def run_arm(mode: str, specs: list[Spec], args: argparse.Namespace) -> dict[str,
     load_before = os.getloadavg()
     try:
         async def both() -> list[Record]:
-            await warm_up(cluster, args)
-            return await drive(cluster, specs, args, mode)
+            await warm_up(cluster)
+            return await drive(cluster, specs, mode, args.duration + args.drain)
 
         records = asyncio.run(both())
         router_stats = ray.get(cluster.router.stats.remote(), timeout=30)

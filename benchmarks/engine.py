@@ -29,8 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 
 import torch  # noqa: E402
 
-from benchmarks import micro, plots, workloads  # noqa: E402
-from benchmarks.common import machine, print_table, save  # noqa: E402
+from benchmarks.common import machine, png_path, print_table, save  # noqa: E402
+from cluster.bench import engine_micro as micro  # noqa: E402
+from cluster.bench import engine_runs as workloads  # noqa: E402
+from cluster.bench import plots  # noqa: E402
 from cluster.engine.config import KV_CACHE_DTYPES  # noqa: E402
 from cluster.model import elementwise  # noqa: E402
 from cluster.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
@@ -98,7 +100,7 @@ def cmd_step_vs_linear(args: argparse.Namespace) -> None:
     fp8 = {r["kv_cache_dtype"] for r in runs} - {"float32", "bfloat16"}  # the KV cache named only where it is fp8
     last = {f"{r['dtype']} {r['attention']}" + (f" KV {r['kv_cache_dtype']}" if fp8 else ""): r
             for r in runs if r["repeat"] == args.repeats - 1}
-    plots.stacked("step-vs-linear", {key: {k: v * MS for k, v in r["breakdown_median_s"].items()}
+    plots.stacked(png_path("step-vs-linear"), {key: {k: v * MS for k, v in r["breakdown_median_s"].items()}
                                      for key, r in last.items()}, "ms per decode step",
                   f"decode step at {args.num_seqs} rows (dashed: 1.5x linear layers alone)",
                   reference={key: 1.5 * r["linear_median_s"] * MS for key, r in last.items()})
@@ -122,7 +124,7 @@ def cmd_scheduler_cost(args: argparse.Namespace) -> None:
     met = all(r["host_median_s"] <= 1e-3 for r in runs if r["num_seqs"] >= 256)
     save("scheduler-cost", {"target": "schedule + build_batch + update <= 1 ms per step at 256 running",
                             "target_met": met, "runs": runs}, info)
-    plots.stacked("scheduler-cost", {f"{r['num_seqs']} running": {
+    plots.stacked(png_path("scheduler-cost"), {f"{r['num_seqs']} running": {
         "schedule": r["schedule_median_s"] * MS, "build_batch": r["build_batch_median_s"] * MS,
         "update_from_output": r["update_median_s"] * MS, "outputs (detokenize)": r["outputs_median_s"] * MS}
         for r in runs}, "ms per step", "host work per decode step, no model (dashed: 1 ms target)",
@@ -140,7 +142,8 @@ def cmd_static_vs_continuous(args: argparse.Namespace) -> None:
     print_table("ratio", ["continuous / static throughput", "target >= 3x"],
                 [[data["throughput_ratio"], "met" if data["target_met"] else "MISSED"]])
     save("static-vs-continuous", data, info)
-    plots.timelines("static-vs-continuous", arms, f"{args.num_requests} requests, max_num_seqs={args.max_num_seqs}")
+    plots.timelines(png_path("static-vs-continuous"),
+                    arms, f"{args.num_requests} requests, max_num_seqs={args.max_num_seqs}")
 
 
 def cmd_vs_transformers(args: argparse.Namespace) -> None:
@@ -157,7 +160,8 @@ def cmd_vs_transformers(args: argparse.Namespace) -> None:
                   data["ratio_vs_transformers_static"], "met" if data["target_met"] else "MISSED"]])
     save("vs-transformers", data, info)
     labels = {k.replace("transformers ", "transformers\n"): r["tokens_per_second"] for k, r in rows.items()}
-    plots.bars("vs-transformers", labels, "generated tokens / s", f"{args.num_requests} requests, SmolLM2-135M")
+    plots.bars(png_path("vs-transformers"),
+               labels, "generated tokens / s", f"{args.num_requests} requests, SmolLM2-135M")
 
 
 def cmd_preemption(args: argparse.Namespace) -> None:
@@ -171,7 +175,8 @@ def cmd_preemption(args: argparse.Namespace) -> None:
                   f"{a['greedy_vs_baseline']['identical']}/{a['greedy_vs_baseline']['total']}"]
                  for k, a in arms.items()])
     save("preemption", data, info)
-    plots.timelines("preemption", arms, f"{args.num_requests} requests, pool for ~{args.pool_fraction:.0%} of them")
+    plots.timelines(png_path("preemption"),
+                    arms, f"{args.num_requests} requests, pool for ~{args.pool_fraction:.0%} of them")
 
 
 def cmd_prefill_vs_linear(args: argparse.Namespace) -> None:

@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, console, machine, result_path
+from benchmarks.common import RESULTS, console, gpu_slug, machine, result_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
@@ -130,7 +130,6 @@ def main() -> int:
     if not args.skip_kernels:
         results["kernels"] = run_step("kernel benchmark", [sys.executable, "-m", "benchmarks.kernels", "--quick",
                                                            "--no-engine"], 0.3 * budget)
-    from benchmarks.kernels import gpu_slug
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = result_path(f"gpu-check-{gpu_slug(results['gpu'])}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import time
@@ -32,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import console, machine, print_table, save
-from benchmarks.plots import _pyplot, _save
+from benchmarks.common import console, gpu_slug, machine, print_table, result_path, save
+from cluster.bench.plots import pyplot, save_figure
 from pdserve_kernels import reference
 
 LAYOUTS = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # query heads, kv heads, head dim
@@ -305,7 +304,7 @@ def run_engine(quick: bool) -> dict[str, Any]:
 # ---- report --------------------------------------------------------------------------------------------
 
 def plot(name: str, decode: list[dict[str, Any]], prefill: list[dict[str, Any]], copy: float, gpu: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -330,12 +329,7 @@ def plot(name: str, decode: list[dict[str, Any]], prefill: list[dict[str, Any]],
     right.legend(fontsize=8)
     for ax in (left, right):
         ax.grid(alpha=0.3)
-    _save(fig, name)
-    plt.close(fig)
-
-
-def gpu_slug(gpu: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+    save_figure(fig, result_path(name, ".png"))
 
 
 def main(argv: list[str] | None = None) -> int:

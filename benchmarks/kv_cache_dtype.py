@@ -33,8 +33,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 
 import torch  # noqa: E402
 
-from benchmarks import plots, workloads  # noqa: E402
-from benchmarks.common import machine, print_table, save  # noqa: E402
+from benchmarks.common import machine, png_path, print_table, save  # noqa: E402
+from cluster.bench import engine_runs as workloads  # noqa: E402
+from cluster.bench import plots  # noqa: E402
 from cluster.bench.offline import synthetic_workload  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
@@ -127,7 +128,8 @@ def main() -> None:
         results["accuracy"] = accuracy(args)
     save("kv-cache-dtype", {"max_tokens": args.max_tokens, "prompts": PROMPTS, **results}, info)
     if "accuracy" in results:
-        plots.bars("kv-cache-dtype", {name: 100 * arm["agreement"] for name, arm in results["accuracy"].items()},
+        plots.bars(png_path("kv-cache-dtype"),
+                   {name: 100 * arm["agreement"] for name, arm in results["accuracy"].items()},
                    "% of tokens = fp32 argmax", "greedy agreement with transformers fp32, by KV cache dtype")
 
 

@@ -579,9 +579,10 @@ def report(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], kills
 
 
 def plot(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], copies: dict[str, Any]) -> None:
-    from benchmarks.plots import _pyplot, _save
+    from benchmarks.common import result_path
+    from cluster.bench.plots import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     mib = [nbytes >> 20 for nbytes in sizes]
@@ -600,8 +601,7 @@ def plot(sizes: list[int], arms: dict[str, Any], memcpy: dict[str, Any], copies:
         axis.grid(alpha=0.3)
     rate.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     stall.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
-    _save(fig, "kv-transfer")
-    plt.close(fig)
+    save_figure(fig, result_path("kv-transfer", ".png"))
 
 
 def main_parent(args: argparse.Namespace) -> None:

@@ -7,7 +7,7 @@
    tokens), or `--profile` to reuse one.
 2. The defaults, each a real cluster on the same requests (one core and one thread per worker,
    the engine's default limits: 2,048 tokens a step, 256 sequences): 1P+1D, colocated x1 and x2.
-   Each cluster first times what serving adds to the steps (`planner_runs.measure_serving`); the
+   Each cluster first times what serving adds to the steps (`cluster.bench.planner_runs.measure_serving`); the
    first of each mode goes into the profile (saved as `planner-goodput.<machine>.<date>.profile.json`).
 3. `plan` with budget 2 on that profile, the workload and the SLOs (the search `pdserve plan`
    runs). It sees the profile and the serving latencies, never the measured runs' figures.
@@ -43,7 +43,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from benchmarks.common import console, machine, print_table, result_path, save  # noqa: E402
-from benchmarks.planner_runs import measured_run, profile_here, specs_for, with_serving  # noqa: E402
+from cluster.bench.planner_runs import measured_run, profile_here, specs_for, with_serving  # noqa: E402
 from cluster.planner.measure import MeasureGrid  # noqa: E402
 from cluster.planner.plan import SearchSpace, Slo, plan  # noqa: E402
 from cluster.planner.profile import Profile  # noqa: E402
@@ -165,7 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     info = machine("benchmarks.planner_goodput")
     slo = Slo(args.slo_ttft, args.slo_tpot)
-    profile = profile_here(args.profile, GRID, NAME)
+    profile = profile_here(args.profile, GRID, result_path(NAME, ".profile.json"))
     if args.explore:
         explore(profile, slo)
         return

@@ -7,14 +7,14 @@
 2. For each configuration (colocated x1, colocated x2, 1P+1D by default; `--configs`), start the
    real cluster (embedded Ray, UCX between the pools), warm it up, and replay the workload: Poisson
    arrivals at `--rate`, prompts of 64-256 random ids, 16-64 output tokens (greedy, EOS ignored),
-   every token event timestamped at the client (`benchmarks.disaggregation.one`). Before the
+   every token event timestamped at the client (`cluster.bench.cluster_runs`). Before the
    workload, a few requests alone time what serving adds to the profile's steps on that cluster
-   (`benchmarks.planner_runs.measure_serving`: the first token's hops, each step's dispatch).
+   (`cluster.bench.planner_runs.measure_serving`: the first token's hops, each step's dispatch).
 3. Simulate the same requests on the same topology from the profile with those serving latencies
-   (and the front door's CPU measured over the run: `benchmarks.planner_runs`), and compare TTFT,
+   (and the front door's CPU measured over the run: `cluster.bench.planner_runs`), and compare TTFT,
    ITL and TPOT p50/p90, predicted against measured; and every request's TTFT against its own
    simulated one (`per_request`: where the percentiles hide a queue the model gets wrong).
-The helpers shared with `benchmarks.planner_goodput` are in `benchmarks.planner_runs`.
+The helpers shared with `benchmarks.planner_goodput` are in `cluster.bench.planner_runs`.
 Results: benchmarks/results/planner-validation.<machine>.<date>.json and .png (predicted against measured,
 with the ±25% band). Most of its time goes to each configuration's start and warm-up. On a loaded machine
 the measured side is slower than the
@@ -36,8 +36,8 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import machine, print_table, result_path, save  # noqa: E402
-from benchmarks.disaggregation import Spec  # noqa: E402
-from benchmarks.planner_runs import (  # noqa: E402
+from cluster.bench.arrivals import ArrivalProcess  # noqa: E402
+from cluster.bench.planner_runs import (  # noqa: E402
     FIGURES,
     compare,
     measured_run,
@@ -46,7 +46,7 @@ from benchmarks.planner_runs import (  # noqa: E402
     profile_here,
     with_serving,
 )
-from cluster.bench.arrivals import ArrivalProcess  # noqa: E402
+from cluster.bench.workloads import RequestShape, TimedRequest, timed_requests  # noqa: E402
 from cluster.planner.front_door import cores_between  # noqa: E402
 from cluster.planner.measure import MeasureGrid  # noqa: E402
 from cluster.planner.profile import Profile, Serving  # noqa: E402
@@ -69,20 +69,16 @@ CONFIGS = {"colocated-1": Topology(COLOCATED, 0, 1), "colocated-2": Topology(COL
            "1P+1D": Topology(DISAGGREGATED, 1, 1)}
 
 
-def workload(args: argparse.Namespace) -> tuple[list[Spec], list[RequestSpec]]:
+def workload(args: argparse.Namespace) -> tuple[list[TimedRequest], list[RequestSpec]]:
+    """Poisson arrivals, the first one mean gap early (at 0 when its own gap was shorter: the run
+    starts busy); prompts of 64-256 tokens, 16-64 output tokens."""
     rng = np.random.default_rng(args.seed)
-    # The first request one mean gap early (at 0 when its own gap was shorter): the run starts busy.
     arrivals = ArrivalProcess(args.rate).times(rng, args.num_requests, start=-1 / args.rate)
-    specs, requests = [], []
-    for index, at in enumerate(max(t, 0.0) for t in arrivals):
-        prompt = rng.integers(1000, 30000, int(rng.integers(64, 257))).tolist()
-        output = int(rng.integers(16, 65))
-        specs.append(Spec(f"r{index}", "short", float(at), prompt, output))
-        requests.append(RequestSpec(float(at), len(prompt), output))
-    return specs, requests
+    specs = timed_requests(rng, [max(t, 0.0) for t in arrivals], RequestShape((64, 256), (16, 64)))
+    return specs, [RequestSpec(spec.arrival_s, len(spec.prompt), spec.max_tokens) for spec in specs]
 
 
-def validate(name: str, profile: Profile, specs: list[Spec], requests: list[RequestSpec],
+def validate(name: str, profile: Profile, specs: list[TimedRequest], requests: list[RequestSpec],
              args: argparse.Namespace) -> dict[str, Any]:
     """One configuration: measured, then simulated with the serving latencies timed on that cluster."""
     topology = CONFIGS[name]
@@ -132,7 +128,7 @@ def main() -> None:
     parser.add_argument("--drain", type=float, default=60.0, help="seconds past the last arrival to finish")
     args = parser.parse_args()
     info = machine("benchmarks.planner_validation")
-    profile = profile_here(args.profile, GRID, NAME)
+    profile = profile_here(args.profile, GRID, result_path(NAME, ".profile.json"))
     specs, requests = workload(args)
     args.duration = max(spec.arrival_s for spec in specs)  # `drive` stops waiting at duration + drain
     results = {name: validate(name, profile, specs, requests, args) for name in args.configs}

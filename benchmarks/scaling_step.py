@@ -54,8 +54,9 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import console, machine, print_table, result_path, save  # noqa: E402
-from benchmarks.disaggregation import Record, Spec, one, warm_up  # noqa: E402
 from cluster.bench.arrivals import ArrivalProcess  # noqa: E402
+from cluster.bench.cluster_runs import Record, send, settle, warm_up  # noqa: E402
+from cluster.bench.workloads import RequestShape, TimedRequest, timed_requests  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.ray_cluster.config import ClusterConfig, PoolBounds, PoolConfig, ScalingConfig, engine_config_from  # noqa: E402
 from cluster.ray_cluster.launcher import Cluster  # noqa: E402
@@ -66,7 +67,7 @@ SAMPLE_S = 0.5  # how often the pools' sizes are read
 SPARE_TIMEOUT_S = 300.0  # far longer than a spare's model load and warm-up, even on a loaded machine
 
 
-def workload(args: argparse.Namespace) -> list[Spec]:
+def workload(args: argparse.Namespace) -> list[TimedRequest]:
     """Poisson arrivals at the low rate, then the high rate, then the low rate again; then the prompts."""
     rng = np.random.default_rng(args.seed)
     arrivals: list[float] = []
@@ -74,8 +75,7 @@ def workload(args: argparse.Namespace) -> list[Spec]:
     for duration, rate in zip(args.phases, (args.low_rate, args.high_rate, args.low_rate), strict=True):
         arrivals += ArrivalProcess(rate).times_until(rng, begin + duration, start=begin)
         begin += duration
-    return [Spec(f"r{index}", "short", at, rng.integers(1000, 30000, int(rng.integers(64, 193))).tolist(),
-                 args.output_tokens) for index, at in enumerate(arrivals)]
+    return timed_requests(rng, arrivals, RequestShape((64, 192), (args.output_tokens,) * 2))
 
 
 def cluster_config(arm: str, args: argparse.Namespace) -> ClusterConfig:
@@ -99,13 +99,13 @@ async def sample_pools(cluster: Cluster, start: float, samples: list[tuple[float
         await asyncio.sleep(SAMPLE_S)
 
 
-async def drive(cluster: Cluster, specs: list[Spec], args: argparse.Namespace, arm: str) -> dict[str, Any]:
+async def drive(cluster: Cluster, specs: list[TimedRequest], args: argparse.Namespace, arm: str) -> dict[str, Any]:
     """Send every request at its time, read the pools meanwhile; the records and the pool samples."""
-    records = [Record(s.request_id, s.kind, len(s.prompt), s.arrival_s) for s in specs]
+    records = [Record.of(s) for s in specs]
     samples: list[tuple[float, int]] = []
     start, start_wall = time.perf_counter(), time.time()
     sampler = asyncio.create_task(sample_pools(cluster, start, samples))
-    tasks = [asyncio.create_task(one(cluster, s, r, start, arm)) for s, r in zip(specs, records, strict=True)]
+    tasks = [asyncio.create_task(send(cluster, s, r, start, arm)) for s, r in zip(specs, records, strict=True)]
     deadline = sum(args.phases) + args.drain
     with console.status(arm) as status:
         while not all(task.done() for task in tasks) and time.perf_counter() - start < deadline:
@@ -113,27 +113,15 @@ async def drive(cluster: Cluster, specs: list[Spec], args: argparse.Namespace, a
                           f" done, decode workers {samples[-1][1] if samples else '?'}")
             await asyncio.sleep(0.5)
     sampler.cancel()
-    for task, record in zip(tasks, records, strict=True):
-        if not task.done():
-            task.cancel()
-            record.error = record.error or f"unfinished after {deadline:.0f} s"
-        elif task.exception() is not None:
-            record.error = record.error or f"{type(task.exception()).__name__}: {task.exception()}"
+    settle(tasks, records, deadline)
     await asyncio.gather(*tasks, sampler, return_exceptions=True)
     scaling = await cluster.scaling()
     return {"records": records, "pool_samples": samples, "scaling": scaling,
             "decisions": decisions(scaling, start_wall, records)}
 
 
-def tpot(record: Record) -> float | None:
-    """Seconds per output token after the first (the request's mean ITL)."""
-    if record.num_tokens < 2 or not record.events:
-        return None
-    return (record.events[-1][0] - record.events[0][0]) / (record.num_tokens - 1)
-
-
 def meets(record: Record, args: argparse.Namespace) -> bool:
-    per_token = tpot(record)
+    per_token = record.tpot_s
     return record.error is None and record.ttft_s is not None and record.ttft_s <= args.slo_ttft \
         and per_token is not None and per_token <= args.slo_tpot
 
@@ -148,7 +136,7 @@ def windows(records: list[Record], args: argparse.Namespace) -> list[dict[str, A
     for begin in np.arange(0, sum(args.phases), args.window):
         sent = [r for r in records if begin <= r.planned_s < begin + args.window]
         ttft = [r.ttft_s for r in sent if r.ttft_s is not None]
-        per_token = [t for r in sent if (t := tpot(r)) is not None]
+        per_token = [t for r in sent if (t := r.tpot_s) is not None]
         rows.append({"begin_s": float(begin), "requests": len(sent), "ttft_p50_s": pct(ttft, 50),
                      "ttft_p90_s": pct(ttft, 90), "tpot_p50_s": pct(per_token, 50), "tpot_p90_s": pct(per_token, 90),
                      "attainment": sum(meets(r, args) for r in sent) / len(sent) if sent else None})
@@ -215,14 +203,14 @@ async def spares_ready(cluster: Cluster, spares: int) -> None:
         await asyncio.sleep(SAMPLE_S)
 
 
-def run_arm(arm: str, specs: list[Spec], args: argparse.Namespace) -> dict[str, Any]:
+def run_arm(arm: str, specs: list[TimedRequest], args: argparse.Namespace) -> dict[str, Any]:
     """One arm; the first one measures the capacity and makes the workload (`specs`, filled in)."""
     console.rule(f"[bold]{arm}")
     cluster = Cluster(cluster_config(arm, args)).start()
     try:
         async def run() -> dict[str, Any]:
             await spares_ready(cluster, args.warm_spares if arm == "scaling" else 0)
-            await warm_up(cluster, args)
+            await warm_up(cluster)
             measured = await capacity(cluster, args)
             if not specs:
                 rates(args, measured)
@@ -241,12 +229,12 @@ def run_arm(arm: str, specs: list[Spec], args: argparse.Namespace) -> dict[str, 
         "tokens": sum(r.num_tokens for r in records), "tokens_expected": len(records) * args.output_tokens,
         "attainment": sum(meets(r, args) for r in records) / len(records),
         "ttft_p90_s": pct([r.ttft_s for r in ok if r.ttft_s is not None], 90),
-        "tpot_p90_s": pct([t for r in ok if (t := tpot(r)) is not None], 90),
+        "tpot_p90_s": pct([t for r in ok if (t := r.tpot_s) is not None], 90),
         "windows": windows(records, args), "pool_samples": driven["pool_samples"],
         "decisions": driven["decisions"], "scaling_status": driven["scaling"],
         "workers_used": sorted({w for r in records for w in r.worker_ids}),
         "load_average_after": os.getloadavg(),
-        "records": [{"id": r.request_id, "sent_s": r.sent_s, "ttft_s": r.ttft_s, "tpot_s": tpot(r),
+        "records": [{"id": r.request_id, "sent_s": r.sent_s, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
                      "tokens": r.num_tokens, "workers": r.worker_ids, "error": r.error} for r in records],
     }
 
@@ -334,7 +322,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     args = parser.parse_args()
     info = machine("benchmarks.scaling_step")
-    specs: list[Spec] = []  # made by the first arm, from the capacity it measures
+    specs: list[TimedRequest] = []  # made by the first arm, from the capacity it measures
     results = {arm: run_arm(arm, specs, args) for arm in args.arms}
     for r in results.values():
         r["windows_lost"] = lost(r["windows"], args)

@@ -20,19 +20,14 @@ SmolLM2-135M-Instruct from the local cache; nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
-import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,85 +35,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere
 
 from benchmarks.common import console, cpu_model, git_state, print_table, result_path, save  # noqa: E402
-from benchmarks.plots import _pyplot  # noqa: E402
-from cluster.bench.serving import HttpDriver, LoadConfig, benchmark, finite  # noqa: E402
+from cluster.bench.plots import pyplot, save_figure  # noqa: E402
+from cluster.bench.server_runs import ServerSettings, measure, running_server  # noqa: E402
+from cluster.bench.serving import LoadConfig, finite  # noqa: E402
 from cluster.bench.workloads import WorkloadConfig  # noqa: E402
 
-START_TIMEOUT_S = 600.0  # a cold Ray cluster on a busy machine takes minutes
 MS = "ms"
-
-
-# ---- the server under test ----------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
-    model: str = "default"
-    threads: int = 1
-    cluster: bool = False  # the Ray cluster (1 prefill + 1 decode worker) instead of one local engine
-    colocated: bool = False  # with `cluster`: one colocated worker instead
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory_gb: float = 1.0
-    config: str = ""  # a cluster YAML file (`--config`)
-
-    def command(self) -> list[str]:
-        backend = ["--num-prefill", "1", "--num-decode", "1"] if self.cluster else ["--local"]
-        if self.cluster and self.colocated:
-            backend = ["--mode", "colocated", "--num-decode", "1"]
-        if self.config:
-            backend += ["--config", self.config]
-        return [sys.executable, "-m", "cluster.cli", "serve", *backend, "--model", self.model,
-                "--host", "127.0.0.1", "--port", "0", "--grpc-port", "-1", "--log-level", "warning",
-                "--drain-s", "2", "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--kv-cache-memory-gb", str(self.kv_cache_memory_gb)]
-
-
-@contextmanager
-def running_server(settings: ServerSettings) -> Iterator[str]:
-    """`pdserve serve` in a subprocess, logging to a temporary file; yields its URL once it listens
-    (the benchmark then waits for /ready); SIGTERM at the end."""
-    env = {**os.environ, "PDSERVE_API_KEY": ""}
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # threads 0: the workers' own choice (they follow the load)
-        env.pop(name, None)
-        if settings.threads > 0:
-            env[name] = str(settings.threads)
-    with tempfile.NamedTemporaryFile("w+", prefix="pdserve-bench-", suffix=".log") as log:
-        process = subprocess.Popen(settings.command(), stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        try:
-            yield _wait_for_url(process, Path(log.name))
-        finally:
-            _stop(process)
-
-
-def _wait_for_url(process: subprocess.Popen[str], log: Path) -> str:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = re.search(r"HTTP on (http://[^\s,;]+)", log.read_text())
-        if found:
-            return found.group(1)
-        if process.poll() is not None:
-            break
-        time.sleep(0.2)
-    tail = "\n".join(log.read_text().splitlines()[-20:])
-    raise RuntimeError(f"the server did not start (exit code {process.poll()}):\n{tail}")
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def measure(url: str, workload: WorkloadConfig, load: LoadConfig) -> dict[str, Any]:
-    """One benchmark run; its summary (and one per request class) as plain data."""
-    run = asyncio.run(benchmark(HttpDriver(url), workload, replace(load, ready_timeout_s=START_TIMEOUT_S), console))
-    point: dict[str, Any] = {"load_average": run.load_average, **run.summary().as_dict()}
-    if len(run.tags) > 1:
-        point["by_tag"] = {tag: run.summary(tag=tag).as_dict() for tag in run.tags}
-    return point
 
 
 # ---- the sweeps ---------------------------------------------------------------------------------
@@ -258,7 +180,7 @@ def finish(info: dict[str, Any]) -> dict[str, Any]:
 def plot_rate_sweep(points: list[dict[str, Any]], path: Path) -> None:
     """TTFT and ITL (p50, p99) against the output throughput achieved: a line through the finite
     rates (each labelled), a star for everything sent at once."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -276,14 +198,14 @@ def plot_rate_sweep(points: list[dict[str, Any]], path: Path) -> None:
         ax.set(xlabel="output tokens/s achieved", ylabel=MS, title=title, yscale="log")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    _save(fig, plt, path)
+    save_figure(fig, path)
 
 
 def plot_token_budget(points: list[dict[str, Any]], path: Path) -> None:
     """TTFT p95 (long and short prompts) and ITL p50, p95, p99 per max_num_batched_tokens: lines
     through the means, a dot per run. ITL p99 shows the stalls a whole long prefill in one step causes,
     which p95 can miss (they hit one token per stream)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     budgets = [p["max_num_batched_tokens"] for p in points]
@@ -301,15 +223,7 @@ def plot_token_budget(points: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.grid(alpha=0.3)
         ax.legend()
-    _save(fig, plt, path)
-
-
-def _save(fig: Any, plt: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    console.print(f"[green]wrote {path}")
+    save_figure(fig, path)
 
 
 # ---- the command line ---------------------------------------------------------------------------

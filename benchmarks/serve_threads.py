@@ -41,7 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.common import machine, print_table, save
-from benchmarks.serve import ServerSettings, measure, running_server
+from cluster.bench.server_runs import ServerSettings, measure, running_server
 from cluster.bench.serving import LoadConfig
 from cluster.bench.workloads import WorkloadConfig, build_workload
 from cluster.worker.cpu_binding import bind_process, bind_thread, split_cpus
@@ -94,7 +94,7 @@ def _engine_alone(workload: WorkloadConfig) -> float:
 def transformers_continuous(workload: WorkloadConfig) -> float:
     """Output tokens per second of transformers' continuous batching on the same requests (the
     default model, fp32), run as `benchmarks.engine vs-transformers` runs it."""
-    from benchmarks.workloads import hf_continuous, load_hf_model
+    from cluster.bench.engine_runs import hf_continuous, load_hf_model
     from cluster.bench.offline import Workload
     from cluster.engine.config import SchedulerConfig
     from cluster.weights.default_model import resolve_model_path

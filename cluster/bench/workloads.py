@@ -20,6 +20,10 @@ Workloads:
   A line's optional `max_tokens` sets its output length; otherwise it is drawn as for `synthetic`.
 
 When each conversation starts is `cluster.bench.arrivals`' business.
+
+The cluster benchmarks (`cluster.bench.cluster_runs`: token ids straight to a `Cluster`, no HTTP)
+send `TimedRequest`s: a request with its id, its class and its planned arrival. `timed_requests`
+gives one to each arrival time, with prompt and output lengths drawn uniformly (`RequestShape`).
 """
 
 from __future__ import annotations
@@ -90,6 +94,45 @@ class WorkloadConfig:
             raise ValueError(f"the token id range must be LOW:HIGH with 0 <= LOW < HIGH, got {low}:{high}")
         if self.kind == "file" and not self.dataset:
             raise ValueError("the file workload needs a dataset: a JSONL file of {\"messages\": [...]} lines")
+
+
+@dataclass(frozen=True, slots=True)
+class TimedRequest:
+    """One request of a cluster benchmark: random token ids, sent at `arrival_s` from the run's start,
+    greedy, EOS ignored (exactly `max_tokens` come back)."""
+
+    request_id: str
+    kind: str  # the class of request, kept in its record ("short", "long", ...)
+    arrival_s: float
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    """Prompt and output lengths drawn uniformly from [low, high] (both included; low == high: fixed,
+    nothing drawn), token ids from `token_range`."""
+
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    kind: str = "short"
+    token_range: tuple[int, int] = (1000, 30000)
+
+
+def timed_requests(rng: np.random.Generator, arrivals: Sequence[float], shape: RequestShape,
+                   id_prefix: str = "r") -> list[TimedRequest]:
+    """One request per arrival, ids `{id_prefix}{index}`; per request its prompt length, its ids,
+    then its output length are drawn, in that order."""
+    requests = []
+    for index, at in enumerate(arrivals):
+        prompt = random_tokens(rng, _uniform(rng, shape.prompt_len), shape.token_range)
+        requests.append(TimedRequest(f"{id_prefix}{index}", shape.kind, at, prompt, _uniform(rng, shape.output_len)))
+    return requests
+
+
+def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
+    low, high = bounds
+    return low if low == high else int(rng.integers(low, high + 1))
 
 
 def build_workload(config: WorkloadConfig) -> list[Conversation]:

@@ -11,7 +11,7 @@ disaggregated mode, the worker's queue, the first token's event back), what a se
 to each step (its event loop dispatching the step's tokens), how much longer a served worker's
 engine step takes than the engine alone's (`step_factor`), and the front door's CPU on the cores
 the workers share (`front_door.py`). `pdserve profile` times one engine and
-leaves them zero; `benchmarks.planner_runs.measure_serving` times them on a cluster it started.
+leaves them zero; `cluster.bench.planner_runs.measure_serving` times them on a cluster it started.
 
 Between measured points the tables are interpolated linearly (bilinearly for the two-axis ones),
 and past the last point extrapolated along the last segment: step time grows about linearly in

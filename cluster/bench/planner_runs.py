@@ -1,11 +1,12 @@
-"""Real clusters next to the planner's simulator: what `planner_validation` and `planner_goodput` share.
+"""Real clusters next to the planner's simulator: what `benchmarks.planner_validation` and
+`benchmarks.planner_goodput` share.
 
 - `profile_here`: the profile (`--profile`, or measured here on a grid sized to the workload, one
-  torch thread as each worker below gets);
+  torch thread as each worker below gets, and saved where the script says);
 - `measured_run`: start the real cluster for a `Topology` (embedded Ray, one core and one thread per
   worker, the topology's token budget and batch limit), warm it up, time what serving adds to the
   engine's steps (`measure_serving`: a few requests alone, before the workload), replay the
-  workload (every token event timestamped at the client, `benchmarks.disaggregation.one`), stop it;
+  workload (every token event timestamped at the client, `cluster.bench.cluster_runs`), stop it;
   meanwhile the front door's CPU (`cluster.planner.front_door`: this process, the router, Ray's
   processes and the workers' threads other than their engine threads) over an idle window, the
   lone requests and the workload gives its idle, per-request and per-token costs;
@@ -21,12 +22,13 @@ import asyncio
 import statistics
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import console, result_path
-from benchmarks.disaggregation import Record, Spec, drive, one, warm_up
+from cluster.bench.cluster_runs import Record, console, drive, send, warm_up
+from cluster.bench.workloads import TimedRequest, random_tokens
 from cluster.planner.accuracy import per_request_agreement
 from cluster.planner.cluster_file import cluster_values
 from cluster.planner.front_door import CpuMeter, CpuWindow, OtherLoad, cores_between, front_door_costs
@@ -46,7 +48,8 @@ OTHER_LOAD_PERIOD_S = 1.0  # how often the other processes' cores are sampled du
 QUIET_OTHER_CORES = 0.25  # a request is in a quiet spell when other processes took less than this
 
 
-def profile_here(path: str, grid: MeasureGrid, name: str) -> Profile:
+def profile_here(path: str, grid: MeasureGrid, destination: Path) -> Profile:
+    """The profile at `path`, or one measured here and saved to `destination`."""
     if path:
         return load_profile(path)
     import torch
@@ -54,17 +57,17 @@ def profile_here(path: str, grid: MeasureGrid, name: str) -> Profile:
     torch.set_num_threads(1)
     started = time.monotonic()
     profile = measure(engine_for("default", "auto", grid), grid)
-    path = result_path(name, ".profile.json")
-    profile.save(path)
-    console.print(f"profile: {time.monotonic() - started:.0f} s -> {path}")
+    profile.save(destination)
+    console.print(f"profile: {time.monotonic() - started:.0f} s -> {destination}")
     return profile
 
 
-def specs_for(requests: list[RequestSpec], seed: int) -> list[Spec]:
+def specs_for(requests: list[RequestSpec], seed: int) -> list[TimedRequest]:
     """Prompts of random ids (past the special ones) of each request's length; greedy, EOS ignored."""
     rng = np.random.default_rng(seed)
-    return [Spec(f"r{index}", "short", request.arrival_s, rng.integers(1000, 30000, request.prompt_tokens).tolist(),
-                 request.output_tokens) for index, request in enumerate(requests)]
+    return [TimedRequest(f"r{index}", "short", request.arrival_s,
+                         random_tokens(rng, request.prompt_tokens, (1000, 30000)), request.output_tokens)
+            for index, request in enumerate(requests)]
 
 
 def cluster_config(topology: Topology) -> ClusterConfig:
@@ -89,9 +92,9 @@ async def measure_serving(cluster: Cluster, profile: Profile, topology: Topology
     rng = np.random.default_rng(4242)
 
     async def timed(max_tokens: int, index: int, prompt: int = PROBE_PROMPT) -> Record:
-        spec = Spec(f"probe-{index}", "short", 0.0, rng.integers(1000, 30000, prompt).tolist(), max_tokens)
-        record = Record(spec.request_id, spec.kind, prompt, 0.0)
-        await one(cluster, spec, record, time.perf_counter(), "serving")
+        request = TimedRequest(f"probe-{index}", "short", 0.0, random_tokens(rng, prompt, (1000, 30000)), max_tokens)
+        record = Record.of(request)
+        await send(cluster, request, record, time.perf_counter(), "serving")
         if record.error is not None or (max_tokens > 1 and len(record.events) < 3):
             raise RuntimeError(f"the serving probe failed: {record.error or record.events}")
         return record
@@ -127,7 +130,7 @@ def with_serving(profile: Profile, mode: str, serving: Serving) -> Profile:
     return replace(profile, serving={**profile.serving, mode: serving})
 
 
-def measured_run(name: str, topology: Topology, specs: list[Spec], args: argparse.Namespace,
+def measured_run(name: str, topology: Topology, specs: list[TimedRequest], args: argparse.Namespace,
                  profile: Profile) -> dict[str, Any]:
     """The run's TTFT, ITL, TPOT and per-request outcomes, and the serving latencies timed first.
     `args` carries `duration` (last arrival) and `drain` (seconds past it to finish)."""
@@ -137,12 +140,12 @@ def measured_run(name: str, topology: Topology, specs: list[Spec], args: argpars
     other = OtherLoad()
     try:
         async def run() -> tuple[Serving, list[CpuWindow], list[Record]]:
-            await warm_up(cluster, args)
+            await warm_up(cluster)
             idle = await idle_window(meter)
             serving, lone = await measure_serving(cluster, profile, topology, meter)
             before, started = meter.sample(), time.perf_counter()
             sampler = asyncio.create_task(sample_other_load(other, started))
-            records = await drive(cluster, specs, args, name)
+            records = await drive(cluster, specs, name, args.duration + args.drain)
             sampler.cancel()
             front_door = meter.window(before, meter.sample())[0]
             served = [r for r in records if r.error is None and r.events]
@@ -173,7 +176,7 @@ def predicted_run(result: SimResult) -> dict[str, list[float]]:
             "tpot": [r.tpot_s for r in result.requests if len(r.token_times) > 1]}
 
 
-def per_request(measured: dict[str, Any], result: SimResult, specs: list[Spec]) -> dict[str, Any]:
+def per_request(measured: dict[str, Any], result: SimResult, specs: list[TimedRequest]) -> dict[str, Any]:
     """Each measured request's TTFT next to its simulated one (by id; the simulation keeps the specs'
     order) and the cores other processes on the host took while it waited for its first token; how
     well they agree (`accuracy.per_request_agreement`), over all and over the requests that waited in

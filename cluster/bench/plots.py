@@ -1,14 +1,21 @@
-"""PNG plots of the benchmark results (matplotlib, headless)."""
+"""PNG figures of benchmark results: matplotlib, headless, loaded only when a figure is drawn.
+
+matplotlib is a development dependency: without it `pyplot()` says so and returns None, and the
+benchmark keeps its JSON results. `save_figure` writes a figure where the caller says (the scripts
+name their files with `benchmarks.common.result_path`) and closes it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, console, result_path
+from rich.console import Console
+
+console = Console()
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
@@ -20,17 +27,20 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, name: str) -> Path:
-    path = result_path(name, ".png")
+def save_figure(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    console.print(f"[green]wrote {path.relative_to(RESULTS.parent.parent)}")
+    plt.close(fig)
+    console.print(f"[green]wrote {path}")
     return path
 
 
-def timelines(name: str, arms: dict[str, dict[str, Any]], title: str) -> None:
+def timelines(path: Path, arms: dict[str, dict[str, Any]], title: str) -> None:
     """Cumulative generated tokens over time, one line per arm, with throughput in the legend."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -40,27 +50,25 @@ def timelines(name: str, arms: dict[str, dict[str, Any]], title: str) -> None:
     ax.set(xlabel="seconds", ylabel="generated tokens", title=title)
     ax.legend()
     ax.grid(alpha=0.3)
-    _save(fig, name)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def bars(name: str, values: dict[str, float], ylabel: str, title: str) -> None:
-    plt = _pyplot()
+def bars(path: Path, values: dict[str, float], ylabel: str, title: str) -> None:
+    plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    bars_ = ax.bar(list(values), list(values.values()), color="tab:blue")
-    ax.bar_label(bars_, fmt="%.1f")
+    drawn = ax.bar(list(values), list(values.values()), color="tab:blue")
+    ax.bar_label(drawn, fmt="%.1f")
     ax.set(ylabel=ylabel, title=title)
     ax.grid(axis="y", alpha=0.3)
-    _save(fig, name)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def stacked(name: str, columns: dict[str, dict[str, float]], ylabel: str, title: str,
+def stacked(path: Path, columns: dict[str, dict[str, float]], ylabel: str, title: str,
             reference: dict[str, float] | None = None) -> None:
     """One stacked bar per column (parts in ms); `reference` draws a marker per column (e.g. 2x linear)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -77,5 +85,4 @@ def stacked(name: str, columns: dict[str, dict[str, float]], ylabel: str, title:
                 ax.hlines(reference[label], index - 0.4, index + 0.4, colors="black", linestyles="dashed")
     ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
-    _save(fig, name)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -1,11 +1,16 @@
-"""Decode-step microbenchmarks: the engine's step against its linear layers, and the host-side cost
-of scheduling and batch building with the model call stubbed out."""
+"""Decode-step microbenchmarks (`benchmarks.engine`): the engine's step against its linear layers,
+and the host-side cost of scheduling and batch building with the model call stubbed out
+(`stub_prefill`, `fake_tokens`); `Timers` times the engine's own call sites in place."""
 
 from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -13,7 +18,6 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
-from benchmarks.common import Timers, fake_tokens, median, stub_prefill
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.kv_cache_manager import cdiv
@@ -24,6 +28,63 @@ from pdserve_kernels import reference
 
 # Long enough that no request finishes while it is being measured.
 NEVER_ENDING = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+class Timers:
+    """Seconds spent per named section, accumulated; wraps callables so the engine's own call sites
+    are timed in place (a perf_counter pair per call, a few hundred nanoseconds)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        totals = self.totals
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+
+        return timed
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - start
+
+    def take(self) -> dict[str, float]:
+        """The totals so far, then zero."""
+        totals = dict(self.totals)
+        self.totals.clear()
+        return totals
+
+
+def fake_tokens(count: int, rng: np.random.Generator) -> list[int]:
+    # Ordinary vocabulary ids, as synthetic_workload uses: no special tokens.
+    return rng.integers(1000, 30000, count).tolist()
+
+
+def stub_prefill(engine: LLMEngine, rng: np.random.Generator) -> int:
+    """Advance every queued request to steady decode without a forward pass: the scheduler admits
+    and 'computes' prompts, sampled tokens are made up. KV slots keep their zeros, which changes no
+    timing: every op of a decode step costs the same whatever the values. Returns the steps taken."""
+    scheduler, steps = engine.scheduler, 0
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.running):
+        output = scheduler.schedule()
+        sampled = {s.request.request_id: token for s, token in
+                   zip(output.scheduled, fake_tokens(len(output.scheduled), rng), strict=True) if s.samples}
+        scheduler.update_from_output(output, sampled)
+        steps += 1
+    return steps
 
 
 def decode_engine(dtype: str, num_seqs: int, prompt_len: int, num_blocks: int, seed: int = 0,
@@ -78,8 +139,9 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
     scheduler.update_from_output = timers.wrap("scheduler", scheduler.update_from_output)  # type: ignore[method-assign]
     runner.build_batch = timers.wrap("build_batch", runner.build_batch)  # type: ignore[method-assign]
     model.forward = timers.wrap("model", model.forward)  # type: ignore[method-assign]
-    backend = model.model.layers[0].self_attn.backend  # one backend object shared by every layer
-    backend.forward = timers.wrap("attention", backend.forward)  # type: ignore[method-assign]
+    attention: Any = model.model.layers[0].self_attn
+    backend = attention.backend  # one backend object shared by every layer
+    backend.forward = timers.wrap("attention", backend.forward)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             name = "lm_head" if module is model.lm_head else "linear"
@@ -87,11 +149,11 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
     runner.sampler = TimedSampler(runner.sampler, timers)  # type: ignore[assignment]
     # The torch backend calls these through their modules, so patching a module times them inside
     # attention; the KV write at `elementwise`, which picks the C write or torch's (both counted once).
-    for module, name in ((reference, "gather_kv"), (elementwise, "write_kv_cache")):
-        original = getattr(getattr(module, name), "original", getattr(module, name))
+    for source, name in ((reference, "gather_kv"), (elementwise, "write_kv_cache")):
+        original = getattr(getattr(source, name), "original", getattr(source, name))
         wrapped = timers.wrap(f"attention_{name}", original)
         wrapped.original = original  # type: ignore[attr-defined]
-        setattr(module, name, wrapped)
+        setattr(source, name, wrapped)
     engine._output = timers.wrap("outputs", engine._output)  # type: ignore[method-assign]
 
 

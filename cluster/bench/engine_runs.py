@@ -1,16 +1,19 @@
-"""Whole-workload benchmarks: batching policies, preemption modes, and Hugging Face transformers."""
+"""Whole-workload engine benchmarks (`benchmarks.engine`, `benchmarks.kv_cache_dtype`): batching policies,
+preemption modes, and Hugging Face transformers, each arm a `cluster.bench.offline` run."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from benchmarks.common import console
+from rich.console import Console
+
 from cluster.bench.offline import BenchResult, Workload, run_workload, synthetic_workload
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.kv_cache_manager import cdiv
 from cluster.engine.llm_engine import LLMEngine, RequestOutput
 
+console = Console()
 VOCAB_SIZE = 49152  # SmolLM2's; only bounds the synthetic prompt ids (which stay below 30000)
 
 
@@ -158,7 +161,7 @@ def hf_continuous(model: Any, workload: Workload, max_batch_tokens: int) -> dict
                                          auto_switch_to_flash=False)
     generation = GenerationConfig(do_sample=False, max_new_tokens=longest)
     start = time.monotonic()
-    results = {}
+    results: dict[str, Any] = {}
     with model.continuous_batching_context_manager(generation_config=generation, continuous_batching_config=cb_config,
                                                    workload_hints=hints, block=True, timeout=5) as manager, \
             Progress() as bar:
