@@ -37,6 +37,7 @@ import os
 import random
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -226,6 +227,9 @@ class AsyncStream:
 
 # ---- clients -------------------------------------------------------------------------------------
 
+LOOPBACK_HOSTS = ("localhost", "::1", "ip6-localhost")
+
+
 class _Settings:
     """What both clients share: credentials, the default deadline and the retry policy."""
 
@@ -236,6 +240,13 @@ class _Settings:
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.timeout = timeout
         self.max_attempts = max_attempts
+
+    def warn_plaintext_key(self, target: str, credentials: grpc.ChannelCredentials | None) -> None:
+        """An API key sent without TLS to another host can be read on the way: said, once per client."""
+        host = target.rsplit(":", 1)[0].strip("[]") if not target.startswith("unix:") else "localhost"
+        if self.metadata and credentials is None and host not in LOOPBACK_HOSTS and not host.startswith("127."):
+            warnings.warn(f"pdserve client: the API key goes to {target} in plaintext; pass tls=True (or the "
+                          "server's CA certificate) unless the network between is trusted", UserWarning, stacklevel=3)
 
     def deadline(self, timeout: float | None) -> _Deadline:
         return _Deadline(timeout if timeout is not None else self.timeout)
@@ -256,6 +267,7 @@ class Client(_Settings):
                  timeout: float | None = None, max_attempts: int = MAX_ATTEMPTS) -> None:
         super().__init__(api_key, timeout, max_attempts)
         credentials = _credentials(tls)
+        self.warn_plaintext_key(target, credentials)
         self.channel = grpc.insecure_channel(target, _CHANNEL_OPTIONS) if credentials is None else \
             grpc.secure_channel(target, credentials, _CHANNEL_OPTIONS)
         self.stub = pdserve_pb2_grpc.InferenceServiceStub(self.channel)
@@ -339,6 +351,7 @@ class AsyncClient(_Settings):
                  timeout: float | None = None, max_attempts: int = MAX_ATTEMPTS) -> None:
         super().__init__(api_key, timeout, max_attempts)
         credentials = _credentials(tls)
+        self.warn_plaintext_key(target, credentials)
         self.channel = grpc.aio.insecure_channel(target, _CHANNEL_OPTIONS) if credentials is None else \
             grpc.aio.secure_channel(target, credentials, _CHANNEL_OPTIONS)
         self.stub = pdserve_pb2_grpc.InferenceServiceStub(self.channel)

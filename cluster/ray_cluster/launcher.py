@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cluster.common import env
 from cluster.common.errors import ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.loads import WorkerLoad
@@ -54,7 +55,8 @@ def init_ray(address: str = "") -> None:
 
     The local Ray runs with Ray's token authentication and a fresh random token that only this
     process and its children (Ray's own, the workers) have: its ports listen on every interface, and
-    whoever could join could run code. No dashboard. Set RAY_AUTH_MODE to choose otherwise. Joining
+    whoever could join could run code. No dashboard. RAY_AUTH_MODE=token with RAY_AUTH_TOKEN sets the
+    token; any other RAY_AUTH_MODE (an open Ray) is refused unless PDSERVE_ALLOW_OPEN_RAY=1. Joining
     a cluster (`address`) follows that cluster's setting: RAY_AUTH_MODE and RAY_AUTH_TOKEN as its
     nodes have them (disabled when unset).
     """
@@ -67,6 +69,11 @@ def init_ray(address: str = "") -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address=address, log_to_driver=False)
         return
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    if mode != "token" and os.environ.get(env.ALLOW_OPEN_RAY) != "1":
+        raise RuntimeError(f"RAY_AUTH_MODE={mode} would start the embedded Ray open: whoever reaches its ports "
+                           "could run code on it. Unset RAY_AUTH_MODE (pdserve then starts it with a token of its "
+                           f"own), or set {env.ALLOW_OPEN_RAY}=1 to accept that")
     if "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
