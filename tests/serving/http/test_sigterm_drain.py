@@ -1,7 +1,7 @@
 """`pdserve serve` on SIGTERM: refuses new requests, lets open streams finish, exits 0.
 
 One real serving process on a tiny checkpoint (`--local`, no Ray): what Kubernetes does to a gateway
-pod in a rollout; and one on its embedded Ray, whose SIGTERM is one line and then the drain. Then, in
+pod in a rollout (on the cluster path: tests/ray_cluster/test_sigterm_on_ray.py). Then, in
 this process, the drain's bounds: a stream that outlives `--drain-s`, or a second signal, is cut and
 its request aborted.
 """
@@ -134,25 +134,3 @@ def test_a_drain_cuts_what_outlives_it(gateways: Gateways, tiny_checkpoint: Path
     assert wait_until(lambda: engine_idle(service))  # the cut stream's request was aborted
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health")
-
-
-def test_sigterm_on_the_cluster_path_is_one_line_then_the_drain(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """`pdserve serve` on its embedded Ray: Ray's handler of fatal signals, installed when Ray starts,
-    would print every thread's native stack on SIGTERM before the drain; serve takes the signal back."""
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_checkpoint), "--host", "127.0.0.1",
-               "--port", "0", "--grpc-port", "0", "--drain-s", "30"]
-    log = tmp_path / "serve.log"
-    with log.open("wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PDSERVE_API_KEY": ""})
-    try:
-        wait_for_log(log, r"ready: serving", process)
-        os.kill(process.pid, signal.SIGTERM)
-        assert process.wait(timeout=120) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-    text = log.read_text()
-    assert "Started a local Ray instance" in text  # the cluster path, not --local
-    assert "SIGTERM received" not in text and "PC: @" not in text, text
-    assert "SIGTERM: stopping" in text and "pdserve: stopped" in text
