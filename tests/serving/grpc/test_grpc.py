@@ -602,13 +602,19 @@ def _completes(channel: grpc.Channel, request: Any) -> bool:
 def test_the_sdk_warns_when_it_would_send_an_api_key_in_plaintext_to_another_host() -> None:
     import warnings
 
+    def made(client_class: type, target: str, **options: Any) -> None:
+        async def inside_a_loop() -> None:  # the asyncio client's channel wants one
+            client_class(target, **options)
+
+        asyncio.run(inside_a_loop()) if client_class is AsyncClient else client_class(target, **options)
+
     for client_class in (Client, AsyncClient):
         with pytest.warns(UserWarning, match="API key goes to 10.1.2.3:50051 in plaintext"):
-            client_class("10.1.2.3:50051", api_key="secret")
+            made(client_class, "10.1.2.3:50051", api_key="secret")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # none of these warns
-            client_class("10.1.2.3:50051")  # no key to read
-            client_class("127.0.0.1:50051", api_key="secret")
-            client_class("localhost:50051", api_key="secret")
-            client_class("[::1]:50051", api_key="secret")
-            client_class("10.1.2.3:50051", api_key="secret", tls=True)
+            made(client_class, "10.1.2.3:50051")  # no key to read
+            made(client_class, "127.0.0.1:50051", api_key="secret")
+            made(client_class, "localhost:50051", api_key="secret")
+            made(client_class, "[::1]:50051", api_key="secret")
+            made(client_class, "10.1.2.3:50051", api_key="secret", tls=True)
