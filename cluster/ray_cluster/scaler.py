@@ -21,8 +21,9 @@ One change runs at a time; the looks wait for it. Each decision is logged with i
 counted (`status`, exported by /metrics as pdserve:scaling_decisions_total and pdserve:pool_workers),
 with the times of its steps (`phases`: the signal passing its target, the decision, the actor made,
 its model loaded, warmed up, routed to) so that what a new worker costs before it serves shows.
-The decisions are checkpointed in Ray's GCS key-value store after each one, so that a controller
-Ray restarts counts on from its predecessor's (`_restore`).
+The decisions are checkpointed in Ray's GCS key-value store when made, when their worker is known
+and when done, so that a controller Ray restarts counts on from its predecessor's (`_restore`), a
+change it was killed in the middle of included (listed with `interrupted`, finished by `_settle`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from cluster.ray_cluster.worker_pool import actor_name, make_worker
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 120.0  # a worker's model load and warm-up
 HISTORY = 100  # decisions kept for `status`
 
 
@@ -61,6 +63,7 @@ class Scaler:
         self.last: dict[str, Any] = {}  # the last decision, as `pdserve status` shows it
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # the latest decisions, oldest first
         self.drained: list[dict[str, Any]] = []  # each removed worker: emptied in time, its blocks then
+        self.under_way: dict[str, Any] | None = None  # the decision being applied, for a successor to see
         self.spares: dict[str, list[tuple[tuple[str, str, Any], dict[str, float]]]] = {role: [] for role in pools}
         self.starting: dict[str, dict[str, Any]] = {role: {} for role in pools}  # worker id -> handle (None: not made)
         self.spare_tasks: dict[str, set[asyncio.Task[None]]] = {role: set() for role in pools}
@@ -100,22 +103,29 @@ class Scaler:
         self.decisions = {(pool, direction, reason): count for pool, direction, reason, count in saved["decisions"]}
         self.history.extend(saved["history"])
         self.last, self.drained = saved["last"], saved["drained"]
+        if saved.get("under_way"):  # the predecessor died applying it: its worker is settled by the first look
+            self.last = {**saved["under_way"], "interrupted": True}
+            self.history.append(self.last)
+            self._checkpoint()
 
     def _checkpoint(self) -> None:
         """Keep the decisions (counts, history, drained workers) in Ray's GCS key-value store, as Ray
         Serve's controller keeps its state there: it outlives this actor, and a restarted one reads it."""
         _kv_put(self._checkpoint_key(), {"decisions": [[*key, count] for key, count in self.decisions.items()],
-                                         "history": list(self.history), "last": self.last, "drained": self.drained})
+                                         "history": list(self.history), "last": self.last, "drained": self.drained,
+                                         "under_way": self.under_way})
 
     def _checkpoint_key(self) -> str:
         return f"pdserve-{self.uid}-scaler"
 
     async def _settle(self) -> None:
         """Finish what a restarted controller's predecessor left under way: a worker that drains is
-        removed, every other one is routed to by every router (a worker added but not yet routed to)."""
+        removed, every other one is warmed up (one the predecessor was starting) and routed to by every
+        router (a worker added but not yet routed to)."""
         for role, workers in self.pools.items():
             for worker_id, name, handle in list(workers):
                 try:
+                    await asyncio.wait_for(handle.start.remote(), START_TIMEOUT_S)
                     load = await asyncio.wait_for(control(handle.load).remote(), LOAD_TIMEOUT_S)
                 except Exception as error:  # restarting: Ray brings it back, and its routers know it
                     log.warning("scaling: %s does not answer (%r): kept in its pool", worker_id, error)
@@ -169,10 +179,16 @@ class Scaler:
             self.decisions[key] = self.decisions.get(key, 0) + 1
             decided = time.time()
             phases: dict[str, Any] = {"signal_at": signal_at, "decided_at": decided}
-            if decision.direction == UP:
-                worker_id = await self._add(decision.pool, phases)
-            else:
-                worker_id = await self._remove(decision.pool)
+            self.under_way = {"pool": decision.pool, "direction": decision.direction, "reason": decision.reason,
+                              "detail": decision.detail, "worker": None, "at": decided}
+            self._checkpoint()
+            try:
+                if decision.direction == UP:
+                    worker_id = await self._add(decision.pool, phases)
+                else:
+                    worker_id = await self._remove(decision.pool)
+            finally:
+                self.under_way = None
             self.last = {"pool": decision.pool, "direction": decision.direction, "reason": decision.reason,
                          "detail": decision.detail, "worker": worker_id, "at": decided, "done_at": time.time(),
                          "phases": phases}
@@ -186,10 +202,13 @@ class Scaler:
         now; its steps' times go into `phases`."""
         spare = await self._ready_spare(role)
         if spare is None:
-            member, started = await self._start(role, self._next_id(role))
+            worker_id = self._next_id(role)
+            self._under_way_worker(worker_id)
+            member, started = await self._start(role, worker_id)
             phases.update(started, spare=False)
         else:
             member, started = spare
+            self._under_way_worker(member[0])
             phases.update(started, spare=True)
         worker_id, name, _ = member
         self.pools[role].append(member)
@@ -198,6 +217,12 @@ class Scaler:
         log.warning("scaling: %s serves (%d %s workers; %s)", worker_id, len(self.pools[role]), role,
                     "a warm spare" if spare else f"started in {phases['routed_at'] - phases['decided_at']:.1f} s")
         return worker_id
+
+    def _under_way_worker(self, worker_id: str) -> None:
+        """The decision under way has its worker: checkpointed before the pools change."""
+        if self.under_way is not None:
+            self.under_way["worker"] = worker_id
+            self._checkpoint()
 
     def _next_id(self, role: str) -> str:
         """Take the pool's next free index: the id of the worker about to start (listed as starting)."""
@@ -260,6 +285,7 @@ class Scaler:
         if len(self.pools[role]) <= 1:
             raise ValueError(f"the {role} pool has one worker left: it is never removed")
         worker_id, _, handle = self.pools[role].pop()  # the newest
+        self._under_way_worker(worker_id)
         await self._drain_out(worker_id, handle)
         log.warning("scaling: %s removed (%d %s workers)", worker_id, len(self.pools[role]), role)
         return worker_id

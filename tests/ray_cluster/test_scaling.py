@@ -180,6 +180,47 @@ def test_a_warm_spare_takes_no_requests_until_the_step_then_serves_at_once(check
     asyncio.run(until(all_ended, "a worker outlived the stop (the spare?)", within_s=10))
 
 
+def test_a_controller_killed_while_it_adds_a_worker_comes_back_with_that_worker_serving(checkpoint: Path) -> None:
+    """Killed between its decision and the routers routing to the new worker: the successor counts
+    the decision, lists it as interrupted, warms the half-started worker up and routes to it."""
+    import ray
+
+    engine_config = engine_config_for(checkpoint, num_blocks=64)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = alone(engine_config, PROMPTS[:4], params)
+    config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=1, num_cpus=0.1),
+                           engine=engine_config, max_decode_wait_s=0, max_prefill_wait_s=0, scaling=SCALING)
+    cluster = Cluster(config).start()
+
+    async def starting() -> bool:
+        return bool((await cluster.scaling())["starting"]["decode"])
+
+    async def back() -> bool:
+        status = await cluster.scaling()
+        return bool(status.get("restarted")) and status["looks"] > 0
+
+    async def scenario() -> dict[str, Any]:
+        cluster.scaler.scale.remote("decode", "up")  # dies with its controller
+        await until(starting, "the controller never started a decode worker")
+        ray.kill(cluster.scaler, no_restart=False)
+        await until(back, "the controller did not come back")
+        live = await cluster.router.live_workers.remote()
+        assert sorted(live) == ["decode-0", "decode-1", "prefill-0"]
+        wave = Wave(cluster, "after", PROMPTS[:4], params)
+        assert await wave.done() == expected
+        return await cluster.scaling()
+
+    try:
+        status = asyncio.run(scenario())
+        assert status["pools"] == {"decode": 2, "prefill": 1}
+        assert ["decode", "up", "manual", 1] in status["decisions"]
+        assert [(d["direction"], d["worker"], d.get("interrupted")) for d in status["history"]] == [
+            ("up", "decode-1", True)]
+        assert_pools_whole(cluster)
+    finally:
+        cluster.stop()
+
+
 async def _pools(cluster: Cluster) -> dict[str, int]:
     return (await cluster.scaling()).get("pools", {})
 

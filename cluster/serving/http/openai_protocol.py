@@ -165,6 +165,8 @@ class CompletionRequest(SamplingRequest):
         prompt = self._one_prompt()
         if isinstance(prompt, str):
             return tokenizer.encode(checked_text(prompt), add_special_tokens=self.add_special_tokens)
+        if prompt and (min(prompt) < 0 or max(prompt) >= tokenizer.vocab_size):  # before `echo` decodes it
+            raise ValueError(f"prompt token ids must be in [0, {tokenizer.vocab_size}): the vocabulary's ids")
         return prompt
 
     def _one_prompt(self) -> str | list[int]:

@@ -209,6 +209,8 @@ def test_chat_stream_fans_out_n_choices(client: httpx.Client) -> None:
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}),
     ("/v1/completions", {"prompt": [7] * 600}),  # longer than the 512-token context
     ("/v1/completions", {"prompt": [99_999]}),  # not in the vocabulary: refused by the engine
+    ("/v1/completions", {"prompt": [5, 99_999], "echo": True}),  # refused before the echo decodes it
+    ("/v1/completions", {"prompt": [5, -3_554_628_007_947_573_133_312], "echo": True}),
     ("/v1/completions", {"prompt": []}),
     ("/v1/completions", {"prompt": ["one", "two"]}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),  # 0 only with echo (the prompt alone)
