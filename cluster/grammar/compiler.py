@@ -2,7 +2,11 @@
 
 Compiling (parsing a schema, regex or grammar, and checking it against the vocabulary) costs about a
 millisecond; copying a compiled grammar into a request's fresh matcher, a microsecond. So each
-(kind, spec) compiles once per process and tokenizer, and stays in a bounded LRU cache. Every engine
+(kind, spec) compiles once per process and tokenizer, and stays in an LRU cache bounded by count and
+by the bytes of its grammars: what a compiled grammar holds grows with its text, and faster for some
+shapes (a JSON schema of many properties kept about 230 bytes per byte of its spec), so a client
+sending padded schemas would otherwise pin gigabytes in every door and worker. A grammar larger than
+an eighth of the budget is compiled for its request and not kept. Every engine
 compiles against its model's vocabulary (`GrammarCompiler.from_tokenizer`); the front doors share one
 compiler per tokenizer (`shared_compiler`) to refuse a bad spec (ValueError: a 400) before anything
 is queued.
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 DEFAULT_CACHE_SIZE = 512
+DEFAULT_CACHE_BYTES = 1 << 20  # of grammar text: hundreds of real schemas, a few hundred MB at worst
 # JSON may put whitespace between its tokens; a run of it is capped, so a small model that falls into
 # a loop of newlines (a common failure) must get on with the object instead (this still allows an
 # indented object 16 levels deep).
@@ -40,24 +45,31 @@ class GrammarCompiler:
     tokenizing threads may share one)."""
 
     def __init__(self, tokenizer_json: str, eos_token_ids: Sequence[int], vocab_size: int,
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         """`vocab_size`: the masks' width, the model's logits (a checkpoint may pad its embedding past
         the tokenizer's ids); `eos_token_ids` end the output where the grammar allows it to end."""
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if cache_size < 1 or cache_bytes < 1:
+            raise ValueError(f"cache_size and cache_bytes must be >= 1, got {cache_size} and {cache_bytes}")
         self.vocab_size = vocab_size
-        self.cache_size = cache_size
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._eos_mask = sum(1 << token_id for token_id in set(eos_token_ids))
-        self._compiled: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher] = collections.OrderedDict()
+        # spec -> (compiled grammar, bytes of its grammar text)
+        self._compiled: collections.OrderedDict[StructuredOutput, tuple[llguidance.LLMatcher, int]] = \
+            collections.OrderedDict()
+        self.cached_bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int | None = None,
-                       cache_size: int = DEFAULT_CACHE_SIZE) -> GrammarCompiler:
+                       cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES) -> GrammarCompiler:
         width = max(vocab_size or 0, tokenizer.vocab_size)  # a mask never cuts off a token the tokenizer has
-        return cls(tokenizer.to_json(), tokenizer.eos_token_ids, width, cache_size)
+        return cls(tokenizer.to_json(), tokenizer.eos_token_ids, width, cache_size, cache_bytes)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._compiled)
 
     @property
     def num_words(self) -> int:
@@ -74,29 +86,32 @@ class GrammarCompiler:
 
     def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         with self._lock:
-            compiled = self._compiled.get(structured)
-            if compiled is not None:
+            cached = self._compiled.get(structured)
+            if cached is not None:
                 self._compiled.move_to_end(structured)
                 self.hits += 1
-                return compiled
+                return cached[0]
         # Outside the lock: llguidance compiles without the GIL, and two threads compiling the same
         # spec at once only waste a millisecond.
-        compiled = self._build(structured)
+        compiled, size = self._build(structured)
         with self._lock:
             self.misses += 1
-            self._compiled[structured] = compiled
-            if len(self._compiled) > self.cache_size:
-                self._compiled.popitem(last=False)
+            if size <= self.cache_bytes // 8 and structured not in self._compiled:
+                self._compiled[structured] = (compiled, size)
+                self.cached_bytes += size
+                while len(self._compiled) > self.cache_size or self.cached_bytes > self.cache_bytes:
+                    self.cached_bytes -= self._compiled.popitem(last=False)[1][1]
         return compiled
 
-    def _build(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+    def _build(self, structured: StructuredOutput) -> tuple[llguidance.LLMatcher, int]:
+        """The compiled grammar and the bytes of its text (what the cache counts)."""
         grammar = grammar_text(structured)
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {_NAMES[structured.kind]}: {_reason(matcher.get_error())}")
         if self._allows_only_the_end(matcher):  # the request would have nothing to generate
             raise ValueError(f"the {_NAMES[structured.kind]} allows only an empty output")
-        return matcher
+        return matcher, len(grammar.encode())
 
     def _allows_only_the_end(self, matcher: llguidance.LLMatcher) -> bool:
         mask = int.from_bytes(matcher.deep_copy().compute_bitmask(), "little")  # bit i: token i

@@ -6,7 +6,9 @@ Two token buckets per key: requests per second (burst: one second's worth, at le
 per minute, where a request costs its prompt plus its max_tokens (burst: one minute's worth). A
 request over either limit is refused with 429 and a Retry-After of the time until it would fit;
 one that could never fit the per-minute quota with 400. Requests that generate nothing (/tokenize,
-/detokenize) count against the requests bucket only (`check_request`).
+/detokenize) count against the requests bucket only (`check_request`). The front doors take a
+request from its bucket before any work for it (tokenizing, templating, compiling a grammar) and its
+tokens once it is tokenized: a tenant over its limit costs the shared pool nothing.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ class RateLimits:
             self, requests_per_s=self.requests_per_s if tenant.requests_per_s is None else tenant.requests_per_s,
             tokens_per_min=self.tokens_per_min if tenant.tokens_per_min is None else tenant.tokens_per_min)
 
-    async def check(self, key: str, tokens: int) -> None:
-        """Take one request and `tokens` from `key`'s buckets, or raise RateLimited / ValueError."""
-        await self.check_request(key)
+    async def check_tokens(self, key: str, tokens: int) -> None:
+        """Take `tokens` from `key`'s tokens bucket, or raise RateLimited / ValueError (more than the
+        quota holds). The front doors take the request first, before tokenizing, then its tokens."""
         if self.tokens_per_min > 0:
             decision = await self.state.take(f"tpm:{key}", tokens, self.tokens_per_min / 60, self.tokens_per_min)
             if math.isinf(decision.retry_after_s):

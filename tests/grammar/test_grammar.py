@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.common.structured_output import StructuredOutput
-from cluster.grammar.compiler import GrammarCompiler, shared_compiler
+from cluster.grammar.compiler import DEFAULT_CACHE_BYTES, GrammarCompiler, shared_compiler
 from cluster.grammar.matcher import GrammarMatcher
 from cluster.weights.synthetic import build_tiny_tokenizer
 from cluster.weights.tokenizer import Tokenizer
@@ -112,6 +112,30 @@ def test_the_cache_keeps_the_most_recently_used_specs(tokenizer: Tokenizer) -> N
     assert compiler.hits == 2
     compiler.check(b)
     assert compiler.misses == 4
+
+
+def padded_schema(index: int, properties: int) -> StructuredOutput:
+    """A distinct JSON schema of many properties: what a client padding its schemas sends."""
+    return StructuredOutput("json", json.dumps({"type": "object", "properties": {
+        f"p{index}_{j:05d}": {"type": "string"} for j in range(properties)}}))
+
+
+def test_the_cache_is_bounded_by_the_bytes_of_its_grammars(tokenizer: Tokenizer) -> None:
+    """Many distinct padded schemas pin no more than the byte budget (by count alone, 512 of them
+    were kept); one over an eighth of the budget compiles for its request and is not kept."""
+    compiler = GrammarCompiler.from_tokenizer(tokenizer)
+    for index in range(70):
+        compiler.check(padded_schema(index, 600))  # about 18 KB of grammar text each
+    assert compiler.cached_bytes <= DEFAULT_CACHE_BYTES and compiler.num_cached < 70
+    assert compiler.cached_bytes == sum(size for _, size in compiler._compiled.values())
+    small = GrammarCompiler.from_tokenizer(tokenizer, cache_bytes=64_000)
+    large = padded_schema(99, 600)
+    small.check(large)
+    small.check(large)
+    assert (small.misses, small.num_cached, small.cached_bytes) == (2, 0, 0)
+    small.check(StructuredOutput("regex", "a+"))
+    small.check(StructuredOutput("regex", "a+"))
+    assert (small.hits, small.num_cached) == (1, 1)
 
 
 def test_matcher_states_from_start_to_end_or_error(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:

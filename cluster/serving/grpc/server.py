@@ -51,7 +51,7 @@ from cluster.serving.grpc.chat import chat_prompt, tool_choice_of
 from cluster.serving.grpc.choices import CallReader, ChoiceEvents, completion_of, merged
 from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
-from cluster.serving.request_limits import MAX_CHOICES, RequestLimits
+from cluster.serving.request_limits import MAX_CHOICES, RequestLimits, utf8_length
 from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service, check_structured
 from cluster.serving.tools.choice import ToolChoice
 from cluster.serving.tools.template import ToolServing, parser_for
@@ -344,12 +344,16 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         tools = tool_choice_of(request.chat) if request.WhichOneof("prompt") == "chat" else None
         params = _with_tools(_params_of(request.sampling), tools)
         self._check_limits(request, params, n)  # before any work: a 4 MB prompt is not tokenized
-        prompt = await self.off_loop.run(self._prompt_of, request)
-        _check_min_tokens(len(prompt), params, self.service.max_model_len)
-        await self.off_loop.run(check_structured, self.service.tokenizer, params)
+        # Rate limits before any work too: a tenant over its limit costs the shared pool nothing.
         limits = self.limits.for_tenant(tenant) if self.limits is not None else None
-        if limits is not None and limits.enabled:
-            await limits.check(_bucket_of(context, tenant), len(prompt) + n * params.max_tokens)
+        bucket = _bucket_of(context, tenant)
+        if limits is not None:
+            await limits.check_request(bucket)
+        prompt = await self.off_loop.run(self._prompt_of, request, tenant=bucket)
+        _check_min_tokens(len(prompt), params, self.service.max_model_len)
+        if limits is not None:
+            await limits.check_tokens(bucket, len(prompt) + n * params.max_tokens)
+        await self.off_loop.run(check_structured, self.service.tokenizer, params, tenant=bucket)  # admitted only
         return prompt, _choice_params(params, n), tools
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
@@ -392,11 +396,13 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
         return pb.ListModelsResponse(models=[model])
 
     def _check_limits(self, request: pb.GenerateRequest, params: SamplingParams, n: int) -> None:
+        # A chat's bytes: everything its template renders, the tools' names, descriptions and schemas too.
         texts = [request.text] if request.WhichOneof("prompt") == "text" else \
-            [message.content for message in request.chat.messages]
-        self.request_limits.check_prompt(sum(len(text.encode("utf-8", "surrogatepass")) for text in texts),
-                                         len(request.chat.messages))
+            [message.content for message in request.chat.messages] + \
+            [text for tool in request.chat.tools for text in (tool.name, tool.description, tool.parameters)]
+        self.request_limits.check_prompt(sum(utf8_length(text) for text in texts), len(request.chat.messages))
         self.request_limits.check_sampling(params.stop, params.stop_token_ids, n, params.logprobs)
+        self.request_limits.check_grammar(params.structured.spec if params.structured is not None else "")
 
     def _prompt_of(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self.service.tokenizer

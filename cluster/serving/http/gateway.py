@@ -384,12 +384,14 @@ class Gateway:
             await asyncio.sleep(0.05)
         return not self.runs
 
-    async def count_request(self, request: Request) -> None:
+    async def count_request(self, request: Request) -> str:
         """Count a request that generates nothing (/tokenize, /detokenize) against its caller's
-        requests per second, as any other; it takes no tokens. Raises RateLimited."""
+        requests per second, as any other; it takes no tokens. Its caller's bucket; raises RateLimited."""
         tenant = getattr(request.state, "tenant", None)
+        bucket = _bucket_of(request, tenant)
         if self.limits is not None:
-            await self.limits.for_tenant(tenant).check_request(_bucket_of(request, tenant))
+            await self.limits.for_tenant(tenant).check_request(bucket)
+        return bucket
 
     def shown_tools(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
         """`body` with the tools its prompt shows: none under tool_choice none when the server
@@ -416,14 +418,19 @@ class Gateway:
         request_id = request.state.request_id
         with service_errors(request_id):
             body.check_limits(self.request_limits)  # before any work: a 4 MB prompt is not tokenized
-            prompt = await self.off_loop.run(body.prompt_ids, self.service.tokenizer)
-            response_format.start(prompt)
-            params = body.sampling_params(len(prompt), self.service.max_model_len)
-            await self.off_loop.run(check_structured, self.service.tokenizer, params[0])  # the same for all choices
+            # Rate limits before any work too: a tenant over its limit costs the shared pool nothing.
             tenant = getattr(request.state, "tenant", None)
             limits = self.limits.for_tenant(tenant) if self.limits is not None else None
-            if limits is not None and limits.enabled:
-                await limits.check(_bucket_of(request, tenant), len(prompt) + sum(p.max_tokens for p in params))
+            bucket = _bucket_of(request, tenant)
+            if limits is not None:
+                await limits.check_request(bucket)
+            prompt = await self.off_loop.run(body.prompt_ids, self.service.tokenizer, tenant=bucket)
+            response_format.start(prompt)
+            params = body.sampling_params(len(prompt), self.service.max_model_len)
+            if limits is not None:
+                await limits.check_tokens(bucket, len(prompt) + sum(p.max_tokens for p in params))
+            # Compiled (and cached) for admitted requests only; the same grammar for all choices.
+            await self.off_loop.run(check_structured, self.service.tokenizer, params[0], tenant=bucket)
         run = ChoiceStreams(self.service, request_id, prompt, params, self.runs)
         run.span = tracing.start_request("http", request_id, len(prompt), request.headers)
         streaming = False
@@ -438,7 +445,7 @@ class Gateway:
                     return _client_left(run)
             # n choices with logprobs make a large answer: formatted off the loop too.
             answer = await self.off_loop.run(lambda: response_format.response(run.choices, run.usage())
-                                             .model_dump_json())
+                                             .model_dump_json(), tenant=bucket)
             return Response(answer, media_type="application/json")
         finally:
             if not streaming:
@@ -511,16 +518,16 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         gateway.admit(body.model)
         with service_errors(request.state.request_id):
-            await gateway.count_request(request)
+            bucket = await gateway.count_request(request)
             return await gateway.off_loop.run(tokenize, body, service.tokenizer, gateway.request_limits,
-                                              service.max_model_len)
+                                              service.max_model_len, tenant=bucket)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
     async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         gateway.admit(body.model)
         with service_errors(request.state.request_id):
-            await gateway.count_request(request)
-            return DetokenizeResponse(prompt=await gateway.off_loop.run(body.text, service.tokenizer))
+            bucket = await gateway.count_request(request)
+            return DetokenizeResponse(prompt=await gateway.off_loop.run(body.text, service.tokenizer, tenant=bucket))
 
 
 # ---- middlewares (plain ASGI: they must not buffer streamed responses) -----------------------------

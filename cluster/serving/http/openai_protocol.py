@@ -19,6 +19,7 @@ a value out of range is refused naming its field; what one field cannot say (`mi
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from cluster.serving.http.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, refused_field
 from cluster.serving.http.structured_outputs import StructuredOutputFields
-from cluster.serving.request_limits import MAX_CHOICES, RequestLimits
+from cluster.serving.request_limits import MAX_CHOICES, RequestLimits, utf8_length
 from cluster.serving.tools.calls import CallDelta, Item, Reply, new_call_id
 from cluster.serving.tools.choice import ToolChoice
 from cluster.serving.tools.parsers import DEFAULT_PARSER, CallFormat, parser_named
@@ -113,6 +114,12 @@ class SamplingRequest(StructuredOutputFields):
         """This request against `limits`, before any work (tokenizing included): LimitExceeded."""
         limits.check_prompt(self.prompt_bytes(), self.num_messages())
         limits.check_sampling(_as_list(self.stop), self.stop_token_ids or (), self.n, self.logprobs_asked())
+        limits.check_grammar(self.grammar_spec())
+
+    def grammar_spec(self) -> str:
+        """The spec of the structured output asked for ("" for free text); ValueError if malformed."""
+        structured = self.structured_output()
+        return structured.spec if structured is not None else ""
 
     def prompt_bytes(self) -> int:
         """UTF-8 bytes of the prompt's text (0 for token ids)."""
@@ -155,7 +162,7 @@ class CompletionRequest(SamplingRequest):
 
     def prompt_bytes(self) -> int:
         texts = [self.prompt] if isinstance(self.prompt, str) else [p for p in self.prompt if isinstance(p, str)]
-        return sum(_utf8_length(text) for text in texts)
+        return sum(utf8_length(text) for text in texts)
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
@@ -297,7 +304,17 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
     def prompt_bytes(self) -> int:
-        return sum(_utf8_length(message.text()) for message in self.messages)
+        """The messages' text and what the template renders beside it: the tools and template arguments."""
+        rendered = [tool.model_dump_json(exclude_none=True) for tool in self.tools or ()]
+        if self.chat_template_kwargs:
+            rendered.append(json.dumps(self.chat_template_kwargs, default=str))
+        return sum(utf8_length(text) for text in [*(message.text() for message in self.messages), *rendered])
+
+    def grammar_spec(self) -> str:
+        """The structured output's spec, or the one tool_choice (required, named) holds calls to."""
+        tools = self.chosen_tools()
+        structured = tools.structured_output() if tools is not None else None
+        return structured.spec if structured is not None else super().grammar_spec()
 
     def num_messages(self) -> int:
         return len(self.messages)
@@ -358,10 +375,6 @@ def fit_max_tokens(requested: int | None, default: int | None, num_prompt_tokens
         raise ValueError(f"max_tokens is {requested}, but the prompt has {num_prompt_tokens} tokens and the "
                          f"context is {max_model_len}: at most {room} tokens can be generated")
     return requested
-
-
-def _utf8_length(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))  # an unpaired surrogate is refused later, with its reason
 
 
 def _as_list(stop: str | list[str] | None) -> list[str]:

@@ -441,12 +441,17 @@ def self_signed_certificate() -> tuple[bytes, bytes]:
     (PROMPT, dict(priority=1), grpc.StatusCode.INVALID_ARGUMENT),  # the fcfs policy: priority scheduling is off
     (PROMPT, dict(logit_bias={5: 101.0}), grpc.StatusCode.INVALID_ARGUMENT),
     (PROMPT, dict(logit_bias={10**6: 1.0}), grpc.StatusCode.INVALID_ARGUMENT),  # past the vocabulary
+    # Request limits on every byte a request brings: a grammar, and tools the template renders.
+    (PROMPT, dict(structured={"regex": "a" * ((1 << 16) + 1)}), grpc.StatusCode.INVALID_ARGUMENT),
+    ([{"role": "user", "content": "hi"}], dict(tools=[{"type": "function", "function": {
+        "name": "f", "description": "x" * (1 << 20)}}]), grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_bad_requests(client: Client, prompt: Any, options: dict[str, Any], code: grpc.StatusCode) -> None:
     for call in (client.complete, lambda *args, **kwargs: list(client.generate(*args, **kwargs))):
         with pytest.raises(ClientError) as caught:
             call(prompt, max_tokens=2, **options)
         assert caught.value.code == code, caught.value
+        assert "bytes" not in caught.value.details or "(max_" in caught.value.details  # a limit names itself
 
 
 def test_unknown_sampling_option_fails_in_the_client(client: Client) -> None:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from cluster.engine.config import CacheConfig, EngineConfig
+from cluster.grammar.compiler import shared_compiler
 from cluster.serving.api_keys import ApiKeys
 from cluster.serving.http.gateway import HttpServer, build_app
 from cluster.serving.local_service import LocalService
@@ -152,3 +153,30 @@ def test_tokenize_and_detokenize_count_against_requests_but_take_no_tokens(check
             await quota_service.stop()
 
     asyncio.run(main())
+
+
+def test_a_request_over_its_rate_limit_is_refused_before_any_work_for_it(checkpoint: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant limited to one request a second sends eight with a text prompt and a JSON schema at
+    once: the seven refused are never tokenized and their grammars never compiled (nor cached), so a
+    limited key cannot spend the pool that every tenant shares; its tokens quota is taken once tokenized."""
+    async def main() -> list[int]:
+        service, (server,) = await gateways(checkpoint, "", 1, TENANTS, requests_per_s=1)
+        encode = service.tokenizer.encode
+        monkeypatch.setattr(service.tokenizer, "encode", lambda *a, **k: (encoded.append(1), encode(*a, **k))[1])
+        compiler = shared_compiler(service.tokenizer)
+        misses = compiler.misses
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                requests = [client.post("/v1/completions", headers={"Authorization": "Bearer key-a"}, json={
+                    "prompt": f"hello {index}", "max_tokens": 2, "guided_json": {"type": "object", "properties": {
+                        f"field_{index}": {"type": "string"}}}}) for index in range(8)]
+                statuses = sorted(response.status_code for response in await asyncio.gather(*requests))
+        finally:
+            await server.stop()
+            await service.stop()
+        assert (len(encoded), compiler.misses - misses) == (1, 1)
+        return statuses
+
+    encoded: list[int] = []
+    assert asyncio.run(main()) == [200] + [429] * 7

@@ -17,6 +17,9 @@ from cluster.serving.request_limits import LimitExceeded, RequestLimits
 from tests.serving.http.conftest import Gateways, LiveGateway, engine_idle, tiny_config, wait_until
 from tests.serving.http.test_http_gateway import CHAT, assert_error
 
+# A JSON schema of 3,000 properties: about 90 KB, over max_grammar_bytes (64 KiB), well under max_prompt_bytes.
+PADDED_SCHEMA = {"type": "object", "properties": {f"field_{i:05d}": {"type": "string"} for i in range(3000)}}
+
 
 @pytest.fixture
 def client(tiny: LiveGateway) -> Any:
@@ -43,17 +46,19 @@ def test_limits_parse_from_name_value_pairs_and_refuse_unknown_names_or_values()
     (lambda limits: limits.check_sampling(["é" * 9], []), "max_stop_string_bytes"),  # 18 bytes
     (lambda limits: limits.check_sampling([], [1] * 5), "max_stop_token_ids"),
     (lambda limits: limits.check_sampling([], [], n=2, logprobs=4), "max_logprob_entries"),  # 2 x (4 + 1)
+    (lambda limits: limits.check_grammar("é" * 9), "max_grammar_bytes"),  # 18 bytes
 ])
 def test_each_limit_refuses_one_past_it_and_names_itself(check: Any, limit: str) -> None:
     limits = RequestLimits(max_prompt_bytes=1024, max_messages=4, max_stop_strings=4, max_stop_string_bytes=16,
-                           max_stop_token_ids=4, max_logprob_entries=9)
+                           max_stop_token_ids=4, max_logprob_entries=9, max_grammar_bytes=16)
     with pytest.raises(LimitExceeded, match=limit):
         check(limits)
 
 
 def test_requests_at_every_limit_pass() -> None:
     limits = RequestLimits(max_prompt_bytes=1024, max_messages=4, max_stop_strings=4, max_stop_string_bytes=16,
-                           max_stop_token_ids=4, max_logprob_entries=10)
+                           max_stop_token_ids=4, max_logprob_entries=10, max_grammar_bytes=16)
+    limits.check_grammar("é" * 8)
     limits.check_prompt(1024, 4)
     limits.check_sampling(["é" * 8] * 4, [1] * 4, n=2, logprobs=4)
     limits.check_sampling([], [], n=10, logprobs=0)
@@ -67,6 +72,16 @@ def test_requests_at_every_limit_pass() -> None:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "é" * (1 << 19)}] + CHAT},
      "max_prompt_bytes"),
     ("/v1/chat/completions", {"messages": CHAT * 1025}, "max_messages"),
+    # What the template renders beside the messages counts as the prompt: tools, template arguments.
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "x" * (1 << 20)}}]}, "max_prompt_bytes"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"padding": "x" * (1 << 20)}},
+     "max_prompt_bytes"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a" * ((1 << 16) + 1)}, "max_grammar_bytes"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "padded", "schema": PADDED_SCHEMA}}}, "max_grammar_bytes"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": PADDED_SCHEMA}}]}, "max_grammar_bytes"),
     ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(300_000)]}, "max_stop_strings"),
     ("/v1/completions", {"prompt": "hi", "stop": "x" * 257}, "max_stop_string_bytes"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(65))}, "max_stop_token_ids"),
