@@ -86,6 +86,7 @@ RETRY_AFTER_S = 1
 EVENTS_AHEAD = 16  # per API request: events taken from the service streams but not yet sent
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: logged, never received
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's, at the root; behind the API key as /v1/ is
+RATE_LIMITED_PATHS = ("/v1/completions", "/v1/chat/completions", *TOKENIZER_PATHS)
 QUIET_PATHS = ("/health", "/ready", "/metrics")  # probed every few seconds: logged at DEBUG only
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
@@ -384,14 +385,6 @@ class Gateway:
             await asyncio.sleep(0.05)
         return not self.runs
 
-    async def count_request(self, request: Request) -> str:
-        """Count a request that generates nothing (/tokenize, /detokenize) against its caller's
-        requests per second, as any other; it takes no tokens. Its caller's bucket; raises RateLimited."""
-        tenant = getattr(request.state, "tenant", None)
-        bucket = _bucket_of(request, tenant)
-        if self.limits is not None:
-            await self.limits.for_tenant(tenant).check_request(bucket)
-        return bucket
 
     def shown_tools(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
         """`body` with the tools its prompt shows: none under tool_choice none when the server
@@ -418,12 +411,10 @@ class Gateway:
         request_id = request.state.request_id
         with service_errors(request_id):
             body.check_limits(self.request_limits)  # before any work: a 4 MB prompt is not tokenized
-            # Rate limits before any work too: a tenant over its limit costs the shared pool nothing.
+            # Its requests bucket was taken before its body was read (`RateLimitMiddleware`).
             tenant = getattr(request.state, "tenant", None)
             limits = self.limits.for_tenant(tenant) if self.limits is not None else None
             bucket = _bucket_of(request, tenant)
-            if limits is not None:
-                await limits.check_request(bucket)
             prompt = await self.off_loop.run(body.prompt_ids, self.service.tokenizer, tenant=bucket)
             response_format.start(prompt)
             params = body.sampling_params(len(prompt), self.service.max_model_len)
@@ -518,7 +509,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         gateway.admit(body.model)
         with service_errors(request.state.request_id):
-            bucket = await gateway.count_request(request)
+            bucket = _bucket_of(request, getattr(request.state, "tenant", None))  # counted by RateLimitMiddleware
             return await gateway.off_loop.run(tokenize, body, service.tokenizer, gateway.request_limits,
                                               service.max_model_len, tenant=bucket)
 
@@ -526,7 +517,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         gateway.admit(body.model)
         with service_errors(request.state.request_id):
-            bucket = await gateway.count_request(request)
+            bucket = _bucket_of(request, getattr(request.state, "tenant", None))  # counted by RateLimitMiddleware
             return DetokenizeResponse(prompt=await gateway.off_loop.run(body.text, service.tokenizer, tenant=bucket))
 
 
@@ -608,6 +599,27 @@ class BodyLimitMiddleware:
         return ApiError(413, f"the request body is larger than {self.max_bytes} bytes", code="request_too_large")
 
 
+class RateLimitMiddleware:
+    """429 for a generation or tokenizer request over its caller's requests per second, before its
+    body is read: a client over its limit costs the server no parsing, tokenizing or compiling. Its
+    tokens (prompt + max_tokens) are taken once it is tokenized (`Gateway.respond`)."""
+
+    def __init__(self, app: ASGIApp, limits: RateLimits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in RATE_LIMITED_PATHS:
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        tenant = state.get("tenant")
+        try:
+            with service_errors(state.get("request_id", "")):
+                await self.limits.for_tenant(tenant).check_request(_bucket(scope.get("client"), tenant))
+        except ApiError as error:
+            return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class ApiKeyMiddleware:
     """401 for `/v1/` (and tokenizer) requests without `Authorization: Bearer <key>` of a known key; health checks
     stay open. The key's tenant goes to `request.state.tenant` (its rate limits, its scope)."""
@@ -628,12 +640,16 @@ class ApiKeyMiddleware:
 
 
 def _bucket_of(request: Request, tenant: Tenant | None) -> str:
+    return _bucket(request.scope.get("client"), tenant)
+
+
+def _bucket(client: tuple[str, int] | None, tenant: Tenant | None) -> str:
     """Whom the rate limits count against: the key's tenant, else the client's address (as the
     trusted proxies forward it). Never a bearer the server does not know: a client could send a
     fresh one with each request."""
     if tenant is not None:
         return "tenant:" + tenant.name
-    return "addr:" + (request.client.host if request.client else "unknown")
+    return "addr:" + (client[0] if client else "unknown")
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -666,6 +682,8 @@ def build_app(  # noqa: PLR0913
     app.add_exception_handler(RequestValidationError, _validation_error)
     _document_400_not_422(app)
     # add_middleware wraps: the last added runs first.
+    if limits is not None:  # inside the keys' check: it counts against the key's tenant
+        app.add_middleware(RateLimitMiddleware, limits=limits)
     if api_keys.enabled:
         app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)

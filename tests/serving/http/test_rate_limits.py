@@ -158,8 +158,8 @@ def test_tokenize_and_detokenize_count_against_requests_but_take_no_tokens(check
 def test_a_request_over_its_rate_limit_is_refused_before_any_work_for_it(checkpoint: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A tenant limited to one request a second sends eight with a text prompt and a JSON schema at
-    once: the seven refused are never tokenized and their grammars never compiled (nor cached), so a
-    limited key cannot spend the pool that every tenant shares; its tokens quota is taken once tokenized."""
+    once: the seven refused are never tokenized and their grammars never compiled (nor cached), their
+    bodies not even parsed, so a limited key cannot spend what every tenant shares."""
     async def main() -> list[int]:
         service, (server,) = await gateways(checkpoint, "", 1, TENANTS, requests_per_s=1)
         encode = service.tokenizer.encode
@@ -172,11 +172,14 @@ def test_a_request_over_its_rate_limit_is_refused_before_any_work_for_it(checkpo
                     "prompt": f"hello {index}", "max_tokens": 2, "guided_json": {"type": "object", "properties": {
                         f"field_{index}": {"type": "string"}}}}) for index in range(8)]
                 statuses = sorted(response.status_code for response in await asyncio.gather(*requests))
+                # Not even its body is read: one that is not JSON is refused by the limit, not as malformed.
+                malformed = await client.post("/v1/completions", content=b"{not json", headers={
+                    "Authorization": "Bearer key-a", "Content-Type": "application/json"})
         finally:
             await server.stop()
             await service.stop()
         assert (len(encoded), compiler.misses - misses) == (1, 1)
-        return statuses
+        return statuses + [malformed.status_code]
 
     encoded: list[int] = []
-    assert asyncio.run(main()) == [200] + [429] * 7
+    assert asyncio.run(main()) == [200] + [429] * 7 + [429]
