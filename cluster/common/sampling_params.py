@@ -54,6 +54,9 @@ class SamplingParams:
     # worker held back, a partial character or the start of a stop string, is not lost).
     resumed_text: str = ""
     structured: StructuredOutput | None = None
+    # The prefix cache this request may share blocks in (`cluster.common.block_hashes`): the front
+    # door's composition of its cache_salt and tenant; "" is the model's shared domain.
+    cache_domain: str = ""
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON bodies), store tuples so the object stays hashable.
@@ -89,6 +92,7 @@ class SamplingParams:
             # torch's generators take 64-bit seeds; a larger one would fail the step of every request in it
             (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed must fit in 64 bits, got {self.seed}"),
             (self.seed_offset >= 0, f"seed_offset must be >= 0, got {self.seed_offset}"),
+            (isinstance(self.cache_domain, str), f"cache_domain must be a str, got {type(self.cache_domain).__name__}"),
             (self.structured is None or isinstance(self.structured, StructuredOutput),
              f"structured must be a StructuredOutput, got {type(self.structured).__name__}"),
         ]

@@ -8,7 +8,7 @@ sees the resulting block ids (`block_ids`).
 
 from __future__ import annotations
 
-from cluster.common.block_hashes import hash_block_tokens, model_root_hash
+from cluster.common.block_hashes import hash_block_tokens, root_hash
 from cluster.engine.block_pool import Block, BlockPool
 from cluster.engine.request import Request
 
@@ -21,7 +21,7 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, model_name: str = "") -> None:
         self.pool = pool
         self.block_size = block_size
-        self.root_hash = model_root_hash(model_name)
+        self.model_name = model_name  # with each request's cache domain, the root of its chain
         self.blocks_of: dict[str, list[Block]] = {}
         # The same blocks as ids, kept in step so the runner's block tables cost nothing to read.
         self.block_ids_of: dict[str, list[int]] = {}
@@ -103,7 +103,8 @@ class KVCacheManager:
         hashes = self.hashes_of.setdefault(request.request_id, [])
         size = self.block_size
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else self.root_hash
+        # The domain roots the chain: requests of two domains never find each other's blocks.
+        parent = hashes[-1] if hashes else root_hash(self.model_name, request.sampling_params.cache_domain)
         for index in range(len(hashes), num_full_blocks):
             parent = hash_block_tokens(parent, tokens[index * size:(index + 1) * size])
             hashes.append(parent)

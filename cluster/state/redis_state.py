@@ -2,7 +2,7 @@
 
 Key layout (`prefix` is "pdserve" unless given):
 
-    <prefix>:blocks:<worker_id>   set of the block hashes the worker holds, 8 bytes each. Past
+    <prefix>:blocks:<worker_id>   set of the block hashes the worker holds, 16 bytes each. Past
                                   max_blocks_per_worker random members are dropped; the key expires
                                   blocks_ttl_s after the worker's last publish or heartbeat.
     <prefix>:worker:<worker_id>   string: the WorkerInfo as JSON, expiring ttl_s after the last register
@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import math
-import struct
 from collections.abc import Sequence
 from typing import cast
 
@@ -32,6 +31,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from cluster.common.block_hashes import HASH_BYTES
 from cluster.state.interface import (
     MAX_BLOCKS_PER_WORKER,
     RateDecision,
@@ -67,12 +67,12 @@ redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
 return {allowed, string.format('%.17g', tokens), string.format('%.17g', wait)}
 """
 
-# Block hashes travel as one string of 8-byte little-endian words (`pack_hashes`) and are stored so:
+# Block hashes travel as one string of 16-byte little-endian words (`pack_hashes`) and are stored so:
 # encoding hundreds of ints one by one costs the router more CPU than the whole round trip.
 UNPACK_LUA = """
 local function hashes(packed, first, last)
   local members = {}
-  for i = first, math.min(last, #packed / 8) do members[#members + 1] = string.sub(packed, 8 * i - 7, 8 * i) end
+  for i = first, math.min(last, #packed / 16) do members[#members + 1] = string.sub(packed, 16 * i - 15, 16 * i) end
   return members
 end
 """
@@ -80,8 +80,8 @@ end
 # KEYS[1]: the worker's blocks. ARGV: stored, evicted (packed), the cap, the ttl in ms. Atomic, so the
 # cap holds; past it random members go (a lost eviction event must not leave blocks forever).
 PUBLISH_LUA = UNPACK_LUA + """
-for first = 1, #ARGV[1] / 8, 1024 do redis.call('SADD', KEYS[1], unpack(hashes(ARGV[1], first, first + 1023))) end
-for first = 1, #ARGV[2] / 8, 1024 do redis.call('SREM', KEYS[1], unpack(hashes(ARGV[2], first, first + 1023))) end
+for first = 1, #ARGV[1] / 16, 1024 do redis.call('SADD', KEYS[1], unpack(hashes(ARGV[1], first, first + 1023))) end
+for first = 1, #ARGV[2] / 16, 1024 do redis.call('SREM', KEYS[1], unpack(hashes(ARGV[2], first, first + 1023))) end
 local excess = redis.call('SCARD', KEYS[1]) - tonumber(ARGV[3])
 if excess > 0 then redis.call('SPOP', KEYS[1], excess) end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -95,7 +95,7 @@ MATCH_LUA = UNPACK_LUA + """
 local chunks, counts = {}, {}
 for k, key in ipairs(KEYS) do
   local count, missed = 0, false
-  for first = 1, #ARGV[1] / 8, 128 do
+  for first = 1, #ARGV[1] / 16, 128 do
     chunks[first] = chunks[first] or hashes(ARGV[1], first, first + 127)
     for _, flag in ipairs(redis.call('SMISMEMBER', key, unpack(chunks[first]))) do
       if flag == 0 then missed = true break end
@@ -131,8 +131,9 @@ def decode_info(text: str) -> WorkerInfo:
 
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:
-    """Unsigned 64-bit ints (as `routing.prefix_hashes` makes them); anything else raises struct.error."""
-    return struct.pack(f"<{len(hashes)}Q", *hashes)
+    """Unsigned 128-bit ints (as `block_hashes.prefix_hashes` makes them), 16 little-endian bytes
+    each; anything else raises OverflowError."""
+    return b"".join(h.to_bytes(HASH_BYTES, "little") for h in hashes)
 
 
 def milliseconds(seconds: float) -> int:

@@ -172,6 +172,26 @@ def test_prefix_cache_hits_reuse_blocks_and_are_counted() -> None:
     assert scheduler.kv_cache.prefix_hits == 12
 
 
+def test_requests_of_two_cache_domains_never_share_prefix_blocks() -> None:
+    """A tenant (or a cache_salt) is a domain of its own: another's identical prompt finds nothing
+    cached, while a second request of the same domain finds its blocks."""
+    scheduler = make_scheduler()
+
+    def cached_tokens(request_id: str, domain: str) -> int:
+        request = make_request(request_id, 13, max_tokens=1)
+        request.sampling_params = SamplingParams(max_tokens=1, temperature=0, cache_domain=domain)
+        scheduler.add_request(request)
+        run_to_completion(scheduler)
+        return request.num_cached_tokens
+
+    assert cached_tokens("a1", "tenant-a") == 0
+    assert cached_tokens("b1", "tenant-b") == 0  # the same prompt in another domain: a miss
+    assert cached_tokens("shared", "") == 0
+    assert cached_tokens("a2", "tenant-a") == 12
+    assert cached_tokens("b2", "tenant-b") == 12
+    assert_pool_consistent(scheduler)
+
+
 def test_whole_prompt_cached_still_computes_its_last_token() -> None:
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", 12, max_tokens=1))

@@ -18,7 +18,8 @@ from cluster.state.resilient import ResilientState
 from tests.state.conftest import RedisServer, StateFactory
 
 EVENTUALLY_S = 5.0
-BIG = 2**64 - 1  # block hashes are unsigned 64-bit
+BIG = 2**128 - 1  # block hashes are unsigned 128-bit (`cluster.common.block_hashes`)
+HIGH = 7 + 2**64  # equal to 7 in its low 64 bits: the index must tell them apart
 
 
 def run(factory: StateFactory, check: Callable[..., Awaitable[None]], replicas: int = 1, **options: object) -> None:
@@ -53,9 +54,11 @@ async def listed(state: SharedState, role: str | None = None) -> list[str]:
 
 def test_match_counts_the_leading_run_of_held_blocks(state_factory: StateFactory) -> None:
     async def check(state: SharedState) -> None:
-        await state.publish_blocks("w1", [11, 12, 13, BIG], [])
+        await state.publish_blocks("w1", [11, 12, 13, BIG, HIGH], [])
         await state.publish_blocks("w2", [11, 12], [])
         assert await state.match([11, 12, 13, BIG, 99], ["w1", "w2", "w3"]) == {"w1": 4, "w2": 2, "w3": 0}
+        assert await state.match([11, 12, 13, BIG, 7], ["w1"]) == {"w1": 4}
+        assert await state.match([11, 12, 13, BIG, HIGH], ["w1"]) == {"w1": 5}
         # A block further down does not count once one before it is missing.
         assert await state.match([11, 99, 12], ["w1"]) == {"w1": 1}
         assert await state.match([], ["w1"]) == {"w1": 0}
