@@ -204,16 +204,18 @@ class Router(ChannelHost):
                                  f"{self.config.max_decode_wait_s:g} s): the cluster is overloaded; retry later")
         return admitting
 
-    async def _pick_prefill(self, prompt: list[int], route: tracing.Route = tracing.UNTRACED) -> Any | None:
+    async def _pick_prefill(self, prompt: list[int], route: tracing.Route = tracing.UNTRACED,
+                            cache_domain: str = "") -> Any | None:
         """The live prefill worker with the least prompt work before this one (its queue plus the
-        part of this prompt it does not hold cached)."""
+        part of this prompt it does not hold cached in the request's cache domain)."""
         live = self._open(self.prefill)
         if not live:
             return None
         if self.config.policy == RoutingPolicy.ROUND_ROBIN:  # the baselines the benchmark compares against
             self.turn += 1
             return live[self.turn % len(live)]
-        hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name)
+        # Hashed in the request's domain, as the worker will: blocks of another domain are no hit there.
+        hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name, cache_domain)
         kv_aware = self.config.policy == RoutingPolicy.KV_AWARE and hashes
         cached = await self.state.match(hashes, [self.ids[id(h)] for h in live]) if kv_aware else {}
 
@@ -550,7 +552,7 @@ class Router(ChannelHost):
     async def _disaggregated(self, decode: Any, ticket: KVTicket, request_id: str, prompt: list[int],
                              params: SamplingParams) -> AsyncIterator[TokenEvent]:
         route = self._route(request_id)
-        prefill = await self._pick_prefill(prompt, route)
+        prefill = await self._pick_prefill(prompt, route, params.cache_domain)
         route.chose(prefill_worker=self.ids.get(id(prefill)) if prefill is not None else "none")
         first_token_id: int | None = None  # the prefill's, once relayed: the client has it
         if prefill is None:  # every prefill worker is gone: the decode worker runs the prompt itself

@@ -58,6 +58,23 @@ def test_prefill_prefers_the_worker_with_the_prefix_unless_its_queue_outweighs_i
     asyncio.run(main())
 
 
+def test_a_prefix_cached_in_one_cache_domain_is_no_hit_for_another() -> None:
+    """The router hashes a prompt in its request's domain, as the workers do: another tenant's (or
+    salt's) copy of the prefix neither counts as a hit nor draws the request to that worker."""
+    router = Router(prefill=[("p0", "actor-p0", "handle-0"), ("p1", "actor-p1", "handle-1")], decode=[],
+                    config=RouterConfig())
+
+    async def main() -> None:
+        first = await router._pick_prefill(PROMPT, cache_domain="tenant-a")
+        await router._pick_prefill(PROMPT, cache_domain="tenant-b")
+        await router._pick_prefill(PROMPT)
+        assert router.decisions["prefix_hits"] == 0
+        assert await router._pick_prefill(PROMPT, cache_domain="tenant-a") == first
+        assert router.decisions["prefix_hits"] == 1
+
+    asyncio.run(main())
+
+
 def test_decode_workers_rank_by_requests_then_queue_then_free_blocks() -> None:
     def load(waiting: int, free: int) -> WorkerLoad:
         return WorkerLoad("d", "decode", 0, waiting, free, 100, 1 - free / 100)
