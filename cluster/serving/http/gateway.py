@@ -20,6 +20,7 @@ A request's way through:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ from cluster.common.events import TokenEvent
 from cluster.common.sampling_params import SamplingParams
 from cluster.observability import tracing
 from cluster.serving.api_keys import ApiKeys, Tenant
+from cluster.serving.cache_domains import DEFAULT_ISOLATION, cache_domain, check_isolation
 from cluster.serving.connection_limits import DEFAULT_STREAM_WRITE_TIMEOUT_S, ConnectionLimits
 from cluster.serving.http.connections import bound_send_buffer, deadline_protocol
 from cluster.serving.http.openai_protocol import (
@@ -75,7 +77,7 @@ from cluster.serving.off_loop import OffLoop
 from cluster.serving.rate_limits import RateLimited, RateLimits
 from cluster.serving.request_limits import LimitExceeded, RequestLimits
 from cluster.serving.service import MAX_REQUEST_ID_LENGTH, Service, check_structured
-from cluster.serving.tools.template import parser_for
+from cluster.serving.tools.template import ToolServing, parser_for
 
 log = logging.getLogger(__name__)
 
@@ -351,16 +353,18 @@ async def _disconnected(receive: Receive) -> None:
 
 class Gateway:
     """What the routes share: the service, the limits, the pool that keeps tokenizing and formatting
-    off the event loop, the format of the model's tool calls, and whether new requests are accepted
-    (`draining`)."""
+    off the event loop, the format of the model's tool calls, whose requests share prefix-cache
+    blocks (`cache_domains`), and whether new requests are accepted (`draining`)."""
 
-    def __init__(self, service: Service, limits: RateLimits | None = None,
+    def __init__(self, service: Service, limits: RateLimits | None = None,  # noqa: PLR0913
                  request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None,
                  stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-                 tool_call_parser: str = "auto", exclude_tools_when_tool_choice_none: bool = False) -> None:
+                 tools: ToolServing | None = None, prefix_cache_isolation: str = DEFAULT_ISOLATION) -> None:
         self.service = service
-        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
-        self.tool_parser = parser_for(service.tokenizer, tool_call_parser, service.model_name)
+        tools = tools or ToolServing()
+        self.exclude_tools_when_tool_choice_none = tools.exclude_tools_when_tool_choice_none
+        self.tool_parser = parser_for(service.tokenizer, tools.parser, service.model_name)
+        self.prefix_cache_isolation = check_isolation(prefix_cache_isolation)
         self.stream_write_timeout_s = stream_write_timeout_s
         self.limits = limits
         self.request_limits = request_limits or RequestLimits()
@@ -393,6 +397,13 @@ class Gateway:
             return body.model_copy(update={"tools": None})
         return body
 
+    def in_cache_domain(self, params: list[SamplingParams], tenant: Tenant | None,
+                        cache_salt: str | None) -> list[SamplingParams]:
+        """Each choice's params with the request's cache domain: its prompt shares prefix-cache blocks
+        only with requests of that domain, and `cached_tokens` counts only those."""
+        domain = cache_domain(self.prefix_cache_isolation, tenant, cache_salt)
+        return [dataclasses.replace(choice, cache_domain=domain) for choice in params]
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.service.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
@@ -417,7 +428,8 @@ class Gateway:
             bucket = _bucket_of(request, tenant)
             prompt = await self.off_loop.run(body.prompt_ids, self.service.tokenizer, tenant=bucket)
             response_format.start(prompt)
-            params = body.sampling_params(len(prompt), self.service.max_model_len)
+            params = self.in_cache_domain(body.sampling_params(len(prompt), self.service.max_model_len), tenant,
+                                          body.cache_salt)
             if limits is not None:
                 await limits.check_tokens(bucket, len(prompt) + sum(p.max_tokens for p in params))
             # Compiled (and cached) for admitted requests only; the same grammar for all choices.
@@ -663,18 +675,19 @@ def build_app(  # noqa: PLR0913
         service: Service, *, api_key: str | ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
               off_loop: OffLoop | None = None, stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-              tool_call_parser: str = "auto",
-              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
+              tool_call_parser: str = "auto", exclude_tools_when_tool_choice_none: bool = False,
+              prefix_cache_isolation: str = DEFAULT_ISOLATION) -> FastAPI:
     """The gateway app. `api_key`: one key, or the `ApiKeys` of several tenants (None reads
     `$PDSERVE_API_KEY`); no key at all leaves the API open. `tool_call_parser`: the format of the
     model's tool calls (`cluster.serving.tools.parsers`; "auto": from its chat template);
-    `exclude_tools_when_tool_choice_none`: vLLM's flag, tools left out of the prompt under tool_choice none. The
+    `exclude_tools_when_tool_choice_none`: vLLM's flag, tools left out of the prompt under tool_choice none;
+    `prefix_cache_isolation`: whether API keys share prefix-cache blocks (`cache_domains`). The
     `Gateway` (draining) is `gateway_of(app)`."""
     api_keys = api_key if isinstance(api_key, ApiKeys) else \
         ApiKeys.of(api_key if api_key is not None else os.environ.get(env.API_KEY) or None)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a pdserve cluster", version="1")
-    gateway = Gateway(service, limits, request_limits, off_loop, stream_write_timeout_s, tool_call_parser,
-                      exclude_tools_when_tool_choice_none)
+    gateway = Gateway(service, limits, request_limits, off_loop, stream_write_timeout_s,
+                      ToolServing(tool_call_parser, exclude_tools_when_tool_choice_none), prefix_cache_isolation)
     app.state.gateway = gateway
     _add_routes(app, gateway)
     app.add_exception_handler(ApiError, _api_error)

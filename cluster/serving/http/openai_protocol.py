@@ -25,10 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.common.events import TokenEvent, TokenLogprobs
 from cluster.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from cluster.serving.cache_domains import check_cache_salt
 from cluster.serving.http.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldRule, refused_field
 from cluster.serving.http.structured_outputs import StructuredOutputFields
 from cluster.serving.request_limits import MAX_CHOICES, RequestLimits, utf8_length
@@ -95,6 +96,13 @@ class SamplingRequest(StructuredOutputFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays in the text
     skip_special_tokens: bool = True  # vLLM's
+    # vLLM's: the request shares prefix-cache blocks only with requests of the same salt (`cache_domains`).
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, salt: str | None) -> str | None:
+        return check_cache_salt(salt)
 
     @model_validator(mode="before")
     @classmethod

@@ -97,7 +97,7 @@ _SHARED: dict[str, FieldRule] = {
     "request_id": _ignored("vLLM; the gateway makes its own ids (X-Request-Id is echoed)"),
     "return_tokens_as_token_ids": _refused("vLLM", False),
     "return_token_ids": _refused("vLLM", False),
-    "cache_salt": _refused("vLLM; the prefix cache is not partitioned by salt"),
+    "cache_salt": _supported("vLLM; prefix-cache blocks are shared only with the same salt; at most 256 bytes"),
     "kv_transfer_params": _refused("vLLM; the cluster moves KV caches itself"),
     "vllm_xargs": _refused("vLLM"),
 }
