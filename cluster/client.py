@@ -14,7 +14,8 @@ carries the gRPC status code.
 "function", "function": {"name", "description", "parameters"}}]` (or the inner dicts), `tool_choice`
 ("auto", "none", "required" or {"function": {"name": ...}}) and `parallel_tool_calls`; the calls come
 back parsed (`Completion.tool_calls`, `Chunk.tool_calls` deltas), and a chat message may carry an
-assistant's `tool_calls` and a tool's `tool_call_id`.
+assistant's `tool_calls` and a tool's `tool_call_id`. `cache_salt="..."` (vLLM's) shares prefix-cache
+blocks only with requests of the same salt.
 
 Retries: a call failing with UNAVAILABLE (server starting, draining, restarting, unreachable) is
 tried again with exponential backoff, up to `max_attempts` in all, but a stream never once a token
@@ -449,8 +450,9 @@ def _request_of(prompt: Prompt, sampling: dict[str, Any], request_id: str | None
     # The client names the request, so retries reuse the name and `abort` can reach it.
     sampling = dict(sampling)
     tools = {name: sampling.pop(name) for name in ("tools", "tool_choice", "parallel_tool_calls") if name in sampling}
+    cache_salt = sampling.pop("cache_salt", None)  # a field of the request, not of its sampling
     request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, model=model or "",
-                                 sampling=_sampling_of(sampling))
+                                 sampling=_sampling_of(sampling), cache_salt=cache_salt)
     if tools and not (prompt and not isinstance(prompt, str) and isinstance(prompt[0], Mapping)):
         raise TypeError("tools, tool_choice and parallel_tool_calls go with a chat prompt (a list of messages)")
     if isinstance(prompt, str):

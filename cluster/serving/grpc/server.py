@@ -46,6 +46,7 @@ from cluster.grpc_stubs import pdserve_pb2 as pb
 from cluster.grpc_stubs import pdserve_pb2_grpc
 from cluster.observability import tracing
 from cluster.serving.api_keys import ApiKeys, Tenant
+from cluster.serving.cache_domains import DEFAULT_ISOLATION, cache_domain, check_cache_salt, check_isolation
 from cluster.serving.connection_limits import DEFAULT_STREAM_WRITE_TIMEOUT_S, ConnectionLimits
 from cluster.serving.grpc.chat import chat_prompt, tool_choice_of
 from cluster.serving.grpc.choices import CallReader, ChoiceEvents, completion_of, merged
@@ -118,15 +119,17 @@ class GrpcServer:
     check), must come as `authorization: Bearer <key>` metadata; `limits` are the tenants' rate limits, as on HTTP.
     `tls` is (certificate chain, private key), both PEM. `port` 0 picks a free port; `port` holds the
     bound one after `start()`. `tools` is how chats with tools are served (the model's call format,
-    whether tool_choice none shows the tools), as on HTTP.
+    whether tool_choice none shows the tools), as on HTTP. `prefix_cache_isolation`: whether API keys
+    share prefix-cache blocks (`cluster.serving.cache_domains`), as on HTTP.
     """
 
     def __init__(self, service: Service, host: str = "0.0.0.0", port: int = 50051, *,  # noqa: PLR0913
                  api_key: str | ApiKeys | None = None, tls: tuple[bytes, bytes] | None = None,
                  limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
                  off_loop: OffLoop | None = None, connections: ConnectionLimits | None = None,
-                 tools: ToolServing | None = None) -> None:
+                 tools: ToolServing | None = None, prefix_cache_isolation: str = DEFAULT_ISOLATION) -> None:
         self.service = service
+        self.prefix_cache_isolation = check_isolation(prefix_cache_isolation)
         self.tools = tools or ToolServing()
         self.connections = connections or ConnectionLimits()
         self.api_keys = api_key if isinstance(api_key, ApiKeys) else \
@@ -151,7 +154,7 @@ class GrpcServer:
         servicer = InferenceServicer(self.service, api_keys=self.api_keys, limits=self.limits,
                                      request_limits=self.request_limits, off_loop=self.off_loop,
                                      stream_write_timeout_s=self.connections.stream_write_timeout_s,
-                                     tools=self.tools)
+                                     tools=self.tools, prefix_cache_isolation=self.prefix_cache_isolation)
         pdserve_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
         self.health = health.aio.HealthServicer()  # a fresh one: a drained one ignores updates for good
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -270,11 +273,12 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
     without keys, the bearer sent, or one scope for callers without one). So an Abort ends only a
     request of the tenant that sent it, never another client's, nor an HTTP request."""
 
-    def __init__(self, service: Service, *, api_keys: ApiKeys | None = None, limits: RateLimits | None = None,
-                 request_limits: RequestLimits | None = None, off_loop: OffLoop | None = None,
-                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-                 tools: ToolServing | None = None) -> None:
+    def __init__(self, service: Service, *, api_keys: ApiKeys | None = None,  # noqa: PLR0913
+                 limits: RateLimits | None = None, request_limits: RequestLimits | None = None,
+                 off_loop: OffLoop | None = None, stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+                 tools: ToolServing | None = None, prefix_cache_isolation: str = DEFAULT_ISOLATION) -> None:
         self.service = service
+        self.prefix_cache_isolation = check_isolation(prefix_cache_isolation)
         self.stream_write_timeout_s = stream_write_timeout_s
         self.tools = tools or ToolServing()
         self.tool_parser = parser_for(service.tokenizer, self.tools.parser, service.model_name)
@@ -342,7 +346,8 @@ class InferenceServicer(pdserve_pb2_grpc.InferenceServiceServicer):
             raise ModelNotFound(f"this server serves {self.service.model_name!r}, not {request.model!r}")
         n = _n_of(request.sampling)
         tools = tool_choice_of(request.chat) if request.WhichOneof("prompt") == "chat" else None
-        params = _with_tools(_params_of(request.sampling), tools)
+        domain = cache_domain(self.prefix_cache_isolation, tenant, _cache_salt_of(request))
+        params = dataclasses.replace(_with_tools(_params_of(request.sampling), tools), cache_domain=domain)
         self._check_limits(request, params, n)  # before any work: a 4 MB prompt is not tokenized
         # Rate limits before any work too: a tenant over its limit costs the shared pool nothing.
         limits = self.limits.for_tenant(tenant) if self.limits is not None else None
@@ -427,6 +432,11 @@ def _params_of(message: pb.SamplingParams) -> SamplingParams:
                           ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, priority=message.priority,
                           logit_bias=tuple(sorted(message.logit_bias.items())),
                           include_stop_str_in_output=message.include_stop_str_in_output, structured=structured)
+
+
+def _cache_salt_of(request: pb.GenerateRequest) -> str | None:
+    """The request's cache_salt; unset is none, empty or too long a ValueError (INVALID_ARGUMENT)."""
+    return check_cache_salt(request.cache_salt) if request.HasField("cache_salt") else None
 
 
 def _n_of(message: pb.SamplingParams) -> int:

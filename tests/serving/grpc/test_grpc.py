@@ -401,6 +401,36 @@ def test_tenants_have_their_own_keys_rate_limits_and_request_ids(server_loop: Se
     assert wait_until(lambda: pool_is_whole(service))
 
 
+def test_cache_salt_and_per_key_isolation_partition_the_prefix_cache(
+        server_loop: ServerLoop, tiny_config: Callable[..., EngineConfig]) -> None:
+    """As on HTTP: under per-key isolation (the default) tenant B finds nothing of tenant A's prompt
+    cached; a cache_salt shares blocks only with the same salt; under shared isolation keys share."""
+    tenants = ApiKeys.from_entries([{"name": "a", "key": "key-a"}, {"name": "b", "key": "key-b"}])
+    prompt = list(range(40, 61))  # 21 tokens: five full blocks of 4
+    services = [server_loop.start_service(tiny_config()) for _ in range(2)]  # an empty prefix cache each
+    per_key = server_loop.start_server(services[0], api_key=tenants)
+    shared = server_loop.start_server(services[1], api_key=tenants, prefix_cache_isolation="shared")
+    try:
+        def cached(server: GrpcServer, key: str, **options: Any) -> int:
+            with Client(target(server), api_key=key, max_attempts=1) as client:
+                return client.complete(prompt, max_tokens=1, **options).usage.cached_tokens
+
+        assert [cached(per_key, "key-a"), cached(per_key, "key-b"), cached(per_key, "key-a")] == [0, 0, 20]
+        assert [cached(per_key, "key-a", cache_salt="s1"), cached(per_key, "key-a", cache_salt="s2"),
+                cached(per_key, "key-a", cache_salt="s1")] == [0, 0, 20]
+        assert [cached(shared, "key-a"), cached(shared, "key-b"), cached(shared, "key-b", cache_salt="s1"),
+                cached(shared, "key-a", cache_salt="s1")] == [0, 20, 0, 20]
+        for bad in ("", "x" * 257):
+            with pytest.raises(ClientError) as refused:
+                cached(shared, "key-a", cache_salt=bad)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in refused.value.details
+    finally:
+        for server in (per_key, shared):
+            server_loop.run(server.stop(0))
+        for service in services:
+            server_loop.run(service.stop())
+
+
 def test_tls(server_loop: ServerLoop, service: LocalService) -> None:
     certificate, key = self_signed_certificate()
     server = server_loop.start_server(service, tls=(certificate, key))
