@@ -20,6 +20,7 @@ from cluster.common.roles import Mode
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.structured_output import StructuredOutput
 from cluster.engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.serving.cache_domains import DEFAULT_ISOLATION, ISOLATIONS
 from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.request_limits import RequestLimits
 from cluster.serving.tools.parsers import PARSERS
@@ -260,7 +261,8 @@ def command_serve(args: argparse.Namespace) -> int:
                            trusted_proxies=args.trusted_proxies, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            connections=ConnectionLimits(args.max_connections, args.request_read_timeout,
                                                         args.stream_write_timeout),
-                           tools=ToolServing(args.tool_call_parser, args.exclude_tools_when_tool_choice_none))
+                           tools=ToolServing(args.tool_call_parser, args.exclude_tools_when_tool_choice_none),
+                           prefix_cache_isolation=args.prefix_cache_isolation)
     console = Console()
     model_dir = resolve_model_path(config.engine.model.model, progress=True)
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
@@ -433,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt + max tokens per minute per API key (0: none)")
     serve.add_argument("--api-keys-file", default="", help="YAML/JSON of API keys, one tenant each with its own "
                        "rate limits (docs/security.md); with or without --api-key")
+    serve.add_argument("--prefix-cache-isolation", choices=ISOLATIONS, default=DEFAULT_ISOLATION,
+                       help="per-key: each API key's requests share prefix-cache blocks only with its own (no "
+                       "tenant learns what another sent from cached_tokens or timing); shared: all keys share them "
+                       "(docs/security.md, Prefix cache)")
     serve.add_argument("--trusted-proxies", default="", help="addresses or networks (comma-separated) whose "
                        "X-Forwarded-For is believed, e.g. the Ingress's; default: nobody's")
     serve.add_argument("--tls-cert", default="", help="PEM certificate (chain) file: HTTPS and gRPC over TLS")

@@ -40,6 +40,7 @@ from cluster.observability.metrics import CONTENT_TYPE, ClusterMetrics
 from cluster.ray_cluster.config import ClusterConfig
 from cluster.ray_cluster.launcher import Cluster, shutdown_ray
 from cluster.serving.api_keys import ApiKeys
+from cluster.serving.cache_domains import DEFAULT_ISOLATION
 from cluster.serving.cluster_service import ClusterService
 from cluster.serving.connection_limits import ConnectionLimits
 from cluster.serving.local_service import LocalService
@@ -78,6 +79,7 @@ class ServeOptions:
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # both doors: what one request may ask
     connections: ConnectionLimits = ConnectionLimits()  # both doors: what one connection may hold, how long
     tools: ToolServing = ToolServing()  # both doors: the model's tool call format, whether tool_choice none shows tools
+    prefix_cache_isolation: str = DEFAULT_ISOLATION  # both doors: whether API keys share prefix-cache blocks
 
 
 class DeferredService:
@@ -190,7 +192,9 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     app = build_app(metered, api_key=api_keys, limits=limits, request_limits=options.request_limits,
                     off_loop=off_loop, stream_write_timeout_s=options.connections.stream_write_timeout_s,
                     tool_call_parser=options.tools.parser,
-                    exclude_tools_when_tool_choice_none=options.tools.exclude_tools_when_tool_choice_none)
+                    exclude_tools_when_tool_choice_none=options.tools.exclude_tools_when_tool_choice_none,
+                    prefix_cache_isolation=options.prefix_cache_isolation)
+    log.info("prefix cache isolation: %s", gateway_of(app).prefix_cache_isolation)
     add_status_route(app, metered, backend.scaling)
     add_metrics_route(app, metrics, metered)
     tls = (options.tls_cert, options.tls_key) if options.tls_cert else None
@@ -206,7 +210,8 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
             grpc_tls = (Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None
             grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=api_keys, tls=grpc_tls, limits=limits,
                               request_limits=options.request_limits, off_loop=off_loop,
-                              connections=options.connections, tools=options.tools)
+                              connections=options.connections, tools=options.tools,
+                              prefix_cache_isolation=options.prefix_cache_isolation)
             await grpc.start()
         if on_listening is not None:
             on_listening(http.url, grpc.port if grpc is not None else None)

@@ -46,6 +46,7 @@ EVERYTHING_ON = {
                             "tls": [{"secretName": "tls", "hosts": ["pdserve.example.com"]}]},
                 "podDisruptionBudget": {"maxUnavailable": 1}, "attachedReplicas": 2,
                 "tls": {"secretName": "pdserve-gateway-tls"}, "trustedProxies": "10.0.0.0/8,192.168.1.7",
+                "prefixCacheIsolation": "shared",
                 "connections": {"maxConnections": 1000, "requestReadTimeoutSeconds": 10,
                                 "streamWriteTimeoutSeconds": 20.5},
                 "tools": {"callParser": "llama3_json", "excludeWhenToolChoiceNone": True}},
@@ -514,6 +515,8 @@ def test_the_gateways_certificate_keys_and_limits_come_from_values(case: str) ->
         else:
             assert not args.api_keys_file
         assert args.trusted_proxies == values.get("trustedProxies", "")
+        assert "--prefix-cache-isolation" in command  # stated: the chart's default is the chart's choice
+        assert args.prefix_cache_isolation == values.get("prefixCacheIsolation", "per-key")
         # The limits are stated on the command line, not left to pdserve's defaults.
         assert {"--max-connections", "--request-read-timeout", "--stream-write-timeout"} <= set(command)
         assert (args.max_connections, args.request_read_timeout, args.stream_write_timeout) == (
@@ -611,6 +614,7 @@ def test_the_charts_tool_call_parsers_are_pdserves() -> None:
     ({"redis": {"auth": {"value": "p@ss/word"}}}, "at '/redis/auth/value'"),  # it goes into a URL as it is
     ({"gateway": {"trustedProxies": "10.0.0.0/8; curl evil"}}, "at '/gateway/trustedProxies'"),  # a shell line
     ({"gateway": {"tools": {"callParser": "xml"}}}, "at '/gateway/tools/callParser'"),  # pdserve's parsers only
+    ({"gateway": {"prefixCacheIsolation": "per-salt"}}, "at '/gateway/prefixCacheIsolation'"),
     ({"cluster": {"decode": {"engine": {"block_size": 32}}}}, "'block_size' not allowed"),  # one KV layout
 ])
 def test_values_that_cannot_work_fail_with_a_message(chart: Any, values: dict[str, Any], message: str) -> None:

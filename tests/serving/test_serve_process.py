@@ -53,7 +53,7 @@ def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path, cap
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     command = [sys.executable, "-m", "cluster.cli", "serve", "--local", "--model", str(checkpoint), "--host",
                "127.0.0.1", "--port", "0", "--grpc-port", "0", "--max-num-seqs", "8", "--tool-call-parser", "mistral",
-               "--exclude-tools-when-tool-choice-none", "--kv-cache-dtype", "fp8"]
+               "--exclude-tools-when-tool-choice-none", "--kv-cache-dtype", "fp8", "--prefix-cache-isolation", "shared"]
     env = {**os.environ, "PDSERVE_API_KEY": ""}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -61,6 +61,7 @@ def test_serve_answers_reports_status_and_stops_on_sigterm(checkpoint: Path, cap
         url, grpc_port = wait_for_url(process, started)
         assert any("read in the mistral format" in line for line in started), started
         assert any("tool_choice none leaves a request's tools out" in line for line in started), started
+        assert any("prefix cache isolation: shared" in line for line in started), started
         assert get(url + "/health")[0] == 200
         deadline = time.monotonic() + START_TIMEOUT_S
         while get(url + "/ready")[0] != 200:
