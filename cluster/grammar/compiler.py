@@ -31,7 +31,10 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 DEFAULT_CACHE_SIZE = 512
-DEFAULT_CACHE_BYTES = 1 << 20  # of grammar text: hundreds of real schemas, a few hundred MB at worst
+# Of grammar text: a hundred real schemas of 2 KB; grammars of 32 KB and more are not kept. A
+# budget of 1 MiB let 60 distinct 60 KB schemas (padded, under max_grammar_bytes) grow a server by
+# 690 MB; with this one, by the memory of the one compiling.
+DEFAULT_CACHE_BYTES = 1 << 18
 # JSON may put whitespace between its tokens; a run of it is capped, so a small model that falls into
 # a loop of newlines (a common failure) must get on with the object instead (this still allows an
 # indented object 16 levels deep).
