@@ -4,7 +4,7 @@ Compiling (parsing a schema, regex or grammar, and checking it against the vocab
 millisecond; copying a compiled grammar into a request's fresh matcher, a microsecond. So each
 (kind, spec) compiles once per process and tokenizer, and stays in an LRU cache bounded by count and
 by the bytes of its grammars: what a compiled grammar holds grows with its text, and faster for some
-shapes (a JSON schema of many properties kept about 230 bytes per byte of its spec), so a client
+shapes (a JSON schema of many properties kept about 200 bytes per byte of its spec), so a client
 sending padded schemas would otherwise pin gigabytes in every door and worker. A grammar larger than
 an eighth of the budget is compiled for its request and not kept. Every engine
 compiles against its model's vocabulary (`GrammarCompiler.from_tokenizer`); the front doors share one
