@@ -405,7 +405,7 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run one short request through a prefill and a decode step, so that a broken device, backend
         or kernel fails here rather than on a client's request (on CUDA this compiles the Triton
-        kernels, and the second decode step captures the batch-1 decode graph). Then time the prefill
+        kernels), then capture the decode steps' CUDA graphs, before any request. Then time the prefill
         of a longer prompt (one step's budget, `WARM_UP_PROMPT_TOKENS` at most) and return its tokens
         per second: the router's estimate of this worker's throughput before it served anything, so
         that admission holds from the first burst on. Leaves no request, block, cached prefix or
@@ -413,6 +413,7 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
         self._warm_up_run([0])
+        self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs)
         block_size = self.config.cache.block_size
         length = min(WARM_UP_PROMPT_TOKENS, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 3,
                      (self.kv_cache.pool.num_blocks - 1) * block_size - 3)

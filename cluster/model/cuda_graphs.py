@@ -10,11 +10,17 @@ batch are padding that touches nothing:
 
 Block tables keep a row per request of the longest context, so any step's table fits; columns past
 a row's blocks are never read. Everything else (prefills, mixed steps, batches over the largest
-bucket) runs eagerly. A bucket is captured the first time a step needs it, after one eager run that
-compiles the Triton kernels; attention is captured for the longest context (`max_model_len`), which
-fixes its split-K factor per bucket. A failed capture leaves every later step eager, with a warning.
-The graphs need the Triton backend: the torch backend's gather would be sized for the longest
-context at every step.
+bucket captured) runs eagerly.
+
+Every bucket up to the engine's `max_num_seqs` is captured by `capture`, at warm-up, before the
+worker serves: largest first, so that the smaller ones reuse its memory pool, each after one eager
+run that compiles the Triton kernels (nothing may compile inside a capture), on padding rows alone
+(no cache write). Serving never captures: a capture while serving would race the threads that
+allocate landing buffers and drive the KV transfer. Captures run in thread-local mode, so that such
+a thread's CUDA calls neither break a capture nor are refused during it. Attention is captured for
+the longest context (`max_model_len`), which fixes its split-K factor per bucket. A bucket whose
+capture fails runs eagerly, with a warning. The graphs need the Triton backend: the torch backend's
+gather would be sized for the longest context at every step.
 """
 
 from __future__ import annotations
@@ -32,9 +38,25 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 logger = logging.getLogger(__name__)
 
 
+Recorder = Callable[[Callable[[], torch.Tensor], Any], tuple[Callable[[], None], torch.Tensor]]
+
+
+def record_cuda_graph(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+    """Capture `forward` as a CUDA graph in `pool`: its replay, and the output every replay rewrites.
+    Thread-local: another thread's CUDA calls (a transfer's copies) go on meanwhile and are not captured."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        hidden = forward()
+    return graph.replay, hidden
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_blocks_per_request: int,
-                 max_model_len: int, buckets: tuple[int, ...] = BUCKETS) -> None:
+                 max_model_len: int, buckets: tuple[int, ...] = BUCKETS, record: Recorder = record_cuda_graph,
+                 new_pool: Callable[[], Any] = lambda: torch.cuda.graph_pool_handle()) -> None:
+        """`record` and `new_pool`: CUDA's, unless a test stands in for them on a CPU."""
+        self.record, self.new_pool = record, new_pool
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -51,21 +73,29 @@ class DecodeGraphs:
         self.enabled = True
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
-        """The bucket a step replays in, or None when it must run eagerly."""
+        """The captured bucket a step replays in, or None when it must run eagerly."""
         num_seqs = len(metadata.seq_lens_list)
         if not self.enabled or metadata.num_decodes != num_seqs:
             return None
-        return next((bucket for bucket in self.buckets if bucket >= num_seqs), None)
+        bucket = next((bucket for bucket in self.buckets if bucket >= num_seqs), None)
+        return bucket if bucket in self.graphs else None
+
+    def capture(self, max_num_seqs: int) -> list[int]:
+        """Capture every bucket a step of at most `max_num_seqs` sequences replays in, largest first;
+        the buckets captured (one that fails is left out, with a warning)."""
+        largest = next((bucket for bucket in self.buckets if bucket >= max_num_seqs), self.buckets[-1])
+        for bucket in sorted((b for b in self.buckets if b <= largest), reverse=True):
+            if bucket not in self.graphs:
+                self._capture(bucket)
+        return sorted(self.graphs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
             bucket: int) -> torch.Tensor:
-        """Hidden states of the step's tokens ([batch, hidden]), valid until the next replay."""
+        """Hidden states of the step's tokens ([batch, hidden]) by the bucket's replay, valid until the
+        next replay."""
         self._load(input_ids, positions, metadata, bucket)
-        if bucket in self.graphs:
-            replay, hidden = self.graphs[bucket]
-            replay()
-        else:
-            hidden = self._capture(bucket)
+        replay, hidden = self.graphs[bucket]
+        replay()
         return hidden[:input_ids.shape[0]]
 
     def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -79,8 +109,10 @@ class DecodeGraphs:
         self.seq_lens[batch:bucket].zero_()
         self.block_tables[:batch, :width].copy_(metadata.block_tables)
 
-    def _capture(self, bucket: int) -> torch.Tensor:
-        """Capture the bucket's graph; returns the step's hidden states from the eager run before it."""
+    def _capture(self, bucket: int) -> None:
+        """Capture the bucket's graph on padding rows: no token, no cache write."""
+        self.slot_mapping[:bucket].fill_(-1)
+        self.seq_lens[:bucket].zero_()
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables[:bucket],
             seq_lens=self.seq_lens[:bucket], query_start_loc=self.query_start_loc[:bucket + 1],
@@ -90,24 +122,13 @@ class DecodeGraphs:
         def forward() -> torch.Tensor:
             return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata)
 
-        # The eager run compiles the kernels (nothing may compile inside a capture) and answers this
-        # step; the captured pass writes the same keys and values into the same slots again.
-        eager = forward()
-        try:
-            self.graphs[bucket] = self._record(forward)
-        except RuntimeError as error:
-            logger.warning("CUDA graph capture failed, decode steps run eagerly from now on: %s", error)
-            self.enabled = False
-            return eager
-        logger.info("captured the CUDA graph of decode steps of up to %d sequences", bucket)
-        return eager
-
-    def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        """Capture `forward` as a CUDA graph: its replay, and the output tensor every replay rewrites."""
-        torch.cuda.synchronize()
+        forward()  # compiles the kernels: nothing may compile inside a capture
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = forward()
-        return graph.replay, hidden
+            self.pool = self.new_pool()
+        try:
+            self.graphs[bucket] = self.record(forward, self.pool)
+        except RuntimeError as error:
+            logger.warning("CUDA graph capture of %d sequences failed, their decode steps run eagerly: %s", bucket,
+                           error)
+            return
+        logger.info("captured the CUDA graph of decode steps of up to %d sequences", bucket)

@@ -179,6 +179,14 @@ class ModelRunner:
                 entries += token_logprobs(logits[:, : self.arch.vocab_size].float().log_softmax(dim=-1), targets, k)
         return result
 
+    def capture_decode_graphs(self, max_num_seqs: int) -> list[int]:
+        """Capture the decode steps' CUDA graphs (`DecodeGraphs.capture`) before serving: the batch
+        sizes captured, none without graphs."""
+        if self.decode_graphs is None:
+            return []
+        with torch.inference_mode():
+            return self.decode_graphs.capture(max_num_seqs)
+
     def _forward(self, batch: Batch) -> torch.Tensor:
         """A CUDA graph replay for a decode-only step that fits a bucket, else the eager model."""
         graphs = self.decode_graphs

@@ -353,7 +353,11 @@ class EagerReplays(DecodeGraphs):
 
     replays = 0
 
-    def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, record=self._record_eagerly, new_pool=lambda: None, **kwargs)
+
+    def _record_eagerly(self, forward: Callable[[], torch.Tensor],
+                        pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
         hidden = forward()
 
         def replay() -> None:
@@ -374,6 +378,8 @@ def greedy_tokens(checkpoint: Path, backend: str, graphs: bool = False,
     if graphs:
         runner.decode_graphs = EagerReplays(runner.model, runner.kv_caches, runner.block_tables.table.shape[1],
                                             engine.max_model_len, buckets=(2, 4))
+        engine.warm_up()  # captures every bucket, before any request
+        assert set(runner.decode_graphs.graphs) == {2, 4}
     outputs = [engine.generate([PROMPTS[0]], GREEDY)[0].token_ids]
     ids: dict[str, int] = {}
     finished: dict[int, list[int]] = {}
@@ -405,7 +411,8 @@ def test_engine_greedy_outputs_match_torch_backend(checkpoint: Path, torch_greed
 
 
 def test_decode_graph_replays_match_torch_backend(checkpoint: Path, torch_greedy: list[list[int]]) -> None:
-    """Decode-only steps of 1 to 3 sequences replay in buckets of 2 and 4, with padding rows."""
+    """Decode-only steps of 1 to 3 sequences replay in buckets of 2 and 4 captured at warm-up (before
+    any request), with padding rows."""
     tokens, engine = greedy_tokens(checkpoint, "triton", graphs=True)
     graphs = engine.runner.decode_graphs
     assert isinstance(graphs, EagerReplays) and set(graphs.graphs) == {2, 4} and graphs.replays > 0

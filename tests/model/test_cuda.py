@@ -4,13 +4,14 @@ the Triton attention backends, and decode steps replayed as CUDA graphs equal ea
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.config import CacheConfig, EngineConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.helpers import fp32_model
@@ -53,12 +54,33 @@ def test_greedy_on_cuda_equals_transformers_on_cuda(checkpoint: Path, backend: s
 
 
 def test_cuda_graph_replays_equal_eager_steps(checkpoint: Path) -> None:
+    """Warm-up captures every bucket up to max_num_seqs (8 here: 1, 2, 4, 8) while another thread
+    allocates and copies on the device, as a KV transfer's landing does (the capture is thread-local);
+    serving captures nothing more, and replays give the eager steps' tokens."""
     engine = LLMEngine(EngineConfig(model=fp32_model(checkpoint, device="cuda"),
-                                    cache=CacheConfig(block_size=16, num_blocks=64), attention_backend="triton"))
-    assert engine.runner.decode_graphs is not None
+                                    cache=CacheConfig(block_size=16, num_blocks=64), attention_backend="triton",
+                                    scheduler=SchedulerConfig(max_num_seqs=8)))
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None
+    stop = threading.Event()
+
+    def transfer_like() -> None:
+        while not stop.is_set():
+            landing = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+            landing.copy_(torch.ones(1 << 20, dtype=torch.uint8, pin_memory=True), non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+
+    other = threading.Thread(target=transfer_like)
+    other.start()
+    try:
+        engine.warm_up()
+    finally:
+        stop.set()
+        other.join()
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     with_graphs = [output.token_ids for output in engine.generate(PROMPTS, params)]
-    assert engine.runner.decode_graphs.graphs, "no decode step was captured"
-    engine.runner.decode_graphs.enabled = False
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    graphs.enabled = False
     eager = [output.token_ids for output in engine.generate(PROMPTS, params)]
     assert with_graphs == eager
