@@ -212,7 +212,8 @@ class ModelRunner:
             .contiguous()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write KV laid out as `read_blocks` returns it into the given blocks."""
+        """Write KV laid out as `read_blocks` returns it into the given blocks. `data`'s memory may be
+        reused once this returns: on a GPU it waits for the copies it queued."""
         expected = (len(block_ids), len(self.kv_caches), 2, *self.kv_caches[0].shape[2:])
         if tuple(data.shape) != expected or data.dtype != self.kv_dtype:
             raise ValueError(f"KV of shape {tuple(data.shape)} {data.dtype} does not fit blocks "
@@ -220,6 +221,11 @@ class ModelRunner:
         index = torch.tensor(block_ids, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             as_bytes(cache).index_copy_(1, index, as_bytes(data[:, layer].transpose(0, 1).to(self.device)))
+        if self.device.type == "cuda":
+            # A landing buffer on the device is freed when this returns, and the caching allocator may
+            # hand its memory to the next transfer at once: UCX writes it off this stream, so a copy
+            # still queued would read the next prompt's KV.
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _swap_out(self, order: SwapOrder) -> None:
         index = torch.tensor(order.block_ids, device=self.device)

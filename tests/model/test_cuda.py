@@ -84,3 +84,23 @@ def test_cuda_graph_replays_equal_eager_steps(checkpoint: Path) -> None:
     graphs.enabled = False
     eager = [output.token_ids for output in engine.generate(PROMPTS, params)]
     assert with_graphs == eager
+
+
+def test_a_landing_buffer_is_free_to_reuse_once_its_kv_is_imported(checkpoint: Path) -> None:
+    """UCX writes a landing buffer's memory off the engine's stream. The import's copies, queued
+    behind a long kernel, must be done when `write_blocks` returns: the buffer is then overwritten
+    from another stream (the next transfer landing in reused memory) and the cache keeps what landed."""
+    engine = LLMEngine(EngineConfig(model=fp32_model(checkpoint, device="cuda"),
+                                    cache=CacheConfig(block_size=16, num_blocks=64)))
+    runner = engine.runner
+    shape = (2, len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:])
+    landed = torch.randn(shape, device="cuda", dtype=runner.kv_dtype)
+    expected = landed.clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the import's copies may start
+    runner.write_blocks([3, 7], landed)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        landed.fill_(0)  # the next transfer, on a stream of its own
+    torch.cuda.synchronize()
+    assert torch.equal(runner.read_blocks([3, 7]).to("cuda"), expected)
