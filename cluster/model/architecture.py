@@ -29,3 +29,5 @@ class ArchitectureConfig:
     # attends to its whole context. The engine attends to the whole context: it refuses a context
     # longer than the window (`LLMEngine`), where the answers would no longer be the model's.
     sliding_window: int | None = None
+    # Qwen3: queries and keys RMS-normalized per head (weights of head_dim) before the rotation.
+    qk_norm: bool = False

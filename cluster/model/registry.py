@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.model.architecture import ArchitectureConfig
-from cluster.model.models import llama, mistral, qwen2
+from cluster.model.models import llama, mistral, qwen2, qwen3
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry(llama.LlamaForCausalLM, llama.read_config),
     "MistralForCausalLM": ModelEntry(llama.LlamaForCausalLM, mistral.read_config),
     "Qwen2ForCausalLM": ModelEntry(llama.LlamaForCausalLM, qwen2.read_config),
+    "Qwen3ForCausalLM": ModelEntry(llama.LlamaForCausalLM, qwen3.read_config),
 }
 
 

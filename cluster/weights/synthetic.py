@@ -15,8 +15,10 @@ import torch
 def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: int = 2, hidden_size: int = 64,  # noqa: PLR0913
                        num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 320, qkv_bias: bool = False,
                        tie_word_embeddings: bool = False, rope_scaling: dict | None = None, seed: int = 0,
-                       max_position_embeddings: int = 512, sliding_window: int | None = None) -> Path:
-    """Save a random-weight Llama (or Qwen2, which biases q/k/v, or Mistral, whose layers attend through
+                       max_position_embeddings: int = 512, sliding_window: int | None = None,
+                       head_dim: int | None = None) -> Path:
+    """Save a random-weight Llama (or Qwen2, which biases q/k/v, Qwen3, which norms each query and key
+    head and may set `head_dim` apart from the hidden size, or Mistral, whose layers attend through
     `sliding_window` tokens where it is set) with transformers, as safetensors."""
     import transformers
 
@@ -30,6 +32,9 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
     if architecture == "qwen2":
         config = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(config)
+    elif architecture == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=head_dim or hidden_size // num_heads)
+        model = transformers.Qwen3ForCausalLM(config)
     elif architecture == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=sliding_window)
         model = transformers.MistralForCausalLM(config)

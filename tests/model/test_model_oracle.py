@@ -26,6 +26,8 @@ CASES = {
     "llama-mha-tied-llama3-rope-bias": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True,
                                             rope_scaling=LLAMA3_ROPE, qkv_bias=True),
     "qwen2-gqa-qkv-bias": dict(architecture="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96),
+    # Per-head query and key norms, and a head_dim apart from hidden / heads (as Qwen3's 128).
+    "qwen3-qk-norm-head-dim": dict(architecture="qwen3", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32),
     # A window wider than every sequence here: transformers' sliding mask changes nothing, nor may ours.
     "mistral-gqa-window-past-the-context": dict(architecture="mistral", num_heads=4, num_kv_heads=2,
                                                 sliding_window=64),

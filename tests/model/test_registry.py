@@ -12,16 +12,18 @@ SHAPE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hi
 
 
 def test_the_registry_lists_exactly_the_supported_architectures() -> None:
-    assert sorted(supported_architectures()) == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
+    assert sorted(supported_architectures()) == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                                 "Qwen3ForCausalLM"]
 
 
-@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                          "Qwen3ForCausalLM"])
 def test_every_supported_architecture_builds_the_llama_network(architecture: str) -> None:
     assert model_class_for(architecture) is LlamaForCausalLM
     assert architecture_config({**SHAPE, "architectures": [architecture]}).architecture == architecture
 
 
-SUPPORTED = "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+SUPPORTED = "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones() -> None:

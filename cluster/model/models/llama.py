@@ -1,5 +1,6 @@
-"""A Llama-architecture decoder over the paged KV cache (Llama 1-3, SmolLM; Mistral and Qwen2 build it
-too, with their own config readers in `mistral.py` and `qwen2.py`), and Llama's config reader.
+"""A Llama-architecture decoder over the paged KV cache (Llama 1-3, SmolLM; Mistral, Qwen2 and Qwen3
+build it too, with their own config readers in `mistral.py`, `qwen2.py` and `qwen3.py`; Qwen3's
+per-head query and key norms are `Attention.q_norm`, `k_norm`), and Llama's config reader.
 
 Inputs are flat: every token of the step in one row ([tokens]), whatever request it belongs to.
 Parameters keep Hugging Face names except two fusions that save matmuls: q/k/v become `qkv_proj`
@@ -144,17 +145,28 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.scale = self.head_dim ** -0.5
         self.backend = backend
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 rotation: Rotation) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        # Queries and keys side by side in each row of qkv: rotated together, in one set of ops.
-        rotated = rotation.rotate_heads(qkv, heads + kv_heads, dim)
-        query, key = rotated.split([heads, kv_heads], dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            query = rotation.rotate(self._per_head(self.q_norm, qkv[:, :self.q_size], heads))
+            key = rotation.rotate(self._per_head(self.k_norm, qkv[:, self.q_size:self.q_size + self.kv_size], kv_heads))
+        else:
+            # Queries and keys side by side in each row of qkv: rotated together, in one set of ops.
+            rotated = rotation.rotate_heads(qkv, heads + kv_heads, dim)
+            query, key = rotated.split([heads, kv_heads], dim=1)
         value = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, dim)
         out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+    def _per_head(self, norm: RMSNorm, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """`norm` over each head of x [tokens, heads * head_dim]: [tokens, heads, head_dim]."""
+        return norm(x.reshape(-1, self.head_dim))[0].view(-1, heads, self.head_dim)
 
 
 class MLP(nn.Module):
