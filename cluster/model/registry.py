@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.model.architecture import ArchitectureConfig
-from cluster.model.models import llama, mistral, qwen2, qwen3
+from cluster.model.models import llama, mistral, phi3, qwen2, qwen3
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, ModelEntry] = {
     "MistralForCausalLM": ModelEntry(llama.LlamaForCausalLM, mistral.read_config),
     "Qwen2ForCausalLM": ModelEntry(llama.LlamaForCausalLM, qwen2.read_config),
     "Qwen3ForCausalLM": ModelEntry(llama.LlamaForCausalLM, qwen3.read_config),
+    "Phi3ForCausalLM": ModelEntry(llama.LlamaForCausalLM, phi3.read_config),
 }
 
 

@@ -18,8 +18,9 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
                        max_position_embeddings: int = 512, sliding_window: int | None = None,
                        head_dim: int | None = None) -> Path:
     """Save a random-weight Llama (or Qwen2, which biases q/k/v, Qwen3, which norms each query and key
-    head and may set `head_dim` apart from the hidden size, or Mistral, whose layers attend through
-    `sliding_window` tokens where it is set) with transformers, as safetensors."""
+    head and may set `head_dim` apart from the hidden size, Phi-3, which stores q/k/v and gate/up fused,
+    or Mistral, whose layers attend through `sliding_window` tokens where it is set) with
+    transformers, as safetensors."""
     import transformers
 
     torch.manual_seed(seed)
@@ -35,6 +36,9 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
     elif architecture == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=head_dim or hidden_size // num_heads)
         model = transformers.Qwen3ForCausalLM(config)
+    elif architecture == "phi3":
+        config = transformers.Phi3Config(**common, sliding_window=sliding_window, pad_token_id=0)
+        model = transformers.Phi3ForCausalLM(config)
     elif architecture == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=sliding_window)
         model = transformers.MistralForCausalLM(config)

@@ -28,6 +28,8 @@ CASES = {
     "qwen2-gqa-qkv-bias": dict(architecture="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96),
     # Per-head query and key norms, and a head_dim apart from hidden / heads (as Qwen3's 128).
     "qwen3-qk-norm-head-dim": dict(architecture="qwen3", num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=32),
+    # q/k/v and gate/up stored fused; a window wider than every sequence here.
+    "phi3-fused-in-the-checkpoint": dict(architecture="phi3", num_heads=4, num_kv_heads=2, sliding_window=64),
     # A window wider than every sequence here: transformers' sliding mask changes nothing, nor may ours.
     "mistral-gqa-window-past-the-context": dict(architecture="mistral", num_heads=4, num_kv_heads=2,
                                                 sliding_window=64),

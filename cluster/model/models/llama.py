@@ -1,6 +1,7 @@
-"""A Llama-architecture decoder over the paged KV cache (Llama 1-3, SmolLM; Mistral, Qwen2 and Qwen3
-build it too, with their own config readers in `mistral.py`, `qwen2.py` and `qwen3.py`; Qwen3's
-per-head query and key norms are `Attention.q_norm`, `k_norm`), and Llama's config reader.
+"""A Llama-architecture decoder over the paged KV cache (Llama 1-3, SmolLM; Mistral, Qwen2, Qwen3 and
+Phi-3 build it too, with their own config readers in `mistral.py`, `qwen2.py`, `qwen3.py` and
+`phi3.py`; Qwen3's per-head query and key norms are `Attention.q_norm`, `k_norm`), and Llama's
+config reader.
 
 Inputs are flat: every token of the step in one row ([tokens]), whatever request it belongs to.
 Parameters keep Hugging Face names except two fusions that save matmuls: q/k/v become `qkv_proj`
@@ -261,8 +262,17 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(destination.shape)}")
             destination.copy_(tensor)
-            loaded.add(f"{target}#{offset}")
+            loaded.update(self._shards_loaded(target, offset, size))
         self._check_all_loaded(params, loaded)
+
+    def _shards_loaded(self, target: str, offset: int, size: int) -> list[str]:
+        """What a tensor loaded: its shard of a fused parameter, or all of them when it was stored fused
+        (Phi-3's `qkv_proj`, `gate_up_proj`)."""
+        fused = next((f for f in (".qkv_proj.", ".gate_up_proj.") if f in target), None)
+        if size or fused is None:
+            return [f"{target}#{offset}"]
+        sizes = self.shard_sizes(fused)
+        return [f"{target}#{sum(sizes[:i])}" for i in range(len(sizes))]
 
     def _locate(self, name: str) -> tuple[str, int, int]:
         """(parameter name, row offset, rows) a checkpoint tensor loads into; rows 0 = all of it."""
