@@ -554,6 +554,10 @@ class UCXReceiver:
             return 0
         return await self._segments.prefault_up_to(largest)
 
+    def landing_name(self, token: str) -> str:
+        """See `KVReceiver.landing_name`: the random name of the segment `landing_memory` gave."""
+        return self._segments.landing_name(token) if self._segments is not None else ""
+
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the receiver started in. A `buffer` that
         is the segment `landing_memory(token, ...)` gave can take in-place frames; the segment's
@@ -766,24 +770,25 @@ class UCXSender:
         init_ucx(self._transports)
         _Progress.of(asyncio.get_running_loop())
 
-    def transport_to(self, address: str, token: str = "") -> str:
+    def transport_to(self, address: str, landing: str = "") -> str:
         """"shm" when the receiver at `address` is on this host (its address names this host's
-        identity), shared memory is on and (given the transfer's `token`) the receiver made a segment
-        for it; else "ucx" (UCX's transports: TCP here)."""
+        identity), shared memory is on and (given the transfer's `landing`, its ticket's) the
+        receiver's segment of that name is there; else "ucx" (UCX's transports: TCP here)."""
         same = shm.SameHost.of(address)
         if not self._host or same is None or same.host != self._host:
             return shm.TRANSPORT_UCX
-        if token:
+        if landing:
             try:
-                path = shm.segment_path(same.receiver_id, token, self._segment_dir)
+                path = shm.segment_path(same.receiver_id, landing, self._segment_dir)
             except TransferError:
                 return shm.TRANSPORT_UCX
             return shm.TRANSPORT_SHM if os.path.exists(path) else shm.TRANSPORT_UCX
         return shm.TRANSPORT_SHM
 
-    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> str:
+    async def send(self, address: str, header: KVHeader, payload: KVBytes, landing: str = "") -> str:
         """Deliver one frame; returns once the payload landed in the receiver's buffer, with the
-        transport it took: "shm" (written into the receiver's segment on this host) or "ucx".
+        transport it took: "shm" (written into the receiver's segment named `landing`, the ticket's,
+        on this host) or "ucx".
 
         Raises TransferError if the receiver is unreachable, dies, times out or refuses the frame
         (then `FrameRefused`, with its code); ValueError if `payload` differs from `header.nbytes`.
@@ -791,7 +796,7 @@ class UCXSender:
         """
         payload = checked_payload(header, payload)
         self.phases.mark(header.request_id, "send")
-        path = self._segment_of(address, header, payload)
+        path = self._segment_of(address, header, payload, landing)
         async with contextlib.AsyncExitStack() as mapped:
             try:
                 target = None if path is None else await mapped.enter_async_context(
@@ -809,16 +814,17 @@ class UCXSender:
         await self.send_raw(address, header.to_bytes(), payload, request_id=header.request_id)
         return shm.TRANSPORT_UCX
 
-    def _segment_of(self, address: str, header: KVHeader, payload: KVBytes) -> str | None:
+    def _segment_of(self, address: str, header: KVHeader, payload: KVBytes, landing: str) -> str | None:
         """The receiver's segment for this transfer, if it is on this host and the payload in host memory."""
-        if is_device_bytes(payload) or not header.token or self.transport_to(address) != shm.TRANSPORT_SHM:
+        if (is_device_bytes(payload) or not header.token or not landing
+                or self.transport_to(address) != shm.TRANSPORT_SHM):
             return None
         same = shm.SameHost.of(address)
         assert same is not None
         try:
-            return shm.segment_path(same.receiver_id, header.token, self._segment_dir)
+            return shm.segment_path(same.receiver_id, landing, self._segment_dir)
         except TransferError:
-            return None  # a token that names no file (not hex): over UCX, where the receiver judges it
+            return None  # a name that names no file (not hex): over UCX
 
     async def send_raw(self, address: str, header_bytes: bytes, payload: KVBytes,
                        declared_length: int | None = None,
