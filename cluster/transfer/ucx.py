@@ -24,6 +24,12 @@ message sequence (a missing message) ends in a timeout or a UCX error and aborts
 An endpoint carries one transfer at a time: the sender keeps a small pool of endpoints per address
 (`max_endpoints_per_peer`) for concurrency.
 
+Who may hold the listener (a peer that reaches the port needs no ticket to connect): a receiver
+serves at most `MAX_ENDPOINTS` endpoints at once (more are aborted as they connect); a new endpoint
+must bring a valid first frame within `HANDSHAKE_TIMEOUT_S`, and one idle between frames for
+`IDLE_TIMEOUT_S` is closed (senders retire pooled endpoints at half of that). Idle waits wake on the
+receiver's progress tick alone, so idle endpoints cost no timers or progress calls of their own.
+
 Every connect, send and receive has a deadline (`asyncio.timeout`, the in-task form of
 `asyncio.wait_for`); on a timeout or a UCX error the endpoint is aborted, which also stops any bytes
 still in flight into a registered buffer. A killed peer raises `UCXXConnectionResetError` within
