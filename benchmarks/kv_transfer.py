@@ -36,11 +36,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.transfer import shm
 from cluster.transfer.connector import MAX_HEADER_BYTES, KVHeader
 from cluster.transfer.phases import breakdown
 
@@ -94,6 +97,14 @@ def header_for(request_id: str, nbytes: int) -> KVHeader:
 def token_for(request_id: str) -> str:
     """The transfer's token, known to both processes (a worker's is random; here it needs no exchange)."""
     return request_id.encode().hex()
+
+
+def landings_file(address: str) -> Path:
+    """Where the receiver at `address` lists its transfers' segment names ("ID NAME" lines): the
+    benchmark's stand-in for the ticket that carries the name in serving (the name is random)."""
+    same = shm.SameHost.of(address)
+    assert same is not None, "the receiver offers no shared memory"
+    return Path(tempfile.gettempdir()) / f"pdserve-bench-{same.receiver_id}.landings"
 
 
 def request_ids(sizes: list[int], transfers: int) -> list[tuple[str, int]]:
@@ -176,6 +187,9 @@ async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kil
         alloc_ms.setdefault(str(nbytes), []).append(1e3 * (time.perf_counter() - started))
         buffer = plain[nbytes] if landing is None else np.frombuffer(landing, np.uint8)
         future = receiver.expect(request_id, memoryview(buffer), token_for(request_id))
+        if landing is not None:
+            with landings_file(receiver.address).open("a") as names:
+                names.write(f"{request_id} {receiver.landing_name(token_for(request_id))}\n")
         future.add_done_callback(lambda done, key=request_id: on_landed(done, key, done_at, kill))
         pending.append((request_id, nbytes, buffer, future))
 
@@ -198,6 +212,8 @@ async def connector_receiver(sizes: list[int], transfers: int, shared: bool, kil
         del buffer, future  # its segment goes back to the pool, as after a decode worker's import
         await expect_next()
     ticker.stop()
+    if shared:
+        landings_file(receiver.address).unlink(missing_ok=True)
     await receiver.close()
     report = receiver_report(sizes, transfers, done_at, started, ticker, verified)
     for nbytes in sizes:
@@ -244,12 +260,14 @@ async def connector_sender(address: str, sizes: list[int], transfers: int, share
     seconds: dict[str, Any] = {}
     payloads = {nbytes: payload_for(nbytes) for nbytes in sizes}
     expected = "shm" if shared else "ucx"
+    landings: dict[str, str] = {}
     for request_id, nbytes in request_ids(sizes, transfers):
         if shared:  # as in serving, where the ticket exists only once the decode worker reserved
-            await reserved(sender, address, request_id)
+            await reserved(sender, address, request_id, landings)
         started = time.perf_counter()
         try:
-            transport = await sender.send(address, header_for(request_id, nbytes), memoryview(payloads[nbytes]))
+            transport = await sender.send(address, header_for(request_id, nbytes), memoryview(payloads[nbytes]),
+                                          landings.get(request_id, ""))
         except TransferError as error:
             if not kill:
                 raise
@@ -264,12 +282,17 @@ async def connector_sender(address: str, sizes: list[int], transfers: int, share
     return seconds
 
 
-async def reserved(sender: Any, address: str, request_id: str) -> None:
-    """Until the receiver made the transfer's landing segment (and expected it, in the same step), not
-    timed: on a loaded machine the receiver's loop can fall a transfer or two behind the sender, which
-    would then send a frame not yet expected (refused) or not in place (no segment yet)."""
+async def reserved(sender: Any, address: str, request_id: str, landings: dict[str, str]) -> None:
+    """Until the receiver made the transfer's landing segment (and expected it, in the same step) and
+    listed its name in `landings_file`, read into `landings`; not timed: on a loaded machine the
+    receiver's loop can fall a transfer or two behind the sender, which would then send a frame not
+    yet expected (refused) or not in place (no segment yet)."""
     deadline = time.monotonic() + DEADLINE_S
-    while sender.transport_to(address, token_for(request_id)) != "shm" and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            landings.update(line.split(" ", 1) for line in landings_file(address).read_text().splitlines())  # type: ignore[misc]
+        if sender.transport_to(address, landings.get(request_id, "")) == "shm":
+            return
         await asyncio.sleep(0.0002)
 
 

@@ -254,7 +254,8 @@ def command_serve(args: argparse.Namespace) -> int:
     tracing.configure(config.tracing, "pdserve-gateway")  # the routers and workers set up their own
     if config.attach and not config.ray_address:
         raise ValueError("--attach serves the workers of a running Ray cluster: give its --ray-address")
-    options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
+    options = ServeOptions(host=args.host, port=args.port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                           api_key=args.api_key,
                            drain_s=args.drain_s, redis_url=config.redis_url, rate_limit_rps=args.rate_limit_rps,
                            rate_limit_tpm=args.rate_limit_tpm,
                            request_limits=RequestLimits.parse(args.request_limit), api_keys_file=args.api_keys_file,
@@ -268,9 +269,10 @@ def command_serve(args: argparse.Namespace) -> int:
     service = DeferredService(served_model_name(config.engine.model.model), Tokenizer.from_dir(model_dir))
     backend = ServiceLauncher(config, local=args.local)
 
-    def listening(url: str, grpc_port: int | None) -> None:
+    def listening(url: str, grpc_port: int | None, operator_url: str | None) -> None:
         grpc = f", gRPC on port {grpc_port}" if grpc_port is not None else ""
-        console.print(f"[bold]pdserve[/]: HTTP on {url}{grpc}; starting {backend.describe()}...")
+        operator = f", metrics and probes on {operator_url}" if operator_url is not None else ""
+        console.print(f"[bold]pdserve[/]: HTTP on {url}{grpc}{operator}; starting {backend.describe()}...")
 
     # Until `serve` takes the signals over (it drains), SIGTERM stops the process as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -420,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="0.0.0.0", help="address both servers listen on")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI-compatible API)")
     serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (-1: no gRPC server)")
+    serve.add_argument("--metrics-port", type=int, default=-1,
+                       help="the operator port: /metrics, /health, /ready with its reasons and /v1/workers, none of "
+                       "them then on --port (0: a free port; -1: all on --port, as vLLM; docs/security.md)")
     serve.add_argument("--api-key", default=None, help="require this key (default: $PDSERVE_API_KEY, if set)")
     serve.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, let open requests finish this long")
     serve.add_argument("--local", action="store_true", help="one engine in this process instead of a Ray cluster")

@@ -19,6 +19,9 @@ class KVTicket:
     # The receiver's KV dtype: each worker resolves dtype auto on its own hardware, so a bf16 prefill
     # worker may feed an fp32 decode worker; the sender converts (empty: send as it is).
     dtype: str = ""
+    # The name of the receiver's shared-memory segment for the transfer ("" if none): random, not a
+    # secret (anyone on its host can list it), and never the token or anything made from it.
+    landing: str = ""
 
     def __str__(self) -> str:
         return self.address

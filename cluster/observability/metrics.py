@@ -1,14 +1,16 @@
-"""Prometheus metrics for the whole cluster, scraped from one endpoint (`/metrics` on the gateway).
+"""Prometheus metrics for the whole cluster, scraped from one endpoint (`/metrics` on the gateway:
+its operator port, `--metrics-port`, or else its API port).
 
 Two sources, so one scrape shows everything:
 - `RequestMetrics` times every request as its events pass (`cluster.serving.metered_service` wraps
   the `Service` both front doors use with it): time to first token, inter-token latency, end-to-end
   latency, prompt and generated tokens, finished requests by reason. vLLM's names where the meaning
   is the same, so its dashboards work.
-- At scrape time `ClusterMetrics.exposition` takes each worker's `WorkerLoad` (running, waiting, KV
+- At scrape time `ClusterMetrics.scrape` takes each worker's `WorkerLoad` (running, waiting, KV
   usage, preemptions, prefix cache, KV transfers, and the histograms its engine counts: vLLM's
   request phases and iteration tokens) and asks for the router's decisions, and reports them
-  labelled by worker and role.
+  labelled by worker and role. That fan-out costs Ray calls, so it is made at most once per
+  `FAN_OUT_S`: a client scraping in a loop loads no worker more.
 
 Several gateways may serve one set of workers (`--attach`). Each exports its own request metrics
 (every request passes one gateway), but only the gateway that owns the workers exports the
@@ -19,7 +21,7 @@ scraped. docs/observability.md lists every metric.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -35,8 +37,12 @@ from prometheus_client.utils import floatToGoString
 
 from cluster.common.events import TokenEvent
 from cluster.common.loads import KV_TRANSFER_EXPOSED, BucketCounts, WorkerLoad
+from cluster.common.throttled import Throttled
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# A scrape's fan-out (every worker's load, the routers' counters: Ray calls) is asked for at most
+# this often; scrapes in between show the last one. Prometheus scrapes every 15 s or so.
+FAN_OUT_S = 1.0
 # vLLM's buckets (seconds), so dashboards' quantiles mean the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -247,17 +253,32 @@ class ClusterMetrics:
         self.registry.register(self.snapshot)
         # Called at scrape time for more counters: router decisions, Redis fallbacks.
         self.sources: list[Callable[[], Any]] = []
+        self._fan_out: Throttled[tuple[list[WorkerLoad], list[Any]]] | None = None
 
     async def exposition(self, loads: list[WorkerLoad]) -> bytes:
         """The scrape's text, with `loads` the workers' loads taken just now."""
+        return self._render(loads, [await source() for source in self.sources])
+
+    async def scrape(self, workers: Callable[[], Awaitable[list[WorkerLoad]]]) -> bytes:
+        """The scrape's text, with the workers' loads and the sources' counters asked for at most once
+        per `FAN_OUT_S` (each costs Ray calls: one per worker, one per router), however often a
+        client scrapes. The request metrics are this process's own: always current."""
+        if self._fan_out is None:
+            self._fan_out = Throttled(lambda: self._gather(workers), FAN_OUT_S)
+        loads, found = await self._fan_out()
+        return self._render(loads, found)
+
+    async def _gather(self, workers: Callable[[], Awaitable[list[WorkerLoad]]]) -> tuple[list[WorkerLoad], list[Any]]:
+        return await workers(), [await source() for source in self.sources]
+
+    def _render(self, loads: list[WorkerLoad], found: list[Any]) -> bytes:
         self.snapshot.loads = loads
         decisions: dict[str, int] = {}
         extra: dict[str, float] = {}
-        for source in self.sources:
-            found = await source()
-            decisions.update(found.get("decisions", {}))
-            extra.update(found.get("counters", {}))
-            self.snapshot.scaling = found.get("scaling", self.snapshot.scaling)
-            self.snapshot.recoveries = found.get("recoveries", self.snapshot.recoveries)
+        for counters in found:
+            decisions.update(counters.get("decisions", {}))
+            extra.update(counters.get("counters", {}))
+            self.snapshot.scaling = counters.get("scaling", self.snapshot.scaling)
+            self.snapshot.recoveries = counters.get("recoveries", self.snapshot.recoveries)
         self.snapshot.decisions, self.snapshot.extra = decisions, extra
         return generate_latest(self.registry)

@@ -1,6 +1,14 @@
 """The serving process: the cluster (or one local engine) behind both front doors, until a signal.
 
-    pdserve serve [--config cluster.yaml] [--host 0.0.0.0] [--port 8000] [--grpc-port 50051] [--api-key K]
+    pdserve serve [--config cluster.yaml] [--host 0.0.0.0] [--port 8000] [--grpc-port 50051]
+                  [--metrics-port 8081] [--api-key K]
+
+Two kinds of clients, two kinds of port. The API port (and gRPC) is for clients, through an Ingress:
+the OpenAI API, /health, /ready. The operator port (`--metrics-port`, off by default, as in vLLM) is
+for the cluster's own Prometheus and kubelet: /metrics, /health, /ready with its reasons, and
+/v1/workers (`pdserve status`). With it, the API port serves none of these operator endpoints and
+its /ready says only whether the server is ready, not why not. Without it, they are all on the API
+port. Either way a scrape's fan-out to the workers (Ray calls) is made at most once per `FAN_OUT_S`.
 
 Order matters for operators: the HTTP and gRPC servers listen first, answering /health (alive) and
 503 on /ready and on requests while the workers load the model (a minute on a cold cache); then
@@ -36,7 +44,8 @@ from cluster.common.errors import ServiceUnavailable
 from cluster.common.events import TokenEvent
 from cluster.common.loads import WorkerLoad
 from cluster.common.sampling_params import SamplingParams
-from cluster.observability.metrics import CONTENT_TYPE, ClusterMetrics
+from cluster.common.throttled import Throttled
+from cluster.observability.metrics import CONTENT_TYPE, FAN_OUT_S, ClusterMetrics
 from cluster.ray_cluster.config import ClusterConfig
 from cluster.ray_cluster.launcher import Cluster, shutdown_ray
 from cluster.serving.api_keys import ApiKeys
@@ -67,6 +76,7 @@ class ServeOptions:
     host: str = "0.0.0.0"
     port: int = 8000
     grpc_port: int = 50051  # 0 picks a free port; -1 turns gRPC off
+    metrics_port: int = -1  # the operator port (/metrics, probes, /v1/workers); 0 picks one; -1: on the API port
     api_key: str | None = None  # None: $PDSERVE_API_KEY, if set
     api_keys_file: str = ""  # more keys, one tenant each (cluster.serving.api_keys); with or without api_key
     trusted_proxies: str = ""  # whose X-Forwarded-For the gateway believes (addresses, networks); "": nobody
@@ -172,7 +182,7 @@ class ServiceLauncher:
 
 
 async def serve(service: DeferredService, backend: ServiceLauncher, options: ServeOptions,
-                on_listening: Callable[[str, int | None], None] | None = None) -> None:
+                on_listening: Callable[[str, int | None, str | None], None] | None = None) -> None:
     """Listen, start the backend, serve until a signal (or the HTTP server stops), then drain both
     front doors and stop it all."""
     from cluster.serving.grpc.server import GrpcServer
@@ -195,8 +205,7 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
                     exclude_tools_when_tool_choice_none=options.tools.exclude_tools_when_tool_choice_none,
                     prefix_cache_isolation=options.prefix_cache_isolation)
     log.info("prefix cache isolation: %s", gateway_of(app).prefix_cache_isolation)
-    add_status_route(app, metered, backend.scaling)
-    add_metrics_route(app, metrics, metered)
+    operator_app = route_operator_endpoints(app, metrics, metered, options.metrics_port >= 0, backend.scaling)
     tls = (options.tls_cert, options.tls_key) if options.tls_cert else None
     http = HttpServer(app, options.host, options.port, graceful_shutdown_s=options.drain_s,
                       trusted_proxies=options.trusted_proxies, tls=tls, connections=options.connections)
@@ -204,8 +213,10 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
     await http.start()
     shutdown = Shutdown()
     shutdown.install()
-    grpc = None
+    grpc = operator = None
     try:
+        if operator_app is not None:
+            operator = await _start_operator_port(operator_app, options.host, options.metrics_port, tls)
         if options.grpc_port >= 0:
             grpc_tls = (Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None
             grpc = GrpcServer(metered, options.host, options.grpc_port, api_key=api_keys, tls=grpc_tls, limits=limits,
@@ -214,17 +225,29 @@ async def serve(service: DeferredService, backend: ServiceLauncher, options: Ser
                               prefix_cache_isolation=options.prefix_cache_isolation)
             await grpc.start()
         if on_listening is not None:
-            on_listening(http.url, grpc.port if grpc is not None else None)
+            on_listening(http.url, grpc.port if grpc is not None else None, operator.url if operator else None)
         service.attach(await backend.start())
         shutdown.retake()
         log.info("ready: serving %s", service.model_name)
         await _first_of(shutdown.requested.wait(), http.wait())
     finally:
         await drain(gateway_of(app), http, grpc, options.drain_s, shutdown.hurried)
+        if operator is not None:  # after the drain: its /ready reports it to the end
+            await operator.stop()
         await backend.stop()
         await state.close()
         off_loop.close()
         shutdown.uninstall()
+
+
+async def _start_operator_port(app: Any, host: str, port: int, tls: tuple[str, str] | None) -> HttpServer:
+    """The operator port's server (with the API's certificate, if any), signals left to `serve`."""
+    from cluster.serving.http.gateway import HttpServer
+
+    server = HttpServer(app, host, port, graceful_shutdown_s=1, tls=tls, name="operator port")
+    server.server = SignalFreeUvicorn(server.config)
+    await server.start()
+    return server
 
 
 async def drain(gateway: Gateway, http: HttpServer, grpc: GrpcServer | None, drain_s: float,
@@ -328,30 +351,67 @@ def gateway_metrics(model_name: str, config: ClusterConfig) -> ClusterMetrics:
     return ClusterMetrics(model_name, export_workers=not config.attach)
 
 
+def route_operator_endpoints(api: Any, metrics: ClusterMetrics, service: Service, separate: bool,
+                             scaling: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> Any:
+    """Put /metrics and /v1/workers where operators reach them. `separate` (an operator port): on an
+    app of their own, returned, beside /health and /ready (which says why it is not ready), and the
+    API app `api` keeps its /ready's reasons to itself (they name hosts, devices and exceptions).
+    Else on `api` itself, as vLLM serves /metrics; returns None."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from cluster.serving.http.gateway import gateway_of
+
+    if not separate:
+        add_status_route(api, service, scaling)
+        add_metrics_route(api, metrics, service)
+        return None
+    gateway = gateway_of(api)
+    gateway.ready_reasons = False
+    operator = FastAPI(title="pdserve operator port", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @operator.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @operator.get("/ready")
+    async def ready() -> JSONResponse:
+        return gateway.readiness(reasons=True)
+
+    add_status_route(operator, service, scaling)
+    add_metrics_route(operator, metrics, service)
+    return operator
+
+
 def add_metrics_route(app: Any, metrics: ClusterMetrics, service: Service) -> None:
-    """GET /metrics: Prometheus text format, the whole cluster in one scrape (no API key)."""
+    """GET /metrics: Prometheus text format, the whole cluster in one scrape (no API key); the
+    workers are asked at most once per `FAN_OUT_S` (`ClusterMetrics.scrape`)."""
     from fastapi import Response
 
     @app.get("/metrics", include_in_schema=False)
     async def scrape() -> Response:
-        return Response(await metrics.exposition(await service.workers()), media_type=CONTENT_TYPE)
+        return Response(await metrics.scrape(service.workers), media_type=CONTENT_TYPE)
 
 
 def add_status_route(app: Any, service: Service,
                      scaling: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
     """GET /v1/workers: every worker's load and KV usage, and the live controller's pools and last
-    decision when it runs (what `pdserve status` shows)."""
+    decision when it runs (what `pdserve status` shows). Asked of the workers at most once per
+    `FAN_OUT_S`, as /metrics."""
+    loads = Throttled(service.workers, FAN_OUT_S)
+    plans = Throttled(scaling, FAN_OUT_S) if scaling is not None else None
 
     @app.get("/v1/workers")
     async def workers() -> dict[str, Any]:
-        loads = await service.workers()
         return {"model": service.model_name, "ready": service.ready, "problem": service.problem,
-                "scaling": await scaling() if scaling is not None else {},
-                "workers": [{"worker_id": w.worker_id, "role": w.role, "running": w.num_running,
-                             "waiting": w.num_waiting, "free_blocks": w.num_free_blocks, "blocks": w.num_blocks,
-                             "kv_cache_usage": w.kv_cache_usage, "kv_transfers": w.kv_transfers,
-                             "kv_transfer_failures": w.kv_transfer_failures, "kv_recomputes": w.kv_recomputes,
-                             "device": w.device, "dtype": w.dtype, "kv_cache_dtype": w.kv_cache_dtype,
-                             "threads": w.threads, "failure": w.failure,
-                             "started_at": w.started_at}
-                            for w in loads]}
+                "scaling": await plans() if plans is not None else {},
+                "workers": [_worker_status(load) for load in await loads()]}
+
+
+def _worker_status(w: WorkerLoad) -> dict[str, Any]:
+    return {"worker_id": w.worker_id, "role": w.role, "running": w.num_running, "waiting": w.num_waiting,
+            "free_blocks": w.num_free_blocks, "blocks": w.num_blocks, "kv_cache_usage": w.kv_cache_usage,
+            "kv_transfers": w.kv_transfers, "kv_transfer_failures": w.kv_transfer_failures,
+            "kv_recomputes": w.kv_recomputes, "device": w.device, "dtype": w.dtype,
+            "kv_cache_dtype": w.kv_cache_dtype, "threads": w.threads, "failure": w.failure,
+            "started_at": w.started_at}

@@ -150,14 +150,15 @@ class KVSender(Protocol):
         """Whether `send` takes a payload in GPU memory (`DeviceBytes`)."""
         ...
 
-    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> str | None:
-        """Deliver header and payload to the receiver at `address`; raises TransferError. Returns the
-        transport the payload took ("shm", "ucx"), or None where the connector has only one."""
+    async def send(self, address: str, header: KVHeader, payload: KVBytes, landing: str = "") -> str | None:
+        """Deliver header and payload to the receiver at `address`; raises TransferError. `landing`:
+        the ticket's name of the receiver's shared-memory segment for the transfer, if it gave one.
+        Returns the transport the payload took ("shm", "ucx"), or None where the connector has only one."""
         ...
 
-    def transport_to(self, address: str, token: str = "") -> str:
-        """The transport a send to `address` (for the transfer with `token`) takes (traces, stats):
-        "shm" for a receiver on this host that gave the transfer a shared-memory segment."""
+    def transport_to(self, address: str, landing: str = "") -> str:
+        """The transport a send to `address` (for the transfer whose ticket names `landing`) takes
+        (traces, stats): "shm" for a receiver on this host that gave the transfer a shared-memory segment."""
         ...
 
     async def start(self) -> None:
@@ -184,6 +185,12 @@ class KVReceiver(Protocol):
         """Host memory of `nbytes` to pass to `expect` for the transfer with `token`, which a sender on
         this host can write straight into (shared memory), or None: use ordinary memory. Awaited:
         new shared memory is faulted in off the event loop."""
+        ...
+
+    def landing_name(self, token: str) -> str:
+        """The name of the shared memory `landing_memory` gave the transfer with `token` ("" if none),
+        for its ticket: a sender on this host opens it by that name. Random: it tells nothing of the
+        token (anyone on the host can list the names)."""
         ...
 
     async def prefault_landing_up_to(self, largest: int) -> int:

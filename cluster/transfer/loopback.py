@@ -335,6 +335,9 @@ class LoopbackReceiver:
     async def landing_memory(self, token: str, nbytes: int) -> memoryview | None:
         return None  # in process: the sender copies into whatever buffer `expect` is given
 
+    def landing_name(self, token: str) -> str:
+        return ""  # no shared memory
+
     async def prefault_landing_up_to(self, largest: int) -> int:
         return 0  # no shared memory to make
 
@@ -402,13 +405,13 @@ class LoopbackSender:
         self._timeout_s = timeout_s
         self._closed = False
 
-    def transport_to(self, address: str, token: str = "") -> str:
+    def transport_to(self, address: str, landing: str = "") -> str:
         return "loopback"
 
     async def start(self) -> None:
         """Nothing to ready in process."""
 
-    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> None:
+    async def send(self, address: str, header: KVHeader, payload: KVBytes, landing: str = "") -> None:
         """Deliver one frame; returns once the payload is in the receiver's buffer.
 
         Raises TransferError if the receiver is missing, refused the frame, or an injected failure

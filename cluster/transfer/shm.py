@@ -6,8 +6,10 @@ and a dead peer are detected exactly as on the TCP path. Only the payload takes 
 
     decode worker (receiver)                        prefill worker (sender), same host
     landing = await receiver.landing_memory(t, n)   (the ticket's address names the receiver's
-      a file /dev/shm/pdserve-kv-<rid>-<token>       host identity and id `rid`: `SameHost`)
-      (0600, fallocated, mapped; pooled; a new
+      a file /dev/shm/pdserve-kv-<rid>-<landing>     host identity and id `rid`: `SameHost`; the
+      (<landing>: 128 random bits, not the token;    ticket's `landing`, the segment's name)
+       `landing_name(t)`; 0600, fallocated,
+      mapped; pooled; a new
       one faulted in on a thread; a decode
       worker makes one per size class at start:
       `prefault_up_to`): the staging tensor
@@ -22,7 +24,7 @@ and a dead peer are detected exactly as on the TCP path. Only the payload takes 
                                                     streaming stores from 16 MiB: `stream_copy`)
                                     <── 1-byte marker, over UCX (posted)
     complete; ack ──>                               the send returns (one wait: the ack)
-    (the token's name goes as soon as the transfer ends; the segment is pooled for another
+    (the transfer's name goes as soon as the transfer ends; the segment is pooled for another
     transfer if this one ended DONE and its view was dropped, else unlinked: `Segments`)
 
 Why this design (docs/performance.md, "KV transfer between two processes"): UCX's own shared memory
@@ -41,7 +43,10 @@ Safety:
   their sender wrote its last byte before its marker).
 - No SIGBUS: segments are allocated with `posix_fallocate` before they are mapped (a full /dev/shm
   fails there, cleanly: the receiver falls back to ordinary memory) and never shrink.
-- A segment is opened by name only: the name holds the transfer's secret token, the file is 0600.
+- A segment's name is random, never the transfer's token nor anything made from it: any local
+  user can list /dev/shm, and the token is what lets a peer land frames. The file is 0600 (the
+  workers' user alone opens it), and an in-place frame is taken only with the token in its header,
+  checked as every frame's is (`UCXReceiver`).
 - Segments of a receiver process that died without unlinking them are removed when another
   receiver starts on the host (their names carry the owner's pid).
 """
@@ -133,10 +138,11 @@ class SameHost:
         return cls(host, receiver_id)
 
 
-def segment_path(receiver_id: str, token: str, directory: str = SHM_DIR) -> str:
-    if not _RECEIVER_ID.match(receiver_id) or not _NAME.match(token):
+def segment_path(receiver_id: str, landing: str, directory: str = SHM_DIR) -> str:
+    """Where the receiver `receiver_id` keeps the segment it named `landing` (`Segments.landing_name`)."""
+    if not _RECEIVER_ID.match(receiver_id) or not _NAME.match(landing):
         raise TransferError(f"no shared-memory segment can be named for receiver {receiver_id!r}")
-    return os.path.join(directory, f"{SEGMENT_PREFIX}{receiver_id}-{token}")
+    return os.path.join(directory, f"{SEGMENT_PREFIX}{receiver_id}-{landing}")
 
 
 @dataclass(eq=False, slots=True)
@@ -144,7 +150,8 @@ class _Segment:
     """One /dev/shm file and the receiver's mapping of it, handed out for one transfer at a time."""
 
     memory: mmap.mmap
-    path: str  # its current name: the transfer's (`segment_path`) while handed out, an idle name between
+    path: str  # its current name: a random one per transfer (`segment_path`) while handed out, an idle one between
+    landing: str = ""  # the random part of that name while handed out
     view_alive: bool = False  # the view handed out for the current transfer is still referenced
     reusable: bool | None = None  # set when the transfer ends: True if it ended DONE (no writer left)
 
@@ -223,14 +230,17 @@ class Segments:
         return pooled
 
     def _hand_out(self, token: str, nbytes: int, segment: _Segment) -> memoryview | None:
-        path = segment_path(self.receiver_id, token, self.directory)
+        # A fresh random name per transfer: a sender told an earlier one cannot reach this transfer's
+        # bytes, and nothing in /dev/shm tells the token.
+        landing = secrets.token_hex(16)
+        path = segment_path(self.receiver_id, landing, self.directory)
         try:
-            os.rename(segment.path, path)  # the name senders open: the token's
+            os.rename(segment.path, path)  # the name this transfer's sender opens (its ticket's `landing`)
         except OSError as error:
             log.warning("shared-memory landing segment unusable (%s): KV lands in ordinary memory", error)
             _unlink(segment.path)
             return None
-        segment.path, segment.view_alive, segment.reusable = path, True, None
+        segment.path, segment.landing, segment.view_alive, segment.reusable = path, landing, True, None
         view = memoryview(segment.memory)[:nbytes]
         weakref.finalize(view, self._view_gone, segment)
         self._live[token], self._spans[token] = segment, (address_of(view), nbytes)
@@ -271,6 +281,13 @@ class Segments:
     def holds(self, token: str) -> bool:
         return token in self._live
 
+    def landing_name(self, token: str) -> str:
+        """The name of the segment handed out for the transfer with `token` ("" if none): what its
+        sender opens (`segment_path`), given in the ticket. Random, not a secret: a name any local
+        user sees in /dev/shm, which tells nothing of the token."""
+        segment = self._live.get(token)
+        return segment.landing if segment is not None else ""
+
     def covers(self, token: str, buffer: object) -> bool:
         """Whether `buffer` is exactly the view allocated for `token` (so that what a sender writes
         into the segment is what the receiver's caller reads)."""
@@ -287,7 +304,7 @@ class Segments:
         self._spans.pop(token, None)
         if segment is None:
             return
-        segment.reusable = reusable
+        segment.reusable, segment.landing = reusable, ""
         if reusable:
             idle = segment.path.rpartition("-")[0] + f"-idle{id(segment):x}"
             os.rename(segment.path, idle)

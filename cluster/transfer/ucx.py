@@ -24,6 +24,12 @@ message sequence (a missing message) ends in a timeout or a UCX error and aborts
 An endpoint carries one transfer at a time: the sender keeps a small pool of endpoints per address
 (`max_endpoints_per_peer`) for concurrency.
 
+Who may hold the listener (a peer that reaches the port needs no ticket to connect): a receiver
+serves at most `MAX_ENDPOINTS` endpoints at once (more are aborted as they connect); a new endpoint
+must bring a valid first frame within `HANDSHAKE_TIMEOUT_S`, and one idle between frames for
+`IDLE_TIMEOUT_S` is closed (senders retire pooled endpoints at half of that). Idle waits wake on the
+receiver's progress tick alone, so idle endpoints cost no timers or progress calls of their own.
+
 Every connect, send and receive has a deadline (`asyncio.timeout`, the in-task form of
 `asyncio.wait_for`); on a timeout or a UCX error the endpoint is aborted, which also stops any bytes
 still in flight into a registered buffer. A killed peer raises `UCXXConnectionResetError` within
@@ -100,6 +106,14 @@ WAKE_UP_S = 0.05
 # progress calls it makes at least (a process descheduled past the deadline still makes them).
 SETTLE_S = 1.0
 SETTLE_CALLS = 8
+# A receiver's bounds on who holds its listener (`UCXReceiver`): endpoints served at once (more are
+# aborted as they connect, with a warning); how long a new endpoint may take to bring its first valid
+# frame (one not refused as malformed or unauthenticated); how long one may then sit idle between
+# frames. Senders retire their pooled endpoints before that (`UCXSender`, half of it), so that a
+# transfer never starts on an endpoint the receiver is closing.
+MAX_ENDPOINTS = 256
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 300.0
 T = TypeVar("T")
 
 _ucxx: Any = None  # the ucxx module once `init_ucx` ran (imported late: the environment goes first)
@@ -278,15 +292,20 @@ class _Progress:
                 task.cancel()
         self._worker, self._fd = None, -1
 
-    async def wait(self) -> None:
-        """Return after the next UCX progress, or after WAKE_UP_S (then progress here, re-armed)."""
+    async def wait(self, poll: bool = True) -> None:
+        """Return after the next UCX progress, or after WAKE_UP_S (then, with `poll`, progress here,
+        re-armed; without, the watchdog's progress every WAKE_UP_S is the waiter's too: one progress
+        for all waiters instead of one each)."""
         if self._changed.done():
             self._changed = self._loop.create_future()
+        if not poll and self._watchdog is not None:  # no timer of its own: the watchdog's tick wakes it
+            await asyncio.shield(self._changed)
+            return
         try:
             async with asyncio.timeout(WAKE_UP_S):
                 await asyncio.shield(self._changed)
         except TimeoutError:
-            if self._worker is not None:
+            if poll and self._worker is not None:
                 self._on_event()
 
     def _on_event(self) -> None:
@@ -389,6 +408,7 @@ class _Link:
         # Requests posted and not yet seen complete, with the memory they use (kept alive until then).
         self._pending: list[tuple[Any, Any]] = []
         self.waits = 0  # requests this link had to wait for (not complete when awaited): its round trips
+        self.idle_since = 0.0  # when a sender last put it back in its pool (`UCXSender`)
 
     @property
     def closed(self) -> bool:
@@ -460,10 +480,12 @@ class _Link:
         await complete(request, timeout_s)
         self._unfinished()  # forget what completed
 
-    async def next_message(self, remove: bool, timeout_s: float | None) -> Any:
+    async def next_message(self, remove: bool, timeout_s: float | None, idle: bool = False) -> Any:
         """Wait until a message waits; returns UCX's probe result (its size), the message taken off
         UCX's queue if `remove` (then receive it with `recv_probed`). TimeoutError after `timeout_s`,
-        UCXCloseError once the endpoint is closed (aborted by `cancel`/`close`, or the peer left)."""
+        UCXCloseError once the endpoint is closed (aborted by `cancel`/`close`, or the peer left).
+        `idle`: a wait between frames, which may be long and one of many: it wakes on UCX progress
+        only (`_Progress.wait(poll=False)`), so idle endpoints add no timers or progress calls."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         while True:
@@ -473,7 +495,7 @@ class _Link:
                 return probe
             if deadline is not None and loop.time() > deadline:
                 raise TimeoutError("no message before the deadline")
-            await self._progress.wait()
+            await self._progress.wait(poll=not idle)
 
     def _live(self) -> Any:
         """The raw endpoint; raises the peer's error, or UCXCloseError once aborted."""
@@ -498,12 +520,17 @@ class UCXReceiver:
     """`KVReceiver` over a ucxx listener; one serving task per connected sender endpoint. Buffers may
     be host bytes or, where `carries_device_memory`, GPU bytes (UCX writes them with CUDA copies)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
-                 transports: str | None = None, shared_memory: bool = True, segment_dir: str = shm.SHM_DIR) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,  # noqa: PLR0913
+                 transports: str | None = None, shared_memory: bool = True, segment_dir: str = shm.SHM_DIR, *,
+                 max_endpoints: int = MAX_ENDPOINTS, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self.address = ""  # "ucx://host:port" once started (plus "?host=...&rid=..." with shared memory)
         self._host = host
         self._port = port
         self._timeout_s = timeout_s
+        self._max_endpoints = max_endpoints
+        self._handshake_timeout_s, self._idle_timeout_s = handshake_timeout_s, idle_timeout_s
+        self._refused_endpoints = 0  # aborted past `max_endpoints` (logged every power of two)
         self._transports = transports
         self._table = ReceiveTable(on_stop=self._stop_receiving)
         self._listener: Any = None
@@ -553,6 +580,10 @@ class UCXReceiver:
         if self._segments is None or self._closed:
             return 0
         return await self._segments.prefault_up_to(largest)
+
+    def landing_name(self, token: str) -> str:
+        """See `KVReceiver.landing_name`: the random name of the segment `landing_memory` gave."""
+        return self._segments.landing_name(token) if self._segments is not None else ""
 
     def expect(self, request_id: str, buffer: KVBytes, token: str = "") -> asyncio.Future[KVHeader]:
         """See `KVReceiver.expect`; call from the event loop the receiver started in. A `buffer` that
@@ -618,17 +649,20 @@ class UCXReceiver:
             log.warning("%s: serving tasks still running at close", self.address)
 
     async def _serve(self, endpoint: Any) -> None:
-        """Listener callback, one task per sender endpoint: handle its frames until it goes away."""
+        """Listener callback, one task per sender endpoint: handle its frames until it goes away, or
+        until it brings no valid frame within the handshake timeout, or sits idle past the idle one."""
         link = _Link(endpoint)
-        if self._closed:
+        if self._closed or not self._admit(link):
             link.abort()
             return
-        self._links.add(link)
+        loop = asyncio.get_running_loop()
+        handshake_until: float | None = loop.time() + self._handshake_timeout_s  # until its first valid frame
         try:
             while not self._closed and not link.closed:
-                # Idle wait, no deadline: senders keep their endpoints open between transfers.
-                opening = await link.next_message(remove=True, timeout_s=None)
-                await self._handle_frame(link, await self._recv_opening(link, opening))
+                wait_s = self._idle_timeout_s if handshake_until is None else max(0.0, handshake_until - loop.time())
+                opening = await self._next_opening(link, wait_s, handshake_until is not None)
+                if await self._handle_frame(link, await self._recv_opening(link, opening)):
+                    handshake_until = None
         except Exception as error:
             # Peers leaving, timeouts and our own aborts (cancel, close) end up here alike.
             expected = _is_transport_error(error) or self._closed or link.closed
@@ -637,8 +671,30 @@ class UCXReceiver:
             self._links.discard(link)
             link.abort()
 
-    async def _handle_frame(self, link: _Link, header_bytes: bytes) -> None:
-        """Parse one frame's header, then land or refuse its payload and ack."""
+    def _admit(self, link: _Link) -> bool:
+        """Serve one more endpoint, unless `max_endpoints` are served already (then say so, sparingly)."""
+        if len(self._links) < self._max_endpoints:
+            self._links.add(link)
+            return True
+        self._refused_endpoints += 1
+        if self._refused_endpoints & (self._refused_endpoints - 1) == 0:  # 1, 2, 4, 8...: a flood logs little
+            log.warning("%s refused an endpoint: %d served already (the bound); %d refused so far", self.address,
+                        len(self._links), self._refused_endpoints)
+        return False
+
+    async def _next_opening(self, link: _Link, wait_s: float, handshake: bool) -> Any:
+        """The next frame's first message, within `wait_s`; TimeoutError (logged) if none comes."""
+        try:
+            return await link.next_message(remove=True, timeout_s=wait_s, idle=True)
+        except TimeoutError:
+            log.info("%s closed an endpoint %s", self.address,
+                     f"that sent no valid frame within {self._handshake_timeout_s:g}s" if handshake
+                     else f"idle for {self._idle_timeout_s:g}s")
+            raise
+
+    async def _handle_frame(self, link: _Link, header_bytes: bytes) -> bool:
+        """Parse one frame's header, then land or refuse its payload and ack. False for a frame refused
+        as malformed or unauthenticated: one that does not count as a sender's first valid frame."""
         try:
             header = KVHeader.from_bytes(header_bytes)
             self.phases.mark(header.request_id, "header_in")
@@ -646,12 +702,13 @@ class UCXReceiver:
         except TransferError as refused:
             code = refused.code if isinstance(refused, FrameRefused) else Refusal.MALFORMED
             await self._refuse(link, code, str(refused))
-            return
+            return code not in (Refusal.MALFORMED, Refusal.UNAUTHENTICATED)
         self.phases.mark(header.request_id, "admitted")
         code = await self._land(link, header, buffer)
         if not link.closed:  # `cancel` aborts the endpoint: its sender sees the link drop instead
             await link.send(bytearray([code]), self._timeout_s)
             self.phases.mark(header.request_id, "ack_out")
+        return True
 
     async def _recv_opening(self, link: _Link, probe: Any) -> bytes:
         """A frame's first message (length prefix and header, probed off the queue): the header, or b""
@@ -739,8 +796,9 @@ class UCXSender:
 
     def __init__(self, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
                  max_endpoints_per_peer: int = 4, transports: str | None = None, shared_memory: bool = True,
-                 segment_dir: str = shm.SHM_DIR) -> None:
+                 segment_dir: str = shm.SHM_DIR, max_idle_s: float = IDLE_TIMEOUT_S / 2) -> None:
         self._timeout_s = timeout_s
+        self._max_idle_s = max_idle_s  # a pooled endpoint idle longer is closed here, before the receiver does
         self._connect_timeout_s = connect_timeout_s
         self._max_endpoints = max_endpoints_per_peer
         self._transports = transports
@@ -766,24 +824,25 @@ class UCXSender:
         init_ucx(self._transports)
         _Progress.of(asyncio.get_running_loop())
 
-    def transport_to(self, address: str, token: str = "") -> str:
+    def transport_to(self, address: str, landing: str = "") -> str:
         """"shm" when the receiver at `address` is on this host (its address names this host's
-        identity), shared memory is on and (given the transfer's `token`) the receiver made a segment
-        for it; else "ucx" (UCX's transports: TCP here)."""
+        identity), shared memory is on and (given the transfer's `landing`, its ticket's) the
+        receiver's segment of that name is there; else "ucx" (UCX's transports: TCP here)."""
         same = shm.SameHost.of(address)
         if not self._host or same is None or same.host != self._host:
             return shm.TRANSPORT_UCX
-        if token:
+        if landing:
             try:
-                path = shm.segment_path(same.receiver_id, token, self._segment_dir)
+                path = shm.segment_path(same.receiver_id, landing, self._segment_dir)
             except TransferError:
                 return shm.TRANSPORT_UCX
             return shm.TRANSPORT_SHM if os.path.exists(path) else shm.TRANSPORT_UCX
         return shm.TRANSPORT_SHM
 
-    async def send(self, address: str, header: KVHeader, payload: KVBytes) -> str:
+    async def send(self, address: str, header: KVHeader, payload: KVBytes, landing: str = "") -> str:
         """Deliver one frame; returns once the payload landed in the receiver's buffer, with the
-        transport it took: "shm" (written into the receiver's segment on this host) or "ucx".
+        transport it took: "shm" (written into the receiver's segment named `landing`, the ticket's,
+        on this host) or "ucx".
 
         Raises TransferError if the receiver is unreachable, dies, times out or refuses the frame
         (then `FrameRefused`, with its code); ValueError if `payload` differs from `header.nbytes`.
@@ -791,7 +850,7 @@ class UCXSender:
         """
         payload = checked_payload(header, payload)
         self.phases.mark(header.request_id, "send")
-        path = self._segment_of(address, header, payload)
+        path = self._segment_of(address, header, payload, landing)
         async with contextlib.AsyncExitStack() as mapped:
             try:
                 target = None if path is None else await mapped.enter_async_context(
@@ -809,16 +868,17 @@ class UCXSender:
         await self.send_raw(address, header.to_bytes(), payload, request_id=header.request_id)
         return shm.TRANSPORT_UCX
 
-    def _segment_of(self, address: str, header: KVHeader, payload: KVBytes) -> str | None:
+    def _segment_of(self, address: str, header: KVHeader, payload: KVBytes, landing: str) -> str | None:
         """The receiver's segment for this transfer, if it is on this host and the payload in host memory."""
-        if is_device_bytes(payload) or not header.token or self.transport_to(address) != shm.TRANSPORT_SHM:
+        if (is_device_bytes(payload) or not header.token or not landing
+                or self.transport_to(address) != shm.TRANSPORT_SHM):
             return None
         same = shm.SameHost.of(address)
         assert same is not None
         try:
-            return shm.segment_path(same.receiver_id, header.token, self._segment_dir)
+            return shm.segment_path(same.receiver_id, landing, self._segment_dir)
         except TransferError:
-            return None  # a token that names no file (not hex): over UCX, where the receiver judges it
+            return None  # a name that names no file (not hex): over UCX
 
     async def send_raw(self, address: str, header_bytes: bytes, payload: KVBytes,
                        declared_length: int | None = None,
@@ -842,10 +902,10 @@ class UCXSender:
         idle = self._idle.setdefault(address, [])
         while idle:
             link = idle.pop()
-            if not link.closed:
+            if not link.closed and time.monotonic() - link.idle_since < self._max_idle_s:
                 self._busy.add(link)
                 return link
-            link.abort()  # the peer went away while it was idle
+            link.abort()  # the peer went away while it was idle, or it may be about to (its idle timeout)
         link = _Link(await self._connect(address))
         self._busy.add(link)
         return link
@@ -910,6 +970,7 @@ class UCXSender:
         if self._closed:
             link.abort()
         else:
+            link.idle_since = time.monotonic()
             self._idle[address].append(link)
         return ack[0]
 

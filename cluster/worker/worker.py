@@ -542,12 +542,13 @@ class Worker:
                               head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
                               first_token_id=export.first_token_id or 0, nbytes=data.numel() * data.element_size(),
                               first_block=export.first_block, last=export.last, token=ticket.token)
-            transport = self.sender.transport_to(ticket.address, ticket.token)
+            transport = self.sender.transport_to(ticket.address, ticket.landing)
             started = time.perf_counter()
             try:
                 with self.traces.kv_send(request_id, header, transport) as header:
                     stats.transport = await self.sender.send(ticket.address, header,
-                                                             wire_bytes(data, self._direct(self.sender))) \
+                                                             wire_bytes(data, self._direct(self.sender)),
+                                                             landing=ticket.landing) \
                         or _transport_of(self.sender)
             except Exception as error:
                 self.transfer_failures += 1
@@ -615,6 +616,8 @@ class Worker:
             if runner.device.type == "cpu" else None
         staging = landing_buffer(shape, runner.kv_dtype, runner.device, direct, lambda nbytes: shared)
         arrived = self.receiver.expect(request_id, wire_bytes(staging, direct), ticket.token)
+        if shared is not None:  # the sender finds the segment by this name, never by the token
+            ticket = replace(ticket, landing=self.receiver.landing_name(ticket.token))
         arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
         return ticket
 

@@ -275,7 +275,9 @@ def test_the_gateway_runs_serve_on_the_mounted_config_and_drains_within_its_grac
     assert args.host == "0.0.0.0"
     # Named: its workers outlive a restarted gateway pod, which takes them over without reloading models.
     assert args.name == deployment["metadata"]["name"].removesuffix("-gateway")  # the release's full name
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": args.port, "grpc": args.grpc_port}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "http": args.port, "grpc": args.grpc_port, "metrics": args.metrics_port}
+    assert args.metrics_port > 0 and args.metrics_port not in (args.port, args.grpc_port)
     mount = next(m for m in container["volumeMounts"] if m["name"] == "cluster-config")
     assert Path(args.config).parent == Path(mount["mountPath"])
     volume = next(v for v in pod["volumes"] if v["name"] == "cluster-config")
@@ -284,11 +286,14 @@ def test_the_gateway_runs_serve_on_the_mounted_config_and_drains_within_its_grac
 
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
     assert pre_stop + args.drain_s < pod["terminationGracePeriodSeconds"]
-    assert container["readinessProbe"]["httpGet"].items() >= {"path": "/ready", "port": "http"}.items()
-    assert container["livenessProbe"]["httpGet"].items() >= {"path": "/health", "port": "http"}.items()
+    # The kubelet probes the operator port: the API port's /ready says no more than ready or not.
+    assert container["readinessProbe"]["httpGet"].items() >= {"path": "/ready", "port": "metrics"}.items()
+    assert container["livenessProbe"]["httpGet"].items() >= {"path": "/health", "port": "metrics"}.items()
+    assert container["startupProbe"]["httpGet"].items() >= {"path": "/health", "port": "metrics"}.items()
 
     service = one(objects, "Service", "-gateway")
-    assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc"}
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
+        "http": "http", "grpc": "grpc", "metrics": "metrics"}
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     budget = one(objects, "PodDisruptionBudget", "-gateway")
@@ -584,12 +589,34 @@ def test_monitoring_objects_select_the_gateway() -> None:
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["path"] == "/metrics" and endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics" and endpoint["port"] == "metrics"  # the operator port, not the API's
+    assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     dashboard = one(objects, "ConfigMap", "-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["pdserve.json"]) == json.loads((DEPLOY / "grafana-dashboard.json").read_text())
     assert "ServiceMonitor" not in {o["kind"] for o in render_case("defaults")}  # needs the operator's CRD
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_ingress_routes_the_api_only(case: str) -> None:
+    """No `/` catch-all: /metrics, /docs, /openapi.json and /ready stay inside the cluster."""
+    for ingress in (o for o in render_case(case) if o["kind"] == "Ingress"):
+        for rule in ingress["spec"]["rules"]:
+            paths = rule["http"]["paths"]
+            assert {p["path"] for p in paths} == {"/v1", "/tokenize", "/detokenize"}, paths
+            assert all(p["pathType"] in ("Prefix", "Exact") and p["backend"]["service"]["port"]["name"] == "http"
+                       for p in paths)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_network_policy_lets_the_scrapers_reach_the_operator_port(case: str) -> None:
+    objects = render_case(case)
+    if not CASES[case].get("networkPolicy", {}).get("enabled", True):
+        return
+    policy = one(objects, "NetworkPolicy", "-gateway")
+    rules = [{p["port"] for p in rule.get("ports", [])} for rule in policy["spec"]["ingress"]]
+    assert {"metrics"} in rules  # its own rule: the peers in networkPolicy.metricsFrom, not the API's clients
 
 
 def test_the_charts_tool_call_parsers_are_pdserves() -> None:
@@ -616,6 +643,10 @@ def test_the_charts_tool_call_parsers_are_pdserves() -> None:
     ({"gateway": {"tools": {"callParser": "xml"}}}, "at '/gateway/tools/callParser'"),  # pdserve's parsers only
     ({"gateway": {"prefixCacheIsolation": "per-salt"}}, "at '/gateway/prefixCacheIsolation'"),
     ({"cluster": {"decode": {"engine": {"block_size": 32}}}}, "'block_size' not allowed"),  # one KV layout
+    ({"gateway": {"ingress": {"enabled": True, "paths": ["/"]}}}, "at '/gateway/ingress/paths/0'"),  # no catch-all
+    ({"gateway": {"ingress": {"enabled": True, "hosts": [{"host": "a.example", "paths": [{"path": "/"}]}]}}},
+     "hosts[].paths is gone"),
+    ({"gateway": {"metricsPort": 8000}}, "metricsPort must differ"),
 ])
 def test_values_that_cannot_work_fail_with_a_message(chart: Any, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):

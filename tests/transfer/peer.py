@@ -4,8 +4,9 @@
                                       "failed ID ERROR" each; exit 3 if any failed
     receive ID:NBYTES ...             listen, print "address ADDRESS", expect each id, print
                                       "received ID CRC32" as each lands; serve until killed
-    receive-shm DIR ID:NBYTES:TOKEN   the same, each landing in a shared-memory segment in DIR
-    stall-shm DIR ADDRESS ID:NBYTES:TOKEN:SEED
+    receive-shm DIR ID:NBYTES:TOKEN   the same, each landing in a shared-memory segment in DIR, whose
+                                      name it prints first: "landing ID NAME"
+    stall-shm DIR ADDRESS ID:NBYTES:TOKEN:SEED:LANDING
                                       send the first half-block frame of the payload in place, copy
                                       half of it, print "stalled" and hang there until killed
 """
@@ -66,6 +67,8 @@ async def receive(specs: list[str], segment_dir: str = "") -> int:
         landing = await receiver.landing_memory(token[0], int(nbytes)) if token else None
         buffer = np.frombuffer(landing, dtype=np.uint8) if landing else np.zeros(int(nbytes), dtype=np.uint8)
         done = receiver.expect(request_id, memoryview(buffer), *token)
+        if token:
+            print("landing", request_id, receiver.landing_name(token[0]), flush=True)
         done.add_done_callback(lambda _, i=request_id, b=buffer: print("received", i, zlib.crc32(b), flush=True))
     print("address", receiver.address, flush=True)  # once every transfer is expected
     await asyncio.Event().wait()  # until killed
@@ -74,13 +77,13 @@ async def receive(specs: list[str], segment_dir: str = "") -> int:
 
 async def stall(segment_dir: str, address: str, spec: str) -> int:
     """Send a frame in place and hang halfway through its copy (a sender killed mid-copy)."""
-    request_id, nbytes, token, seed = spec.split(":")
+    request_id, nbytes, token, seed, landing = spec.split(":")
     data, first = payload(int(nbytes), int(seed)), frames(request_id, int(nbytes), token)[0]
     same = shm.SameHost.of(address)
     assert same is not None, "the receiver offers no shared memory"
 
     async def write_half_and_hang() -> None:
-        path = shm.segment_path(same.receiver_id, token, segment_dir)
+        path = shm.segment_path(same.receiver_id, landing, segment_dir)
         async with shm.Mappings().window(path, 0, first.nbytes) as target:
             target[:first.nbytes // 2] = memoryview(data)[:first.nbytes // 2]
         print("stalled", flush=True)

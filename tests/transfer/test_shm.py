@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -25,6 +27,7 @@ from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.transfer import shm
 from cluster.transfer.connector import KVHeader, TransferError, TransferState
+from cluster.transfer.loopback import FrameRefused, Refusal
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from cluster.worker.worker import Worker
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS
@@ -58,9 +61,10 @@ def shm_pair(loop: asyncio.AbstractEventLoop, segment_dir: Path) -> Iterator[Pai
     loop.run_until_complete(receiver.close())
 
 
-def named_for(token: str, segment_dir: Path) -> list[str]:
-    """The segments named for a transfer's token: there while it runs, gone once it ended."""
-    return [name for name in os.listdir(segment_dir) if name.endswith(f"-{token}")]
+def named_for(landing: str, segment_dir: Path) -> list[str]:
+    """The segments of the name a transfer's ticket gives (`landing_name`): there while it runs, gone
+    once it ended."""
+    return [name for name in os.listdir(segment_dir) if landing and name.endswith(f"-{landing}")]
 
 
 def kv_frames(request_id: str, data: torch.Tensor, token: str, split: int) -> list[tuple[KVHeader, memoryview]]:
@@ -90,14 +94,51 @@ def test_kv_of_any_dtype_lands_bit_for_bit_through_shared_memory(shm_pair: Pair,
         assert landing is not None and len(os.listdir(segment_dir)) == 1
         staging = torch.frombuffer(landing, dtype=dtype).view(shape)
         done = shm_pair.receiver.expect("r1", memoryview(staging.view(torch.uint8).numpy()).cast("B"), "ab12")
+        name = shm_pair.receiver.landing_name("ab12")
         for header, view in kv_frames("r1", data, "ab12", split=4):
-            assert await shm_pair.sender.send(shm_pair.receiver.address, header, view) == shm.TRANSPORT_SHM
+            assert await shm_pair.sender.send(shm_pair.receiver.address, header, view, name) == shm.TRANSPORT_SHM
         assert (await done).dtype == str(dtype).removeprefix("torch.")
         assert torch.equal(staging.view(torch.uint8).reshape(-1), bits)
         await asyncio.sleep(0)  # the future's done-callbacks (in one process the ack may come first)
-        assert named_for("ab12", segment_dir) == []  # the token's name goes with the transfer
+        assert named_for(name, segment_dir) == []  # the transfer's name goes with it
 
     shm_pair.run(body())
+
+
+def test_no_name_in_shared_memory_shows_a_transfers_token(shm_pair: Pair, segment_dir: Path) -> None:
+    """Any local user can list /dev/shm: a segment's name must not give away the token that lets a
+    peer land KV frames. The name is random; the sender finds it in the ticket (`landing`), and the
+    receiver still takes an in-place frame only with the token in its header."""
+    token, nbytes = secrets.token_hex(16), 1 << 20
+    data = payload(nbytes, seed=8)
+    header = frames("t1", nbytes, token, count=1)[0]
+
+    async def body() -> tuple[list[str], str]:
+        landing = await shm_pair.receiver.landing_memory(token, nbytes)
+        assert landing is not None
+        done = shm_pair.receiver.expect("t1", landing, token)
+        names = os.listdir(segment_dir)  # the transfer is set up: what a local user sees now
+        assert names and not any(shows(token, shown) for shown in names), names
+        name = shm_pair.receiver.landing_name(token)
+        with pytest.raises(FrameRefused) as refused:  # the segment's name without the token: refused
+            await shm_pair.sender.send(shm_pair.receiver.address, replace(header, token="0" * 32),
+                                       memoryview(data), landing=name)
+        assert refused.value.code is Refusal.UNAUTHENTICATED
+        assert await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(data),
+                                          landing=name) == shm.TRANSPORT_SHM
+        await done
+        assert np.array_equal(np.frombuffer(landing, dtype=np.uint8), data)
+        return names, name
+
+    names, name = shm_pair.run(body())
+    assert names == [f"{shm.SEGMENT_PREFIX}{shm_pair.receiver._segments.receiver_id}-{name}"]  # noqa: SLF001
+
+
+def shows(token: str, name: str) -> bool:
+    """Whether a file name holds the token, a hash of it, or any 8 characters of it in a row."""
+    digests = (hashlib.sha256(token.encode()).hexdigest(), hashlib.sha256(bytes.fromhex(token)).hexdigest())
+    return any(part in name.lower() for text in (token, *digests) for part in
+               (text[i:i + 8] for i in range(len(text) - 7)))
 
 
 def test_frames_large_enough_to_stream_land_bit_for_bit_at_their_offsets(shm_pair: Pair, segment_dir: Path) -> None:
@@ -113,9 +154,10 @@ def test_frames_large_enough_to_stream_land_bit_for_bit_at_their_offsets(shm_pai
         landing = await shm_pair.receiver.landing_memory("ab34", nbytes)
         assert landing is not None
         done = shm_pair.receiver.expect("big", landing, "ab34")
+        name = shm_pair.receiver.landing_name("ab34")
         for index, header in enumerate(frames("big", nbytes, "ab34")):
             view = memoryview(data)[index * frame_nbytes:(index + 1) * frame_nbytes]
-            assert await shm_pair.sender.send(shm_pair.receiver.address, header, view) == shm.TRANSPORT_SHM
+            assert await shm_pair.sender.send(shm_pair.receiver.address, header, view, name) == shm.TRANSPORT_SHM
         await done
         assert np.array_equal(np.frombuffer(landing, dtype=np.uint8), data)
 
@@ -144,7 +186,8 @@ def test_an_in_place_frame_costs_the_sender_two_messages(shm_pair: Pair, segment
         landing = await shm_pair.receiver.landing_memory("ab56", nbytes)
         assert landing is not None
         done = shm_pair.receiver.expect("one", landing, "ab56")
-        await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(payload(nbytes, seed=4)))
+        await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(payload(nbytes, seed=4)),
+                                   shm_pair.receiver.landing_name("ab56"))
         await done
 
     shm_pair.run(body())
@@ -179,15 +222,17 @@ def test_a_receiver_killed_mid_transfer_fails_the_send_within_seconds(shm_pair: 
 
     async def body() -> float:
         peer = await start_peer("receive-shm", str(segment_dir), f"k1:{nbytes}:{token}")
+        name = (await read_line(peer)).removeprefix("landing k1 ")
         address = (await read_line(peer)).removeprefix("address ")
         try:
-            assert await shm_pair.sender.send(address, first, memoryview(data)[:first.nbytes]) == shm.TRANSPORT_SHM
+            assert await shm_pair.sender.send(address, first, memoryview(data)[:first.nbytes],
+                                              name) == shm.TRANSPORT_SHM
         finally:
             peer.send_signal(signal.SIGKILL)
             await peer.wait()
         started = time.monotonic()
         with pytest.raises(TransferError):
-            await shm_pair.sender.send(address, second, memoryview(data)[first.nbytes:])
+            await shm_pair.sender.send(address, second, memoryview(data)[first.nbytes:], name)
         return time.monotonic() - started
 
     assert shm_pair.run(body()) < DETECTED_WITHIN_S
@@ -205,7 +250,8 @@ def test_a_sender_killed_mid_copy_fails_the_transfer_within_seconds(shm_pair: Pa
         landing = await shm_pair.receiver.landing_memory(token, nbytes)
         assert landing is not None
         done = shm_pair.receiver.expect("k2", landing, token)
-        peer = await start_peer("stall-shm", str(segment_dir), shm_pair.receiver.address, f"k2:{nbytes}:{token}:3")
+        peer = await start_peer("stall-shm", str(segment_dir), shm_pair.receiver.address,
+                                f"k2:{nbytes}:{token}:3:{shm_pair.receiver.landing_name(token)}")
         try:
             assert await read_line(peer) == "stalled"
             while shm_pair.receiver.state("k2") is not TransferState.RECEIVING:
@@ -232,7 +278,7 @@ def test_the_path_is_chosen_only_for_a_receiver_on_this_host(segment_dir: Path) 
     assert sender.transport_to("ucx://10.0.0.7:4000" + here.suffix()) == shm.TRANSPORT_SHM
     assert sender.transport_to("ucx://127.0.0.1:4000" + elsewhere.suffix()) == shm.TRANSPORT_UCX  # never by IP
     assert sender.transport_to("ucx://127.0.0.1:4000") == shm.TRANSPORT_UCX  # a receiver that offers none
-    # With the transfer's token: "shm" only if the receiver made a segment for it (else the send falls back).
+    # With the transfer's segment name: "shm" only if the receiver made it (else the send falls back).
     assert sender.transport_to("ucx://10.0.0.7:4000" + here.suffix(), "beef") == shm.TRANSPORT_UCX
     Path(shm.segment_path(here.receiver_id, "beef", str(segment_dir))).touch()
     assert sender.transport_to("ucx://10.0.0.7:4000" + here.suffix(), "beef") == shm.TRANSPORT_SHM
@@ -382,10 +428,12 @@ def test_only_the_segment_of_a_transfer_that_landed_is_handed_out_again(shm_pair
     async def land(token: str) -> tuple[int, str]:
         landing = await shm_pair.receiver.landing_memory(token, nbytes)
         assert landing is not None
-        where = (shm.address_of(landing), named_for(token, segment_dir)[0])
+        name = shm_pair.receiver.landing_name(token)
+        where = (shm.address_of(landing), named_for(name, segment_dir)[0])
         done = shm_pair.receiver.expect(f"r-{token}", landing, token)
         header = frames(f"r-{token}", nbytes, token, count=1)[0]
-        assert await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(data)) == shm.TRANSPORT_SHM
+        assert await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(data),
+                                          name) == shm.TRANSPORT_SHM
         await done
         return where
 
@@ -411,7 +459,7 @@ def test_only_the_segment_of_a_transfer_that_landed_is_handed_out_again(shm_pair
         await asyncio.sleep(0)  # the future's done-callbacks
         assert os.listdir(segment_dir) == []  # unlinked, not pooled
         again = await shm_pair.receiver.landing_memory("aa04", nbytes)
-        assert again is not None and named_for("aa04", segment_dir)
+        assert again is not None and named_for(shm_pair.receiver.landing_name("aa04"), segment_dir)
         # A new segment (the cancelled one may be mapped at the same address again: compare the files).
         assert len(os.listdir(segment_dir)) == 1
 
@@ -422,10 +470,11 @@ def test_a_segment_whose_expect_is_refused_goes_at_once(shm_pair: Pair, segment_
     async def body() -> None:
         shm_pair.receiver.expect("dup", memoryview(bytearray(16)), "ee00")
         landing = await shm_pair.receiver.landing_memory("ee01", 1 << 20)
-        assert landing is not None and named_for("ee01", segment_dir)
+        name = shm_pair.receiver.landing_name("ee01")
+        assert landing is not None and named_for(name, segment_dir)
         with pytest.raises(ValueError, match="already expected"):
             shm_pair.receiver.expect("dup", landing, "ee01")
-        assert named_for("ee01", segment_dir) == []
+        assert named_for(name, segment_dir) == []
         shm_pair.receiver.cancel("dup")
 
     shm_pair.run(body())
@@ -454,7 +503,8 @@ def test_a_new_segment_is_faulted_in_off_the_event_loop(shm_pair: Pair, segment_
             landing = await shm_pair.receiver.landing_memory("fa01", nbytes)
             during_new = turns - before
             assert landing is not None and landing.nbytes == nbytes
-            assert os.stat(segment_dir / named_for("fa01", segment_dir)[0]).st_blocks * 512 >= nbytes
+            name = named_for(shm_pair.receiver.landing_name("fa01"), segment_dir)[0]
+            assert os.stat(segment_dir / name).st_blocks * 512 >= nbytes
             shm_pair.receiver.expect("r-fa01", landing, "fa01")
             shm_pair.receiver.cancel("r-fa01")
             await asyncio.sleep(0)
@@ -483,7 +533,8 @@ def test_a_segment_made_for_a_caller_that_gave_up_goes_to_the_pool(loop: asyncio
             await asyncio.sleep(0.01)
         assert segments.pooled_bytes == nbytes and len(os.listdir(segment_dir)) == 1
         again = await segments.allocate("fb02", nbytes)
-        assert again is not None and named_for("fb02", segment_dir) and len(os.listdir(segment_dir)) == 1
+        assert again is not None and named_for(segments.landing_name("fb02"), segment_dir)
+        assert len(os.listdir(segment_dir)) == 1
         segments.close()
         assert os.listdir(segment_dir) == []
 
@@ -544,7 +595,7 @@ def test_a_decode_worker_makes_its_landing_segments_at_start(loop: asyncio.Abstr
             assert made_at_start, "no landing segment was made at start"
             ticket = await decode.reserve("first", [3 + i % 240 for i in range(500)], GREEDY)  # ~a whole step
             assert ticket is not None
-            landing = named_for(ticket.token, segment_dir)
+            landing = named_for(ticket.landing, segment_dir)
             assert len(landing) == 1 and os.stat(segment_dir / landing[0]).st_ino in made_at_start
             assert len(os.listdir(segment_dir)) == len(made_at_start)  # none made since
         finally:
@@ -566,7 +617,8 @@ def test_the_phase_marks_of_a_frame_line_up_across_both_sides(shm_pair: Pair, se
         assert landing is not None
         done = shm_pair.receiver.expect("ph", landing, "fd01")
         header = frames("ph", nbytes, "fd01", count=1)[0]
-        await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(payload(nbytes, seed=2)))
+        await shm_pair.sender.send(shm_pair.receiver.address, header, memoryview(payload(nbytes, seed=2)),
+                                   shm_pair.receiver.landing_name("fd01"))
         await done
 
     shm_pair.run(body())

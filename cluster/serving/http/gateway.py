@@ -370,11 +370,25 @@ class Gateway:
         self.request_limits = request_limits or RequestLimits()
         self.off_loop = off_loop or OffLoop()
         self.draining = False
+        # Whether /ready says why the service is not ready (a worker's error text: hosts, devices,
+        # exceptions). Off where an operator port answers that instead (`route_operator_endpoints`).
+        self.ready_reasons = True
         self.runs: set[ChoiceStreams] = set()
 
     @property
     def ready(self) -> bool:
         return self.service.ready and not self.draining
+
+    def readiness(self, reasons: bool) -> JSONResponse:
+        """/ready's answer: 200 when ready, else 503, with the service's problem if `reasons`."""
+        if self.ready:
+            return JSONResponse({"status": "ready"})
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        body = {"status": "not ready"}
+        if reasons and self.service.problem:  # e.g. a worker whose warm-up failed: what an operator must fix
+            body["reason"] = self.service.problem
+        return JSONResponse(body, status_code=503)
 
     def start_draining(self) -> None:
         """Refuse new requests (503) and report not ready, so a load balancer moves traffic away;
@@ -482,14 +496,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/ready", summary="The model is loaded and the server takes requests")
     async def ready() -> JSONResponse:
-        if gateway.ready:
-            return JSONResponse({"status": "ready"})
-        if gateway.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        body = {"status": "not ready"}
-        if service.problem:  # e.g. a worker whose warm-up failed: what an operator must fix
-            body["reason"] = service.problem
-        return JSONResponse(body, status_code=503)
+        return gateway.readiness(gateway.ready_reasons)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
@@ -735,8 +742,9 @@ class HttpServer:
 
     def __init__(self, app: ASGIApp, host: str = "0.0.0.0", port: int = 8000, *,
                  graceful_shutdown_s: float = 10.0, trusted_proxies: str = "",
-                 tls: tuple[str, str] | None = None, connections: ConnectionLimits | None = None) -> None:
-        self.app, self.host, self.requested_port, self.tls = app, host, port, tls
+                 tls: tuple[str, str] | None = None, connections: ConnectionLimits | None = None,
+                 name: str = "HTTP gateway") -> None:
+        self.app, self.host, self.requested_port, self.tls, self.name = app, host, port, tls, name
         self.connections = connections = connections or ConnectionLimits()
         # X-Forwarded-For / -Proto are believed only from `trusted_proxies` (addresses and networks,
         # comma-separated, e.g. the Ingress pods' CIDR): from anyone else a client could name any
@@ -779,7 +787,7 @@ class HttpServer:
                 self.task.result()
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        log.info("HTTP gateway listening on %s", self.url)
+        log.info("%s listening on %s", self.name, self.url)
 
     async def wait(self) -> None:
         """Until the server stops (`stop`, or a signal)."""
