@@ -1,0 +1,110 @@
+"""GGUF-quantized weights kept packed in memory (Q8_0, Q4_0, Q4_1), as llama.cpp keeps them: a
+linear layer or an embedding holds its rows as their blocks of 32 weights (uint8), and widens them
+only when it computes.
+
+- `QuantizedLinear`: a decode step's few rows go through the C kernel that dots each block with the
+  activations as it widens it (`pdserve_kernels.cpu_quant`); more rows (a prefill) widen the layer's
+  weight into the activations' dtype for one torch matmul, then drop it: one layer's weight at a
+  time, never the model's.
+- `QuantizedEmbedding`: widens only the rows of the step's tokens.
+
+The packed rows are a uint8 `weight` parameter of shape [rows, row bytes], so a checkpoint loader
+copies them (fused shards included: rows are independent) as it copies float weights, and
+`Module.to(dtype)` leaves them alone. `quantize_modules` swaps a built model's layers for these.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve_kernels import cpu_quant
+
+BLOCK_WEIGHTS = 32
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+KERNEL_ROWS = 16  # up to this many rows the C kernel beats widening the weight for torch's matmul
+
+
+def row_bytes(columns: int, qtype: str) -> int:
+    if columns % BLOCK_WEIGHTS:
+        raise ValueError(f"{qtype} rows hold whole blocks of {BLOCK_WEIGHTS} weights; {columns} columns do not")
+    return columns // BLOCK_WEIGHTS * BLOCK_BYTES[qtype]
+
+
+def dequantize(packed: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed rows [rows, row bytes] (uint8) widened to [rows, columns] in `dtype`."""
+    rows = packed.shape[0]
+    blocks = packed.reshape(rows, -1, BLOCK_BYTES[qtype])
+    scale = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    if qtype == "Q8_0":
+        values = blocks[..., 2:].contiguous().view(torch.int8).float() * scale
+    else:
+        nibbles = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+        low = blocks[..., 2:4].contiguous().view(torch.float16).float() if qtype == "Q4_1" else -8.0 * scale
+        values = q * scale + low
+    return values.reshape(rows, -1).to(dtype)
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
+        self.weight = nn.Parameter(torch.zeros(out_features, row_bytes(in_features, qtype), dtype=torch.uint8),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= KERNEL_ROWS and rows.device.type == "cpu" and cpu_quant.available():
+            out = cpu_quant.matmul(rows.float().contiguous(), self.weight, self.qtype).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = nn.functional.linear(rows, dequantize(self.weight, self.qtype, x.dtype), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class QuantizedEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qtype, self.dtype = qtype, dtype
+        self.weight = nn.Parameter(torch.zeros(num_embeddings, row_bytes(embedding_dim, qtype), dtype=torch.uint8),
+                                   requires_grad=False)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.weight[token_ids.reshape(-1)], self.qtype, self.dtype).reshape(*token_ids.shape, -1)
+
+
+def quantize_modules(model: nn.Module, qtypes: dict[str, str], dtype: torch.dtype) -> None:
+    """Swap each `nn.Linear` / `nn.Embedding` whose weight is named in `qtypes` (parameter name ->
+    qtype) for its quantized counterpart, in place; weights tied to one parameter stay tied."""
+    swapped: dict[str, nn.Parameter] = {}
+    for name, module in list(model.named_modules()):
+        qtype = qtypes.get(f"{name}.weight")
+        if qtype is None:
+            continue
+        replacement: nn.Module
+        if isinstance(module, nn.Linear):
+            replacement = QuantizedLinear(module.in_features, module.out_features, qtype, module.bias is not None)
+        elif isinstance(module, nn.Embedding):
+            replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, qtype, dtype)
+        else:
+            continue
+        parent_name, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attribute, replacement)
+        swapped[f"{name}.weight"] = replacement.weight
+    _retie(model, swapped)
+
+
+def _retie(model: nn.Module, swapped: dict[str, nn.Parameter]) -> None:
+    """An lm_head tied to quantized embeddings becomes a QuantizedLinear over the same packed rows."""
+    lm_head, embed = getattr(model, "lm_head", None), swapped.get("model.embed_tokens.weight")
+    if embed is None or not isinstance(lm_head, nn.Linear) or "lm_head.weight" in swapped:
+        return
+    embeddings = model.get_submodule("model.embed_tokens")
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and \
+            isinstance(embeddings, QuantizedEmbedding):
+        head = QuantizedLinear(lm_head.in_features, lm_head.out_features, embeddings.qtype)
+        head.weight = embed
+        model.lm_head = head
