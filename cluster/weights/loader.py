@@ -134,6 +134,11 @@ class GGUFCheckpoint:
     architecture: str
 
 
+def permutes_qk(architecture: str) -> bool:
+    """Whether llama.cpp's converter permuted this GGUF architecture's q/k rows (see `unpermute_from_gguf`)."""
+    return _ARCHITECTURES[architecture].permutes_qk
+
+
 def hf_name_for_gguf_tensor(gguf_name: str) -> str:
     """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its Hugging Face name."""
     if gguf_name in _GLOBAL_TENSORS:
@@ -232,7 +237,7 @@ def _read_tensors(
     tensors: dict[str, torch.Tensor] = {}
     for index, reader_tensor in enumerate(reader.tensors):
         name = hf_name_for_gguf_tensor(reader_tensor.name)
-        values = _dequantize(reader_tensor)
+        values = dequantize_tensor(reader_tensor)
         if permutes_qk and ".q_proj." in name:
             values = unpermute_from_gguf(values, num_heads)
         elif permutes_qk and ".k_proj." in name:
@@ -244,7 +249,7 @@ def _read_tensors(
     return tensors
 
 
-def _dequantize(reader_tensor: Any) -> np.ndarray:
+def dequantize_tensor(reader_tensor: Any) -> np.ndarray:
     """Dequantize to float32 in Hugging Face shape; GGUF lists dimensions innermost first."""
     from gguf.quants import dequantize
 

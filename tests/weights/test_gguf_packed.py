@@ -1,0 +1,76 @@
+"""A GGUF model served with its weights kept quantized: the packed reader keeps exactly the weights a
+model can compute packed, and the model's logits equal those of the same file widened at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.model.quantized import QuantizedEmbedding, QuantizedLinear, dequantize, quantize_modules
+from cluster.weights.gguf_packed import read_packed
+from cluster.weights.loader import read_gguf
+from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.helpers import write_tiny_gguf
+
+
+def quantized_names(layers: int, mixed: bool) -> dict[str, str]:
+    names = {"token_embd.weight": "Q8_0"}
+    for layer in range(layers):
+        for part in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            names[f"blk.{layer}.{part}.weight"] = "Q4_1"
+        names[f"blk.{layer}.attn_v.weight"] = "Q8_0" if mixed and layer == 0 else "Q4_1"
+    return names
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("packed")
+    checkpoint = build_tiny_llama_checkpoint(directory / "hf", hidden=64, heads=4, kv_heads=2, tie=True)
+    return write_tiny_gguf(checkpoint, directory / "model.gguf", quantize=quantized_names(2, mixed=True))
+
+
+def test_the_reader_keeps_what_the_model_computes_packed(gguf_file: Path) -> None:
+    packed = read_packed(gguf_file)
+    assert packed.qtypes["model.embed_tokens.weight"] == "Q8_0"
+    assert packed.qtypes["model.layers.1.self_attn.qkv_proj.weight"] == "Q4_1"
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in packed.qtypes  # q/k Q4_1, v Q8_0: widened
+    assert "model.layers.0.self_attn.v_proj.weight" not in packed.kept
+    assert packed.qtypes["model.layers.0.mlp.gate_up_proj.weight"] == "Q4_1"
+    tensors = dict(packed.tensors())
+    assert tensors["model.layers.1.self_attn.q_proj.weight"].dtype == torch.uint8
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+    assert tensors["model.norm.weight"].dtype == torch.float32
+
+
+def test_packed_rows_widen_to_the_widened_checkpoint(gguf_file: Path) -> None:
+    """Row order included: Llama q/k rows are unpermuted on the packed rows as on the widened ones."""
+    packed = read_packed(gguf_file)
+    widened = read_gguf(gguf_file).tensors
+    for name, tensor in packed.tensors():
+        got = dequantize(tensor, packed.kept[name]) if name in packed.kept else tensor
+        assert torch.equal(got, widened[name]), name
+
+
+def test_quantize_modules_then_load_gives_the_widened_models_logits(gguf_file: Path) -> None:
+    from cluster.model.models.llama import LlamaForCausalLM
+    from cluster.model.registry import architecture_config
+
+    checkpoint = read_gguf(gguf_file)
+    arch = architecture_config(checkpoint.hf_config)
+    from cluster.model.attention.registry import get_attention_backend
+
+    backend = get_attention_backend("torch", torch.device("cpu"))
+    widened = LlamaForCausalLM(arch, backend, max_positions=64)
+    widened.load_weights(checkpoint.tensors.items())
+    packed = read_packed(gguf_file)
+    kept = LlamaForCausalLM(arch, backend, max_positions=64)
+    quantize_modules(kept, packed.qtypes, torch.float32)
+    kept.load_weights(packed.tensors())
+    assert isinstance(kept.model.embed_tokens, QuantizedEmbedding) and isinstance(kept.lm_head, QuantizedLinear)
+    hidden = torch.randn(3, arch.hidden_size)
+    for rows in (hidden[:1], hidden):
+        torch.testing.assert_close(kept.compute_logits(rows), widened.compute_logits(rows), atol=1e-4, rtol=1e-4)
+        layer_k, layer_w = kept.model.layers[1].mlp, widened.model.layers[1].mlp
+        torch.testing.assert_close(layer_k(rows), layer_w(rows), atol=1e-4, rtol=1e-4)
