@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,8 +26,6 @@ from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
-from cluster.grammar.compiler import GrammarCompiler
-from cluster.grammar.matcher import GrammarMatcher
 from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from cluster.model.registry import architecture_config
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
@@ -34,6 +33,10 @@ from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from cluster.weights.detokenizer import IncrementalDetokenizer
 from cluster.weights.loader import iterate_safetensors, load_hf_config
 from cluster.weights.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from cluster.grammar.compiler import GrammarCompiler
+    from cluster.grammar.matcher import GrammarMatcher
 
 WARM_UP_REQUEST_ID = "pdserve-warm-up"
 WARM_UP_PROMPT_TOKENS = 256  # the prompt whose prefill `warm_up` times
@@ -287,7 +290,10 @@ class LLMEngine:
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
-        """This model's grammar cache, built at the first constrained request (a few hundred ms)."""
+        """This model's grammar cache, built at the first constrained request (a few hundred ms). Loaded
+        here: grammars need llguidance, and an engine that serves none runs without it."""
+        from cluster.grammar.compiler import GrammarCompiler
+
         return GrammarCompiler.from_tokenizer(self.tokenizer, self.arch.vocab_size)
 
     def _grammar_after(self, token_ids: list[int], params: SamplingParams) -> GrammarMatcher:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cluster.common.errors import ModelLoadError
+from cluster.common.errors import ModelLoadError, missing_package
 
 if TYPE_CHECKING:
     import torch
@@ -175,7 +175,10 @@ def read_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None)
 
     `on_progress(done, total)` is called after each tensor: dequantizing is the slow part.
     """
-    import gguf
+    try:
+        import gguf
+    except ModuleNotFoundError as error:  # optional: safetensors checkpoints load without it
+        raise missing_package("gguf", f"loading the GGUF file {path}") from error
 
     path = Path(path)
     if not path.is_file():
