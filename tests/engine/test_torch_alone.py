@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 # Not installed on the GPU machine, and never needed to generate on one engine. msgpack (KV frame
 # headers), starlette and accelerate are absent there too.
@@ -47,8 +48,13 @@ GENERATE = textwrap.dedent("""
 """)
 
 
+ROOT = Path(__file__).resolve().parents[2]
+# The `gpu`-marked tests a GPU machine with only those packages runs (docs/kernels.md says how).
+GPU_TESTS = ("tests/model/test_cuda.py", "tests/worker/test_kv_staging.py")
+
+
 def run_without_absent(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", HIDE + code], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", HIDE + code], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_the_check_hides_the_packages() -> None:
@@ -99,3 +105,10 @@ def test_a_gguf_file_without_gguf_names_the_package() -> None:
     result = run_without_absent(code)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused:" in result.stdout and "'gguf'" in result.stdout
+
+
+def test_the_gpu_tests_load_without_the_absent_packages() -> None:
+    arguments = ["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *GPU_TESTS]
+    result = run_without_absent(f"import pytest\nsys.exit(pytest.main({arguments!r}))")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert all(path in result.stdout for path in GPU_TESTS)
