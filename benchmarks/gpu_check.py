@@ -254,7 +254,7 @@ def greedy_run(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[
 
 def compare_runs(expected: tuple[list[list[int]], list[Any]], actual: tuple[list[list[int]], list[Any]]) -> dict:
     """Tokens equal, and the logits' largest difference over the steps before the first token that
-    differs (after it the two runs no longer see the same inputs)."""
+    differs (from there on the two runs see different inputs)."""
     (tokens, logits), (other_tokens, other_logits) = expected, actual
     diverged = next((step for step in range(len(tokens[0]))
                      if [ids[step] for ids in tokens] != [ids[step] for ids in other_tokens]), None)

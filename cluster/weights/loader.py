@@ -82,7 +82,7 @@ class Checkpoint:
 
 
 def load_checkpoint(model_dir: Path) -> Checkpoint:
-    """A Hugging Face checkpoint directory: its config and tokenizer now, its safetensors as they load."""
+    """A Hugging Face checkpoint directory: its config and tokenizer read here, its safetensors as they load."""
     return Checkpoint(load_hf_config(model_dir), Tokenizer.from_dir(model_dir),
                       functools.partial(iterate_safetensors, model_dir))
 
