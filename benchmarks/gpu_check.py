@@ -81,8 +81,14 @@ class Plan:
     max_batched_tokens: int = 8192
 
     @property
+    def prefill_steps(self) -> int:
+        """At most this many steps prefill the largest batch; its first sequences decode meanwhile."""
+        return -(-max(self.decode_batches) * self.prompt_len // self.max_batched_tokens) + 1
+
+    @property
     def num_blocks(self) -> int:
-        per_request = -(-(self.prompt_len + WARM_STEPS + self.decode_steps + 2) // self.block_size)
+        grown = self.prompt_len + self.prefill_steps + WARM_STEPS + self.decode_steps + 2
+        per_request = -(-grown // self.block_size)
         prefill = self.prefill_prompts * -(-(self.prefill_len + 1) // self.block_size)
         return max(max(self.decode_batches) * per_request, prefill, self.kv_copy_blocks) + 16
 
@@ -352,7 +358,9 @@ def decode_rate(run: Run, engine: Any, batch: int) -> dict[str, Any]:
     from cluster.common.sampling_params import SamplingParams
 
     plan = run.plan
-    params = SamplingParams(max_tokens=WARM_STEPS + plan.decode_steps + 2, temperature=0, ignore_eos=True)
+    # No sequence may finish while timed: the batch stays whole (the abort below ends them all).
+    params = SamplingParams(max_tokens=plan.prefill_steps + WARM_STEPS + plan.decode_steps + 2, temperature=0,
+                            ignore_eos=True)
     ids = [engine.add_request(prompt, params).request_id
            for prompt in random_prompts(batch, plan.prompt_len, plan.model["vocab_size"], seed=batch)]
     try:
@@ -360,27 +368,29 @@ def decode_rate(run: Run, engine: Any, batch: int) -> dict[str, Any]:
             engine.step()
         for _ in range(WARM_STEPS):
             engine.step()
+        tokens_before = sum(request.num_tokens for request in engine.scheduler.running)
         synchronize(plan.device)
         started = time.perf_counter()
-        for _ in range(plan.decode_steps):
-            engine.step()
+        produced = sum(len(output.new_token_ids) for _ in range(plan.decode_steps) for output in engine.step())
         synchronize(plan.device)
         seconds = (time.perf_counter() - started) / plan.decode_steps
+        tokens_after = sum(request.num_tokens for request in engine.scheduler.running)
     finally:
         for request_id in ids:
             engine.abort(request_id)
-    context = plan.prompt_len + 1 + WARM_STEPS + plan.decode_steps / 2  # the mean over the timed steps
-    return {"batch": batch, "ms_per_step": seconds * 1e3, "tokens_per_s": batch / seconds,
-            **roofline(run, engine, batch, context, seconds)}
+    kv_tokens = (tokens_before + tokens_after) / 2  # every sequence's context, over the timed steps
+    return {"batch": batch, "ms_per_step": seconds * 1e3, "tokens_per_s": produced / plan.decode_steps / seconds,
+            "mean_context": kv_tokens / batch, **roofline(run, engine, kv_tokens, seconds)}
 
 
-def roofline(run: Run, engine: Any, batch: int, context: float, seconds: float) -> dict[str, Any]:
-    """A decode step reads every weight once (of the embedding, only the batch's rows) and each sequence's KV."""
+def roofline(run: Run, engine: Any, kv_tokens: float, seconds: float) -> dict[str, Any]:
+    """A decode step reads every weight once (of the embedding, only the batch's rows) and the KV of
+    `kv_tokens` tokens."""
     model, arch = engine.runner.model, engine.arch
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not arch.tie_word_embeddings:
         weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    kv_bytes = batch * context * kv_bytes_per_token(engine)
+    kv_bytes = kv_tokens * kv_bytes_per_token(engine)
     bandwidth = run.device.get("copy_bandwidth_gbs", 0.0) * 1e9
     floor = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "roofline_ms": floor * 1e3 if floor else None,
