@@ -20,3 +20,10 @@ class ServiceUnavailable(RuntimeError):
 
 class ModelLoadError(ValueError):
     """The model files are missing, malformed or of a kind we cannot serve; the message says which."""
+
+
+def missing_package(package: str, feature: str, install: str | None = None) -> ImportError:
+    """The error for `feature` used where its optional `package` is not installed: the engine core runs
+    with torch alone, and each optional part imports its package only when it is used."""
+    return ImportError(f"{feature} needs the Python package {package!r}, which is not installed here "
+                       f"(pip install {install or package})", name=package)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,15 +26,17 @@ from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
-from cluster.grammar.compiler import GrammarCompiler
-from cluster.grammar.matcher import GrammarMatcher
 from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from cluster.model.registry import architecture_config
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
 from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from cluster.weights.detokenizer import IncrementalDetokenizer
-from cluster.weights.loader import iterate_safetensors, load_hf_config
+from cluster.weights.loader import Checkpoint, load_checkpoint
 from cluster.weights.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from cluster.grammar.compiler import GrammarCompiler
+    from cluster.grammar.matcher import GrammarMatcher
 
 WARM_UP_REQUEST_ID = "pdserve-warm-up"
 WARM_UP_PROMPT_TOKENS = 256  # the prompt whose prefill `warm_up` times
@@ -113,20 +116,25 @@ class LLMEngine:
     knowing how the bytes travel.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, progress: bool = False) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, progress: bool = False,
+                 checkpoint: Checkpoint | None = None) -> None:
+        """`checkpoint`: a model in memory (`cluster.weights.synthetic.random_checkpoint`) rather than the
+        files `config.model.model` points to, which then only names it."""
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.model.device)  # first: a missing GPU is refused before any loading
         self.dtype, self.dtype_reason = resolve_dtype(config.model.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
-        self.model_dir = resolve_model_path(config.model.model, progress=progress)
+        self.model_dir: Path | None = None
+        if checkpoint is None:
+            self.model_dir = resolve_model_path(config.model.model, progress=progress)
+            checkpoint = load_checkpoint(self.model_dir)
         self.model_name = served_model_name(config.model.model)
-        hf_config = load_hf_config(self.model_dir)
-        self.arch = architecture_config(hf_config)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.arch = architecture_config(checkpoint.hf_config)
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.num_blocks = self._num_blocks()
         self.max_model_len = self._max_model_len()
         self.runner = ModelRunner(
-            self.arch, iterate_safetensors(self.model_dir), dtype=self.dtype, device=str(self.device),
+            self.arch, checkpoint.weights(), dtype=self.dtype, device=str(self.device),
             attention_backend=config.attention_backend, max_model_len=self.max_model_len,
             block_size=config.cache.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype,
             deterministic=config.model.deterministic)
@@ -287,7 +295,10 @@ class LLMEngine:
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
-        """This model's grammar cache, built at the first constrained request (a few hundred ms)."""
+        """This model's grammar cache, built at the first constrained request (a few hundred ms). Loaded
+        here: grammars need llguidance, and an engine that serves none runs without it."""
+        from cluster.grammar.compiler import GrammarCompiler
+
         return GrammarCompiler.from_tokenizer(self.tokenizer, self.arch.vocab_size)
 
     def _grammar_after(self, token_ids: list[int], params: SamplingParams) -> GrammarMatcher:

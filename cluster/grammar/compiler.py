@@ -21,11 +21,15 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import llguidance
-
+from cluster.common.errors import missing_package
 from cluster.common.structured_output import StructuredOutput
 from cluster.grammar.matcher import GrammarMatcher
 from cluster.weights.tokenizer import Tokenizer
+
+try:
+    import llguidance
+except ModuleNotFoundError as error:  # optional: an engine without grammars runs without it
+    raise missing_package("llguidance", "structured outputs (JSON schemas, regexes, choices, grammars)") from error
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -8,7 +8,10 @@ Masks are bit sets, one int32 word per 32 tokens: bit j of word w allows token 3
 
 from __future__ import annotations
 
-import llguidance
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # made by the compiler, which loads llguidance: this module runs without it
+    import llguidance
 
 
 class GrammarMatcher:

@@ -20,7 +20,8 @@ from cluster.model.models import llama, mistral, phi3, qwen2, qwen3
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
     # Every architecture today builds the Llama network; a decoder of another shape gives the runner the
-    # same calls (`forward`, `compute_logits`, `load_weights`, `rotary`).
+    # same calls (`forward`, `compute_logits`, `load_weights`, `rotary`) and is built the same way
+    # (`model_class(arch, backend, max_positions=..., dtype=...)`).
     model_class: type[llama.LlamaForCausalLM]
     read_config: Callable[[dict[str, Any]], ArchitectureConfig]
 

@@ -118,7 +118,7 @@ class ModelRunner:
             keep_freed_host_memory()
         backend = get_attention_backend(attention_backend, self.device, deterministic)
         with torch.device(self.device), skip_weight_init():
-            model = model_class_for(arch.architecture)(arch, backend, max_positions=max_model_len)
+            model = model_class_for(arch.architecture)(arch, backend, max_positions=max_model_len, dtype=self.dtype)
         model.load_weights(weights)
         if deterministic:
             batch_invariant.tile_linear_layers(model)

@@ -9,6 +9,7 @@ torch is imported only where tensors are made, so that `cluster.weights.tokenize
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cluster.common.errors import ModelLoadError
+from cluster.common.errors import ModelLoadError, missing_package
+from cluster.weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +68,23 @@ def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, handle.get_tensor(name)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """What an engine builds its model from: config.json's fields, the tokenizer, and the weights, made
+    one tensor at a time as `weights()` is iterated (read from files, or generated on the device they
+    load into: `cluster.weights.synthetic.random_checkpoint`)."""
+
+    hf_config: dict[str, Any]
+    tokenizer: Tokenizer
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+def load_checkpoint(model_dir: Path) -> Checkpoint:
+    """A Hugging Face checkpoint directory: its config and tokenizer read here, its safetensors as they load."""
+    return Checkpoint(load_hf_config(model_dir), Tokenizer.from_dir(model_dir),
+                      functools.partial(iterate_safetensors, model_dir))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,7 +199,10 @@ def read_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None)
 
     `on_progress(done, total)` is called after each tensor: dequantizing is the slow part.
     """
-    import gguf
+    try:
+        import gguf
+    except ModuleNotFoundError as error:  # optional: safetensors checkpoints load without it
+        raise missing_package("gguf", f"loading the GGUF file {path}") from error
 
     path = Path(path)
     if not path.is_file():

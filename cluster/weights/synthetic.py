@@ -1,15 +1,24 @@
 """Small random-weight checkpoints, complete with a tokenizer and a chat template, built in seconds:
 what the tests and benchmarks run on where the default model's text does not matter (as vLLM's
 dummy loader, product code so that benchmarks need not import the tests). transformers writes the
-weights, so the files are what a real Hugging Face checkpoint directory holds."""
+weights, so the files are what a real Hugging Face checkpoint directory holds.
+
+`random_checkpoint` is the in-memory kind, for real shapes (an 8B model): no file, the weights made
+on the device in the serving dtype one tensor at a time as the engine loads them."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from cluster.weights.loader import Checkpoint
+from cluster.weights.tokenizer import Tokenizer
 
 
 def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: int = 2, hidden_size: int = 64,  # noqa: PLR0913
@@ -136,3 +145,61 @@ def build_tiny_llama_checkpoint(path: Path, *, num_layers: int = 2, hidden: int 
                        tie_word_embeddings=tie, seed=seed, sliding_window=sliding_window)
     return build_tiny_tokenizer(path, vocab_size=vocab, add_bos_token=add_bos_token)
 
+
+
+def random_checkpoint(hf_config: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype,
+                      seed: int = 0) -> Checkpoint:
+    """A Llama model of `hf_config` (config.json's fields) with random weights, made on `device` in
+    `dtype` as the engine loads them: the same seed gives the same weights, so two engines (two
+    attention backends) run the same model. The tokenizer is the tiny one: ids past its 320 decode to
+    nothing, so prompts are token ids."""
+    directory = Path(tempfile.mkdtemp(prefix="pdserve-random-tokenizer-"))
+    try:
+        vocab_size = min(320, hf_config["vocab_size"])
+        tokenizer = Tokenizer.from_dir(build_tiny_tokenizer(directory, vocab_size=vocab_size))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for name, shape in llama_tensor_shapes(hf_config):
+            yield name, random_tensor(name, shape, generator, device, dtype)
+
+    return Checkpoint(hf_config, tokenizer, weights)
+
+
+def llama_tensor_shapes(hf_config: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of every tensor a Llama checkpoint of `hf_config` holds (read here
+    rather than through the model registry, which the weights package must not import)."""
+    hidden, heads, vocab = hf_config["hidden_size"], hf_config["num_attention_heads"], hf_config["vocab_size"]
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    q_size, kv_size = heads * head_dim, (hf_config.get("num_key_value_heads") or heads) * head_dim
+    intermediate, bias = hf_config["intermediate_size"], bool(hf_config.get("attention_bias"))
+    yield "model.embed_tokens.weight", (vocab, hidden)
+    for layer in range(hf_config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield f"{prefix}{norm}.weight", (hidden,)
+        for projection, rows in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+            yield f"{prefix}self_attn.{projection}.weight", (rows, hidden)
+            if bias:
+                yield f"{prefix}self_attn.{projection}.bias", (rows,)
+        yield f"{prefix}self_attn.o_proj.weight", (hidden, q_size)
+        if bias:
+            yield f"{prefix}self_attn.o_proj.bias", (hidden,)
+        yield f"{prefix}mlp.gate_proj.weight", (intermediate, hidden)
+        yield f"{prefix}mlp.up_proj.weight", (intermediate, hidden)
+        yield f"{prefix}mlp.down_proj.weight", (hidden, intermediate)
+    yield "model.norm.weight", (hidden,)
+    if not hf_config.get("tie_word_embeddings", False):
+        yield "lm_head.weight", (vocab, hidden)
+
+
+def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, device: torch.device | str,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Matrices scaled by 1/sqrt(fan in), so that activations and logits keep a trained model's scale
+    through every layer of a deep model; norms near 1; biases small."""
+    values = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    if len(shape) == 2:
+        return values.mul_(1 / shape[1] ** 0.5 if "embed_tokens" not in name else 1.0)
+    return values.mul_(0.1).add_(1.0 if "norm" in name else 0.0)

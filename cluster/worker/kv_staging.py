@@ -16,11 +16,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from cluster.common import env
-from cluster.transfer.connector import KVBytes
+
+if TYPE_CHECKING:  # the type only: the connector's msgpack is not needed to stage bytes
+    from cluster.transfer.connector import KVBytes
 
 
 def sends_device_memory(device: torch.device, carries_device_memory: bool) -> bool:

@@ -1,5 +1,5 @@
-"""The engine on a CUDA device (the `gpu` marker: skipped without one; `python -m benchmarks.gpu_check`
-runs these on a lent GPU): greedy tokens equal transformers' on the same device, with the torch and
+"""The engine on a CUDA device (the `gpu` marker: skipped without one; docs/kernels.md says how a lent
+GPU runs these): greedy tokens equal transformers' on the same device, with the torch and
 the Triton attention backends, and decode steps replayed as CUDA graphs equal eager ones."""
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import pytest
 
 from cluster.state.in_process import InProcessState
 from cluster.state.interface import SharedState
-from cluster.state.redis_state import RedisState
 
 START_TIMEOUT_S = 10.0
 # Generous: a loaded CI machine must not fail a behaviour test on a slow reply.
@@ -126,6 +125,8 @@ def redis_factory(redis_server: RedisServer) -> StateFactory:
     prefix = f"test-{uuid.uuid4().hex[:12]}"
 
     def make(**options: object) -> SharedState:
+        from cluster.state.redis_state import RedisState  # here: the root conftest loads this module everywhere
+
         return RedisState(redis_server.url, prefix=prefix, timeout_s=TEST_TIMEOUT_S, **options)  # type: ignore[arg-type]
 
     return make

@@ -126,9 +126,9 @@ class Rotation:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,13 +137,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias,
+                                  dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
         self.scale = self.head_dim ** -0.5
         self.backend = backend
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -171,22 +172,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ArchitectureConfig) -> None:
+    def __init__(self, config: ArchitectureConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(elementwise.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, rotation: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,11 +200,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 # Checkpoint name fragments that load into a slice of a fused parameter: (fused name, shard index).
@@ -214,12 +215,15 @@ FUSED_SHARDS = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, max_positions: int,
+                 dtype: torch.dtype | None = None) -> None:
+        """Parameters in `dtype` from the start (torch's default where None): weights load straight into
+        the serving dtype, never through a float32 copy of the whole model."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
-        self.rotary = RotaryEmbedding(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, backend, dtype)
+        self.rotary = RotaryEmbedding(config, max_positions)  # float32 whatever `dtype`: positions stay exact
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
