@@ -14,7 +14,9 @@ from cluster.engine.llm_engine import LLMEngine
 from tests.deploy.test_multinode import Processes
 from tests.helpers import fp32_model
 from tests.state.conftest import dedicated_redis, redis_server  # noqa: F401  (real redis-servers, for every package)
+from tests.triton_mode import choose_interpreter
 
+TRITON_INTERPRETED = pytest.StashKey[bool]()
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -22,6 +24,21 @@ QUESTIONS = [
     "List three uses of a paperclip.",
 ]
 MAX_TOKENS = 40
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test module is imported: Triton reads the choice when it decorates the kernels.
+    config.stash[TRITON_INTERPRETED] = choose_interpreter()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests never run interpreted kernels: where the environment forced the interpreter, they skip."""
+    if not config.stash[TRITON_INTERPRETED]:
+        return
+    skip = pytest.mark.skip(reason="TRITON_INTERPRET=1 in this process: gpu tests need compiled kernels")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
