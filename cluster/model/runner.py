@@ -25,6 +25,7 @@ from cluster.model.attention.backend import AttentionBackend, AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
 from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.model.grammar_masks import GrammarMasker
+from cluster.model.memory import DeviceMemory, profile_metadata
 from cluster.model.models.llama import LlamaForCausalLM
 from cluster.model.registry import model_class_for
 from cluster.model.sampler import Sampler
@@ -159,17 +160,54 @@ class ModelRunner:
         if deterministic:
             batch_invariant.tile_linear_layers(model)
         self.model = model.eval()
-        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [allocate_zeroed(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
+        self.backend_name = backend.name
         self.swap_store: dict[str, list[torch.Tensor]] = {}
         self.sampler = Sampler(arch.vocab_size)
         self.grammar_masker = GrammarMasker()
+        self.kv_caches: list[torch.Tensor] = []
         self.block_tables = BlockTables(-(-max_model_len // block_size))
         # Decode-only steps replay as CUDA graphs on CUDA devices with Triton attention (None: all eager).
-        self.decode_graphs = None
-        if self.device.type == "cuda" and backend.name == "triton":
+        self.decode_graphs: DecodeGraphs | None = None
+        if num_blocks:
+            self.allocate_kv_cache(num_blocks, max_model_len)
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """The paged KV cache, once its size is known (after `profile_peak` where the engine sizes it
+        from the device's memory), and what is sized by the context: block tables, decode graphs."""
+        arch = self.arch
+        shape = (2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [allocate_zeroed(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
+        self.block_tables = BlockTables(-(-max_model_len // self.block_size))
+        if self.device.type == "cuda" and self.backend_name == "triton":
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
                                               max_model_len)
+
+    def weights_bytes(self) -> int:
+        """The device memory the model holds: parameters and buffers, a shared tensor once."""
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @torch.inference_mode()
+    def profile_peak(self, memory: DeviceMemory, num_tokens: int, logits_rows: int) -> int:
+        """The activations' peak of the largest step: `num_tokens` prompt tokens (in sequences of the
+        model's context at most) and the logits of `logits_rows` of them, over a KV cache just large
+        enough, allocated before the measure and freed after."""
+        max_len = self.model.rotary.cos.shape[0]
+        metadata, positions, num_blocks = profile_metadata(num_tokens, max_len, self.block_size, self.device)
+        arch = self.arch
+        shape = (2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(arch.num_layers)]
+
+        def step() -> None:
+            hidden = self.model(input_ids, positions, caches, metadata)
+            logits = self.model.compute_logits(hidden[:logits_rows])
+            logits.softmax(dim=-1).sort(dim=-1, descending=True)  # as a top-p sampler's copies of the logits
+
+        try:
+            return memory.peak_during(step)
+        finally:
+            caches.clear()
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
