@@ -70,3 +70,13 @@ def test_a_worker_on_half_a_gpu_gets_half_the_utilization() -> None:
     config = load_cluster_config(None, {"decode": {"num_gpus": 0.5}})
     assert worker_engine(config, "decode", 0.5).cache.gpu_memory_utilization == pytest.approx(0.45)
     assert worker_engine(config, "prefill", 1.0).cache.gpu_memory_utilization == 0.9
+
+
+def test_the_test_sessions_clusters_run_on_the_cpu() -> None:
+    """tests/conftest.py: a cluster built in a test that is not `gpu`-marked never asks Ray for GPUs."""
+    from cluster.ray_cluster.config import ClusterConfig
+    from cluster.ray_cluster.launcher import Cluster
+
+    assert Cluster(ClusterConfig()).config.engine.model.device == "cpu"
+    cuda = load_cluster_config(None, {"engine": {"device": "cuda"}})
+    assert Cluster(cuda).config.engine.model.device == "cuda"  # asked for: kept (refused at start without GPUs)
