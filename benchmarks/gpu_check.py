@@ -5,10 +5,11 @@
 1. The `gpu`-marked tests (`pytest -m gpu`): greedy tokens on CUDA equal transformers' on CUDA (torch
    and Triton attention), CUDA-graph replays equal eager steps, KV staging through pinned memory.
 2. `pdserve serve --device cuda` on an embedded Ray: 1 prefill + 1 decode worker sharing the GPU
-   (0.5 GPU each), KV over UCX straight from and into device memory (`kv_path` says which path the
-   workers' logs name; PDSERVE_KV_VIA_HOST=1 would stage through pinned host buffers); a short
-   serving run against it with `pdserve bench --url` (TTFT, ITL, tokens/s), then the KV figures
-   of /metrics (transfers, bytes, failures, recomputes: the last two must be 0).
+   (pools of `num_gpus: 0.5`, each worker on 0.45 of its memory), KV over UCX straight from and into
+   device memory (`kv_path` says which path the workers' logs name; PDSERVE_KV_VIA_HOST=1 would stage
+   through pinned host buffers); a short serving run against it with `pdserve bench --url` (TTFT, ITL,
+   tokens/s), then the KV figures of /metrics (transfers, bytes, failures, recomputes: the last two
+   must be 0).
 3. `python -m benchmarks.kernels --quick`: the Triton kernels against the torch references, decode
    attention against the HBM copy bandwidth measured in the same run, prefill against torch's flash
    SDPA (its own JSON in benchmarks/results/).
@@ -76,8 +77,10 @@ def serving(timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     log = Path(tempfile.mkstemp(prefix="gpu-check-serve-", suffix=".log")[1])
     env = {**os.environ, "PDSERVE_API_KEY": ""}
-    command = [*PDSERVE, "serve", "--device", "cuda", "--num-prefill", "1", "--num-decode", "1", "--host",
-               "127.0.0.1", "--port", "18000", "--grpc-port", "-1", "--drain-s", "2"]
+    shared = Path(tempfile.mkstemp(prefix="gpu-check-cluster-", suffix=".yaml")[1])
+    shared.write_text(json.dumps({"prefill": {"num_gpus": 0.5}, "decode": {"num_gpus": 0.5}}))  # YAML reads JSON
+    command = [*PDSERVE, "serve", "--config", str(shared), "--device", "cuda", "--num-prefill", "1", "--num-decode",
+               "1", "--host", "127.0.0.1", "--port", "18000", "--grpc-port", "-1", "--drain-s", "2"]
     url = "http://127.0.0.1:18000"
     with log.open("w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
