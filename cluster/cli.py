@@ -37,7 +37,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: from --kv-cache-memory-gb)")
-    group.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    group.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                       help="the KV cache's size on any device (default: 2 on a CPU; on a GPU what "
+                       "--gpu-memory-utilization leaves)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="the fraction of the GPU's memory the engine may take: weights, activations, KV cache")
     group.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                        help="auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2: one byte per key and value (twice "
                        "the blocks, fp8's precision)")
@@ -56,6 +60,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           deterministic=args.deterministic),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, preemption_mode=args.preemption_mode),
@@ -210,7 +215,8 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
     if traces:
         overrides["tracing"] = traces
     engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb", "kv_cache_dtype",
-                                                 "max_num_batched_tokens", "max_num_seqs", "deterministic")
+                                                 "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
+                                                 "deterministic")
               if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
@@ -485,7 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="default auto: each worker takes bf16 where its CPU or GPU has it natively, else fp32")
     serve.add_argument("--device", default=None, help="every worker's: auto (CUDA where Ray has GPUs), cpu, cuda[:N]")
-    serve.add_argument("--kv-cache-memory-gb", type=float, default=None, help="per worker")
+    serve.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                       help="per worker, on any device (default: 1 on CPUs; on GPUs what --gpu-memory-utilization "
+                       "leaves)")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="default 0.9: the fraction of its GPU's memory each worker may take (weights, "
+                       "activations, KV cache); workers sharing a GPU (a pool's num_gpus below 1) get their "
+                       "share of it")
     serve.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
                        help="default auto (the model's dtype); fp8 (= fp8_e4m3), fp8_e5m2: one byte per key and value")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -11,10 +11,13 @@ import pytest
 
 from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
+from cluster.ray_cluster.config import ClusterConfig
 from tests.deploy.test_multinode import Processes
-from tests.helpers import fp32_model
+from tests.helpers import fp32_model, on_cpu
 from tests.state.conftest import dedicated_redis, redis_server  # noqa: F401  (real redis-servers, for every package)
+from tests.triton_mode import choose_interpreter
 
+TRITON_INTERPRETED = pytest.StashKey[bool]()
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -22,6 +25,38 @@ QUESTIONS = [
     "List three uses of a paperclip.",
 ]
 MAX_TOKENS = 40
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test module is imported: Triton reads the choice when it decorates the kernels.
+    config.stash[TRITON_INTERPRETED] = choose_interpreter()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests never run interpreted kernels: where the environment forced the interpreter, they skip."""
+    if not config.stash[TRITON_INTERPRETED]:
+        return
+    skip = pytest.mark.skip(reason="TRITON_INTERPRET=1 in this process: gpu tests need compiled kernels")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def clusters_on_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cluster a test starts in this process runs its engines on the CPU (device auto made cpu),
+    unless the test is `gpu`-marked: on a GPU host the tests' pools of 3-4 workers would ask Ray for
+    more GPUs than it has. Serving processes the tests start pass --device cpu themselves."""
+    if request.node.get_closest_marker("gpu"):
+        return
+    from cluster.ray_cluster import launcher
+
+    build = launcher.Cluster.__init__
+
+    def on_cpu_init(self: launcher.Cluster, config: ClusterConfig) -> None:
+        build(self, on_cpu(config))
+
+    monkeypatch.setattr(launcher.Cluster, "__init__", on_cpu_init)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,17 @@ def fp32_model(model: str | Path = "default", **fields: Any) -> ModelConfig:
     return ModelConfig(model=str(model), dtype="float32", **fields)
 
 
+def on_cpu(config: Any) -> Any:
+    """A `ClusterConfig` whose engines run on the CPU where its device is auto: on a GPU host the
+    tests' clusters of 3-4 workers would otherwise ask Ray for a GPU each (tests/conftest.py)."""
+    from dataclasses import replace
+
+    model = config.engine.model
+    if model.device != "auto":
+        return config
+    return replace(config, engine=replace(config.engine, model=replace(model, device="cpu")))
+
+
 def fp32_engine(model: str | Path, **fields: Any) -> EngineConfig:
     """An engine config in fp32 from the cluster config's flat engine keys (block_size, num_blocks, ...)."""
     from cluster.ray_cluster.config import engine_config_from

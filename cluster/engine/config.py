@@ -52,11 +52,17 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The paged KV cache. `num_blocks = 0` sizes the pool from `kv_cache_memory_gb`."""
+    """The paged KV cache. Its size, first that applies: `num_blocks`; `kv_cache_memory_gb` where set (any
+    device); on a CUDA device, what `gpu_memory_utilization` of its memory leaves after the weights and
+    the activations of the largest step (`cluster.model.memory`); on a CPU, `cpu_kv_cache_memory_gb`."""
 
     block_size: int = 16
     num_blocks: int = 0
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float | None = None
+    # The fraction of a CUDA device's total memory this engine may take: weights, activations, KV cache
+    # (vLLM's). Engines sharing a GPU need fractions that add up to at most 1.
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_memory_gb: float = 2.0  # the pool on a CPU where kv_cache_memory_gb is not set
     enable_prefix_caching: bool = True
     # Host memory for preemption by swap, in blocks; 0 sizes it like the device pool.
     num_swap_blocks: int = 0
@@ -68,7 +74,12 @@ class CacheConfig:
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  f"block_size must be a positive power of two, got {self.block_size}")
         _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = size from memory), got {self.num_blocks}")
-        _require(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        _require(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
+                 f"kv_cache_memory_gb must be > 0 (or unset), got {self.kv_cache_memory_gb}")
+        _require(0 < self.gpu_memory_utilization <= 1,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.cpu_kv_cache_memory_gb > 0,
+                 f"cpu_kv_cache_memory_gb must be > 0, got {self.cpu_kv_cache_memory_gb}")
         _require(self.num_swap_blocks >= 0, f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

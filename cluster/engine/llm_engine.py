@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
 from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from cluster.model.memory import CudaMemory, DeviceMemory, MemoryProfile, check_free
 from cluster.model.registry import architecture_config
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
 from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from cluster.grammar.compiler import GrammarCompiler
     from cluster.grammar.matcher import GrammarMatcher
 
+log = logging.getLogger(__name__)
 WARM_UP_REQUEST_ID = "pdserve-warm-up"
 WARM_UP_PROMPT_TOKENS = 256  # the prompt whose prefill `warm_up` times
 
@@ -117,9 +120,11 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig | None = None, *, progress: bool = False,
-                 checkpoint: Checkpoint | None = None) -> None:
+                 checkpoint: Checkpoint | None = None, memory: DeviceMemory | None = None) -> None:
         """`checkpoint`: a model in memory (`cluster.weights.synthetic.random_checkpoint`) rather than the
-        files `config.model.model` points to, which then only names it."""
+        files `config.model.model` points to, which then only names it. `memory`: how the device
+        reports its memory, for sizing the KV cache by `gpu_memory_utilization`; None: CUDA's own on a
+        CUDA device (elsewhere the size is fixed)."""
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.model.device)  # first: a missing GPU is refused before any loading
         self.dtype, self.dtype_reason = resolve_dtype(config.model.dtype, self.device)
@@ -131,13 +136,17 @@ class LLMEngine:
         self.model_name = served_model_name(config.model.model)
         self.arch = architecture_config(checkpoint.hf_config)
         self.tokenizer: Tokenizer = checkpoint.tokenizer
-        self.num_blocks = self._num_blocks()
-        self.max_model_len = self._max_model_len()
+        self.memory = memory if memory is not None or self.device.type != "cuda" else CudaMemory(self.device)
+        self.memory_profile: MemoryProfile | None = None  # where the KV cache is sized by utilization
+        total = self._check_free_memory()
         self.runner = ModelRunner(
             self.arch, checkpoint.weights(), dtype=self.dtype, device=str(self.device),
-            attention_backend=config.attention_backend, max_model_len=self.max_model_len,
-            block_size=config.cache.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype,
+            attention_backend=config.attention_backend, max_model_len=self._context_limit(),
+            block_size=config.cache.block_size, num_blocks=0, kv_cache_dtype=self.kv_cache_dtype,
             deterministic=config.model.deterministic)
+        self.num_blocks = self._num_blocks(total)
+        self.max_model_len = self._max_model_len()
+        self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         # Hashes chain from the served model name, so every worker of a cluster (and the routers that
         # match prompts against the blocks workers publish) compute the same ones, whatever the path.
@@ -148,22 +157,50 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens the last step computed
         self.ids = itertools.count()
 
-    def _num_blocks(self) -> int:
+    def _utilization_memory(self) -> DeviceMemory | None:
+        """The device's memory report where the KV cache is sized by `gpu_memory_utilization`, else None."""
+        cache = self.config.cache
+        return None if cache.num_blocks or cache.kv_cache_memory_gb is not None else self.memory
+
+    def _check_free_memory(self) -> int:
+        """Before loading: refuse an engine whose share of the device is not free. The device's total
+        memory (0 where the KV cache is not sized by utilization)."""
+        memory = self._utilization_memory()
+        if memory is None:
+            return 0
+        free, total = memory.free_and_total()
+        check_free(self.config.cache.gpu_memory_utilization, free, total)
+        return total
+
+    def _num_blocks(self, total: int) -> int:
         cache = self.config.cache
         if cache.num_blocks:
             return cache.num_blocks
         block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.kv_cache_dtype])
-        return max(1, int(cache.kv_cache_memory_gb * 2**30) // block_bytes)
+        memory = self._utilization_memory()
+        if memory is None:
+            gigabytes = cache.kv_cache_memory_gb or cache.cpu_kv_cache_memory_gb
+            return max(1, int(gigabytes * 2**30) // block_bytes)
+        scheduler = self.config.scheduler
+        peak = self.runner.profile_peak(memory, scheduler.max_num_batched_tokens,
+                                        min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens))
+        self.memory_profile = MemoryProfile(cache.gpu_memory_utilization, total, self.runner.weights_bytes(), peak)
+        log.info("%s", self.memory_profile.describe())
+        return max(1, self.memory_profile.kv_cache_bytes // block_bytes)
+
+    def _context_limit(self) -> int:
+        """The context asked for (the model's own unless set); more than the model's is refused."""
+        limit = self.config.model.max_model_len or self.arch.max_position_embeddings
+        if limit > self.arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {limit} exceeds the model's context "
+                             f"({self.arch.max_position_embeddings} tokens)")
+        return limit
 
     def _max_model_len(self) -> int:
         """The model's context, capped by the request, and by the pool so one request always fits.
         Attention here always spans the whole context, so a model whose layers slide a narrower
         window is refused rather than served answers that are not its own past the window."""
-        limit = self.config.model.max_model_len or self.arch.max_position_embeddings
-        if limit > self.arch.max_position_embeddings:
-            raise ValueError(f"max_model_len {limit} exceeds the model's context "
-                             f"({self.arch.max_position_embeddings} tokens)")
-        context = min(limit, self.num_blocks * self.config.cache.block_size)
+        context = min(self._context_limit(), self.num_blocks * self.config.cache.block_size)
         window = self.arch.sliding_window
         if window is not None and window < context:
             raise ValueError(f"the model attends through a sliding window of {window} tokens, which this engine "

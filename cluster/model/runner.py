@@ -12,6 +12,7 @@ import functools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,10 +21,12 @@ from cluster.common.events import TokenLogprobs
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
 from cluster.model import batch_invariant
 from cluster.model.architecture import ArchitectureConfig
-from cluster.model.attention.backend import AttentionMetadata
+from cluster.model.attention.backend import AttentionBackend, AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
 from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.model.grammar_masks import GrammarMasker
+from cluster.model.memory import DeviceMemory, profile_metadata
+from cluster.model.models.llama import LlamaForCausalLM
 from cluster.model.registry import model_class_for
 from cluster.model.sampler import Sampler
 
@@ -71,8 +74,9 @@ def keep_freed_host_memory() -> None:
 
 @contextlib.contextmanager
 def skip_weight_init() -> Iterator[None]:
-    """Layers fill new weights randomly, seconds of work for weights the checkpoint overwrites anyway
-    (`load_weights` fails if any parameter is left unloaded)."""
+    """Layers fill new weights randomly: wasted work for weights the checkpoint overwrites anyway
+    (`load_weights` fails if any parameter is left unloaded), and on the meta device torch's random
+    fills import its compiler stack (150 MB of host memory)."""
     names = ("kaiming_uniform_", "uniform_", "normal_")
     saved = {name: getattr(torch.nn.init, name) for name in names}
     for name in names:
@@ -82,6 +86,40 @@ def skip_weight_init() -> Iterator[None]:
     finally:
         for name, function in saved.items():
             setattr(torch.nn.init, name, function)
+
+
+def build_model(arch: ArchitectureConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    """The model with its parameters allocated once, in `dtype` on `device`, unset until `load_weights`.
+
+    Built on the meta device (shapes only: no memory, no random init) and materialised in its final
+    dtype: built in fp32 and then cast, an 8B model would peak at 32 GB of fp32 plus 16 of bf16, and
+    a GPU's caching allocator would keep the 32 reserved. The `torch.device` context is thread-local
+    (the process-wide default dtype is not), so engines may load on several threads at once.
+    """
+    with torch.device("meta"), skip_weight_init():
+        model = model_class_for(arch.architecture)(arch, backend, max_positions=max_positions)
+    materialize(model.to(dtype), device)
+    model.rotary.fill(dtype)  # the one buffer the checkpoint does not hold
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Allocate each parameter and buffer of a meta-device model on `device`, uninitialised; a tensor
+    two modules share (tied embeddings) stays shared. Not `Module.to_empty`: its meta `empty_like`
+    imports torch's symbolic-shape stack (sympy), tens of MB of host memory."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
+            for name, meta in table.items():
+                if meta is None:
+                    continue
+                if id(meta) not in made:
+                    empty = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                    is_parameter = isinstance(meta, torch.nn.Parameter)
+                    made[id(meta)] = torch.nn.Parameter(empty, meta.requires_grad) if is_parameter else empty
+                table[name] = made[id(meta)]
 
 
 def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -117,24 +155,59 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_host_memory()
         backend = get_attention_backend(attention_backend, self.device, deterministic)
-        with torch.device(self.device), skip_weight_init():
-            model = model_class_for(arch.architecture)(arch, backend, max_positions=max_model_len, dtype=self.dtype)
-        model.load_weights(weights)
+        model = build_model(arch, backend, max_model_len, self.dtype, self.device)
+        model.load_weights(weights)  # each tensor cast to the parameter's dtype as it is copied in
         if deterministic:
             batch_invariant.tile_linear_layers(model)
-        self.model = model.to(self.dtype).eval()
-        self.model.rotary.to(torch.float32)  # positions stay exact whatever the weights' dtype
-        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [allocate_zeroed(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
+        self.model = model.eval()
+        self.backend_name = backend.name
         self.swap_store: dict[str, list[torch.Tensor]] = {}
         self.sampler = Sampler(arch.vocab_size)
         self.grammar_masker = GrammarMasker()
+        self.kv_caches: list[torch.Tensor] = []
         self.block_tables = BlockTables(-(-max_model_len // block_size))
         # Decode-only steps replay as CUDA graphs on CUDA devices with Triton attention (None: all eager).
-        self.decode_graphs = None
-        if self.device.type == "cuda" and backend.name == "triton":
+        self.decode_graphs: DecodeGraphs | None = None
+        if num_blocks:
+            self.allocate_kv_cache(num_blocks, max_model_len)
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """The paged KV cache, once its size is known (after `profile_peak` where the engine sizes it
+        from the device's memory), and what is sized by the context: block tables, decode graphs."""
+        arch = self.arch
+        shape = (2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [allocate_zeroed(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
+        self.block_tables = BlockTables(-(-max_model_len // self.block_size))
+        if self.device.type == "cuda" and self.backend_name == "triton":
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
                                               max_model_len)
+
+    def weights_bytes(self) -> int:
+        """The device memory the model holds: parameters and buffers, a shared tensor once."""
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @torch.inference_mode()
+    def profile_peak(self, memory: DeviceMemory, num_tokens: int, logits_rows: int) -> int:
+        """The activations' peak of the largest step: `num_tokens` prompt tokens (in sequences of the
+        model's context at most) and the logits of `logits_rows` of them, over a KV cache just large
+        enough, allocated before the measure and freed after."""
+        max_len = self.model.rotary.cos.shape[0]
+        metadata, positions, num_blocks = profile_metadata(num_tokens, max_len, self.block_size, self.device)
+        arch = self.arch
+        shape = (2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(arch.num_layers)]
+
+        def step() -> None:
+            hidden = self.model(input_ids, positions, caches, metadata)
+            logits = self.model.compute_logits(hidden[:logits_rows])
+            logits.softmax(dim=-1).sort(dim=-1, descending=True)  # as a top-p sampler's copies of the logits
+
+        try:
+            return memory.peak_during(step)
+        finally:
+            caches.clear()
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

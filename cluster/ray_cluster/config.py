@@ -37,7 +37,8 @@ reserved_cpus: 0           # cores of each host kept for the front door (gateway
 engine:
   model: default
   dtype: auto               # bf16 where the worker's CPU (AMX, AVX512-BF16) or GPU has it natively, else fp32
-  kv_cache_memory_gb: 1.0
+  kv_cache_memory_gb: null    # set: each worker's KV cache in GB, on any device; null: 1 GB on CPUs, and on GPUs
+  gpu_memory_utilization: 0.9 # what gpu_memory_utilization of its GPU leaves after weights and activations
   kv_cache_dtype: auto      # fp8 (e4m3), fp8_e5m2: a byte per key and value (a pool may set its own)
   max_num_batched_tokens: 2048
   max_num_seqs: 256
@@ -175,7 +176,7 @@ class ClusterConfig:
     # environment, else UCX's default. docs/deploy.md says which to pick.
     ucx_transports: str = ""
     kv_shared_memory: bool = True  # same-host KV through /dev/shm (docs/performance.md); false: UCX/TCP always
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(cache=CacheConfig(kv_cache_memory_gb=1.0)))
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(cache=CacheConfig(cpu_kv_cache_memory_gb=1.0)))
     ray_address: str = ""  # empty: start an embedded local Ray
     kv_lease_s: float = 30.0
     kv_overlap: bool = True  # send a prompt's KV chunk by chunk as it computes (else once, at its end)
@@ -289,7 +290,7 @@ ENGINE_KEYS = {
     "max_model_len": ("model", "max_model_len"), "deterministic": ("model", "deterministic"),
     "block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
-    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"), "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"), "max_num_seqs": ("scheduler", "max_num_seqs"),
     "preemption_mode": ("scheduler", "preemption_mode"),
 }
@@ -297,13 +298,14 @@ ENGINE_KEYS = {
 
 # What a pool may set apart in its own `engine:` (the rest is one for the cluster: the model, its
 # dtype and device, and the KV layout that transfers between the pools rely on).
-POOL_ENGINE_KEYS = ("kv_cache_memory_gb", "kv_cache_dtype", "num_blocks", "enable_prefix_caching",
-                    "max_num_batched_tokens", "max_num_seqs", "preemption_mode", "attention_backend")
+POOL_ENGINE_KEYS = ("kv_cache_memory_gb", "gpu_memory_utilization", "kv_cache_dtype", "num_blocks",
+                    "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "preemption_mode",
+                    "attention_backend")
 
 
 def engine_config_from(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:
     """Flat engine keys (as in the YAML `engine:` section) over a base config."""
-    base = base or EngineConfig(cache=CacheConfig(kv_cache_memory_gb=1.0))
+    base = base or EngineConfig(cache=CacheConfig(cpu_kv_cache_memory_gb=1.0))
     parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
     for key, value in values.items():
         if key == "attention_backend":

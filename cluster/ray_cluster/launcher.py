@@ -33,10 +33,11 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.observability import tracing
 from cluster.ray_cluster.channels import Inboxes
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
+from cluster.ray_cluster.placement import check_gpu_fit, gpus_per_worker
 from cluster.ray_cluster.router import Router, RouterConfig
 from cluster.ray_cluster.scaler import Scaler
 from cluster.ray_cluster.worker_actor import CONCURRENCY_GROUPS, RAY_NAMESPACE, control
-from cluster.ray_cluster.worker_pool import actor_name, make_worker, worker_spec
+from cluster.ray_cluster.worker_pool import actor_name, make_worker, worker_engine, worker_spec
 from cluster.state.connect import connect_state, redacted_url
 from cluster.weights.default_model import resolve_model_path
 from cluster.weights.tokenizer import Tokenizer
@@ -44,7 +45,6 @@ from cluster.weights.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 ROUTER_POLL_S = 1.0  # how often the serving process asks each router replica how it is
 START_TIMEOUT_S = 300.0
-GPUS_PER_WORKER = 0.5  # a CUDA worker's share when its pool does not say: 1 prefill + 1 decode on one GPU
 
 
 _temp_dir = ""  # the private local Ray's session files and logs (`init_ray`), removed when it stops
@@ -233,17 +233,16 @@ class Cluster:
         return actor_name(self.uid, role, index)
 
     def gpus_per_worker(self, pool: PoolConfig) -> float:
-        """The Ray GPUs each worker of `pool` asks for (see `PoolConfig.num_gpus`)."""
+        """The Ray GPUs each worker of `pool` asks for (`placement.gpus_per_worker`): one GPU each on CUDA
+        unless the pool's `num_gpus` says otherwise."""
         import ray
 
         device = self.config.engine.model.device
-        if pool.num_gpus is not None:
-            return pool.num_gpus
-        if device == "cpu" or (device == "auto" and not ray.cluster_resources().get("GPU", 0)):
-            return 0.0
-        if device == "auto" and self._local_gpus_unusable():
-            return 0.0  # _check_gpus said why, at start
-        return GPUS_PER_WORKER
+        if pool.num_gpus is not None or device == "cpu":
+            return gpus_per_worker(device, pool.num_gpus, 0.0, False)
+        ray_gpus = float(ray.cluster_resources().get("GPU", 0))
+        usable = device != "auto" or not self._local_gpus_unusable()  # _check_gpus says why, at start
+        return gpus_per_worker(device, None, ray_gpus, usable)
 
     def _local_gpus_unusable(self) -> str | None:
         """On the embedded Ray the GPUs Ray sees are this host's: why torch here cannot use them, if it
@@ -260,21 +259,26 @@ class Cluster:
         cluster of its own an autoscaler may add GPU nodes later: there, a warning."""
         import ray
 
-        pools = [] if self.config.attach else [self.config.decode] if self.config.mode == Mode.COLOCATED \
-            else [self.config.prefill, self.config.decode]
+        pools = [] if self.config.attach else [(Role.COLOCATED, self.config.decode)] \
+            if self.config.mode == Mode.COLOCATED else [(Role.PREFILL, self.config.prefill),
+                                                        (Role.DECODE, self.config.decode)]
         have = float(ray.cluster_resources().get("GPU", 0))
         if have and self.config.engine.model.device == "auto" and (reason := self._local_gpus_unusable()):
             log.error("Ray sees %g GPU(s) on this host, but %s. --device auto runs every worker on the CPU and "
                       "reserves none of them: install torch's CUDA build or a newer driver to use them, or say "
                       "--device cpu to silence this.", have, reason)
-        needed = sum(pool.replicas * self.gpus_per_worker(pool) for pool in pools)
-        if needed <= have:
-            return
-        message = (f"the workers ask for {needed:g} GPUs (device {self.config.engine.model.device!r}) and the Ray "
-                   f"cluster has {have:g}")
-        if not self.config.ray_address:
-            raise ValueError(f"{message}: use --device cpu (or auto), or a machine with a CUDA GPU")
-        log.warning("%s: the workers wait until Ray has them (an autoscaler may add GPU nodes)", message)
+        workers = []
+        for role, pool in pools:
+            num_gpus = self.gpus_per_worker(pool)
+            worker_engine(self.config, role, num_gpus)  # refuses a pool's memory share past its GPU share
+            workers += [num_gpus] * pool.replicas
+        try:
+            check_gpu_fit(workers, node_gpus())
+        except ValueError as error:
+            message = f"{error} (device {self.config.engine.model.device!r})"
+            if not self.config.ray_address:
+                raise ValueError(message) from None
+            log.warning("%s; the workers wait until Ray has them (an autoscaler may add GPU nodes)", message)
 
     def _pool(self, role: str, pool: PoolConfig) -> list[Any]:
         num_gpus = self.gpus_per_worker(pool)  # asks Ray once per pool, not once per worker
@@ -423,6 +427,13 @@ class Cluster:
         for router in self.routers:
             ray.kill(router)
         self.prefill, self.decode, self.routers = [], [], []
+
+
+def node_gpus() -> list[float]:
+    """The GPUs of each live node of the Ray cluster this process joined."""
+    import ray
+
+    return [float(node["Resources"].get("GPU", 0)) for node in ray.nodes() if node.get("Alive")]
 
 
 def named_workers(name: str) -> list[str]:

@@ -4,9 +4,12 @@ the scaler for each one it adds while the cluster runs."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
+from cluster.engine.config import EngineConfig
 from cluster.ray_cluster.config import ClusterConfig, PoolConfig
+from cluster.ray_cluster.placement import worker_gpu_memory_utilization
 from cluster.ray_cluster.worker_actor import RAY_NAMESPACE, worker_actor_class
 
 
@@ -22,9 +25,19 @@ def actor_name(uid: str, role: str, index: int) -> str:
     return f"pdserve-{uid}-{role}-{index}"
 
 
+def worker_engine(config: ClusterConfig, role: str, num_gpus: float) -> EngineConfig:
+    """The engine config of a worker of the pool of `role` on `num_gpus` GPUs: its pool's
+    (`ClusterConfig.engine_for`), with the share of its GPU's memory it may take where it shares one."""
+    pool = config.prefill if role == "prefill" else config.decode
+    engine = config.engine_for(role)
+    utilization = worker_gpu_memory_utilization(config.engine.cache.gpu_memory_utilization,
+                                                pool.engine.get("gpu_memory_utilization"), num_gpus, pool=role)
+    return replace(engine, cache=replace(engine.cache, gpu_memory_utilization=utilization))
+
+
 def worker_spec(config: ClusterConfig, role: str, pool: PoolConfig, num_gpus: float) -> tuple[Any, ...]:
     """All that makes a worker what it is: a named worker left running with the same is taken over."""
-    return (role, config.engine_for(role), config.redis_url, config.kv_overlap, pool.kv_interface,
+    return (role, worker_engine(config, role, num_gpus), config.redis_url, config.kv_overlap, pool.kv_interface,
             config.ucx_transports, pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency,
             config.worker_max_restarts, pool.threads, config.kv_shared_memory)
 
@@ -48,9 +61,9 @@ def make_worker(config: ClusterConfig, uid: str, role: str, index: int, num_gpus
 
 def worker_arguments(config: ClusterConfig, uid: str, role: str, index: int, num_gpus: float) -> dict[str, Any]:
     """The constructor arguments of worker `index` of the pool of `role` (`WorkerActor`): its pool's
-    engine (`ClusterConfig.engine_for`), transport and threads."""
+    engine (`worker_engine`), transport and threads."""
     pool = config.prefill if role == "prefill" else config.decode
-    return dict(worker_id=f"{role}-{index}", role=role, engine_config=config.engine_for(role),
+    return dict(worker_id=f"{role}-{index}", role=role, engine_config=worker_engine(config, role, num_gpus),
                 redis_url=config.redis_url, overlap_transfer=config.kv_overlap, address=actor_name(uid, role, index),
                 kv_interface=pool.kv_interface, ucx_transports=config.ucx_transports,
                 spec=worker_spec(config, role, pool, num_gpus), traces=config.tracing, threads=pool_threads(pool),

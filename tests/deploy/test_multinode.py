@@ -92,7 +92,8 @@ class Processes:
 def ray_start(processes: Processes, name: str, gcs_port: int, resources: dict[str, int], env: dict[str, str],
               head_temp_dir: Path | None = None, dashboard_port: int = 0) -> None:
     """`ray start --block` for one node; the head when `head_temp_dir` is given."""
-    command = [RAY, "start", "--block", "--num-cpus", "1", "--resources", json.dumps(resources),
+    # No GPUs: the nodes of a test are CPU nodes even on a GPU host (--device auto then means the CPU).
+    command = [RAY, "start", "--block", "--num-cpus", "1", "--num-gpus", "0", "--resources", json.dumps(resources),
                "--node-ip-address", "127.0.0.1", "--dashboard-agent-listen-port", str(free_port()),
                "--disable-usage-stats"]
     if head_temp_dir is not None:

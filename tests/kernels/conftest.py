@@ -1,11 +1,3 @@
-"""The Triton kernels run here in Triton's interpreter, on CPU tensors (also on GPU machines).
-
-Triton decides when it decorates a kernel whether the kernel is interpreted, so the variable is set
-before any test module imports `pdserve_kernels.triton_*`.
-"""
-
-from __future__ import annotations
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
+"""The Triton kernel tests run their kernels on CPU tensors, in Triton's interpreter. Whether this
+process interprets is decided once for the whole session, by tests/conftest.py (`tests.triton_mode`):
+only where no CUDA device is usable. On a GPU machine the tests that need the interpreter skip."""

@@ -33,11 +33,15 @@ from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from pdserve_kernels import reference, triton_cache, triton_decode, triton_prefill
 from tests.helpers import fp32_model
+from tests.triton_mode import interpreting
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 HEAD_LAYOUTS = [(2, 2), (3, 1), (8, 1), (6, 2)]  # (query heads, kv heads): GQA ratios 1, 3, 8 and 3
 UNOWNED = 300.0  # what cache slots no sequence owns hold
+# Kernels launched on CPU tensors run only in the interpreter; a process with a usable CUDA device
+# compiles them instead (tests/triton_mode.py), and tests/model/test_cuda.py runs them on the GPU.
+interpreted = pytest.mark.skipif(not interpreting(), reason="Triton kernels are compiled in this process (CUDA)")
 
 # No shrinking: an interpreted example takes a good part of a second, and a failure reports the example
 # found; shrinking one could outlast the test timeout.
@@ -106,6 +110,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 # ---- the cache write --------------------------------------------------------------------------------
 
+@interpreted
 @settings(KERNEL_SETTINGS, max_examples=12)
 @given(tokens=st.integers(1, 12), heads=st.sampled_from(HEAD_LAYOUTS), head_dim=st.sampled_from([64, 80]),
        block_size=st.sampled_from([4, 16]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
@@ -130,6 +135,7 @@ def test_cache_write_scatters_like_reference(tokens: int, heads: tuple[int, int]
 
 # ---- decode -----------------------------------------------------------------------------------------
 
+@interpreted
 @settings(KERNEL_SETTINGS, max_examples=30)
 @given(seq_lens=st.lists(st.integers(1, 70), min_size=1, max_size=3), num_splits=st.sampled_from([1, 2, 3, 5]),
        **SHAPES)
@@ -146,6 +152,7 @@ def test_decode_matches_reference(seq_lens: list[int], num_splits: int, heads: t
     assert_close(out, expected)
 
 
+@interpreted
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_of_empty_sequence_is_zero(num_splits: int) -> None:
     """Padding rows (a CUDA graph's unused batch slots) have seq_len 0: zeros, and no NaN leaks out."""
@@ -174,6 +181,7 @@ def test_num_splits_fill_idle_devices_only(monkeypatch: pytest.MonkeyPatch) -> N
 
 # ---- prefill and extend -----------------------------------------------------------------------------
 
+@interpreted
 @settings(KERNEL_SETTINGS, max_examples=24)
 @given(sequences=st.lists(SEQUENCE, min_size=1, max_size=3), leading_rows=st.integers(0, 3), **SHAPES)
 def test_prefill_matches_reference(sequences: list[tuple[int, int]], leading_rows: int, heads: tuple[int, int],
@@ -197,6 +205,7 @@ def test_prefill_matches_reference(sequences: list[tuple[int, int]], leading_row
 
 # ---- the backend: cache write, decodes and prefills of one step --------------------------------------
 
+@interpreted
 @settings(KERNEL_SETTINGS, max_examples=12)
 @given(sequences=st.lists(SEQUENCE | st.tuples(st.integers(0, 40), st.just(1)), min_size=2, max_size=4),
        num_splits=st.sampled_from([None, 3]), **SHAPES)
@@ -219,6 +228,7 @@ def test_backend_mixed_batch_matches_torch_backend(sequences: list[tuple[int, in
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
+@interpreted
 @settings(KERNEL_SETTINGS, max_examples=16)
 @given(sequences=st.lists(SEQUENCE | st.tuples(st.integers(0, 40), st.just(1)), min_size=2, max_size=4),
        fp8=st.sampled_from(FP8), num_splits=st.sampled_from([None, 3]), **SHAPES)
@@ -243,6 +253,7 @@ def test_fp8_caches_are_written_and_read_as_the_torch_backend_does(
     assert_close(out, expected)
 
 
+@interpreted
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
 def test_every_fp8_byte_is_widened_exactly(fp8: torch.dtype) -> None:
     """One token of context: each head's output is that token's value row, so each of the 256 bytes
@@ -262,6 +273,7 @@ def test_every_fp8_byte_is_widened_exactly(fp8: torch.dtype) -> None:
     assert torch.equal(decoded, expected) and torch.equal(prefilled, expected)
 
 
+@interpreted
 def test_auto_backend_on_cpu_is_torch() -> None:
     assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
     assert get_attention_backend("triton", torch.device("cpu")).name == "triton"
@@ -404,12 +416,14 @@ def torch_greedy(checkpoint: Path) -> list[list[int]]:
     return greedy_tokens(checkpoint, "torch")[0]
 
 
+@interpreted
 def test_engine_greedy_outputs_match_torch_backend(checkpoint: Path, torch_greedy: list[list[int]]) -> None:
     tokens, engine = greedy_tokens(checkpoint, "triton")
     assert engine.kv_cache.prefix_hits > 0
     assert tokens == torch_greedy
 
 
+@interpreted
 def test_decode_graph_replays_match_torch_backend(checkpoint: Path, torch_greedy: list[list[int]]) -> None:
     """Decode-only steps of 1 to 3 sequences replay in buckets of 2 and 4 captured at warm-up (before
     any request), with padding rows."""
@@ -419,6 +433,7 @@ def test_decode_graph_replays_match_torch_backend(checkpoint: Path, torch_greedy
     assert tokens == torch_greedy
 
 
+@interpreted
 def test_engine_greedy_outputs_over_an_fp8_cache_match_torch_backend(checkpoint: Path) -> None:
     """`kv_cache_dtype: fp8` with the Triton backend (decode graphs included): the tokens of the torch
     backend over the same fp8 cache."""

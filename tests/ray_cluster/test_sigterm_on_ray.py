@@ -24,8 +24,8 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sigterm_on_the_cluster_path_is_one_line_then_the_drain(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """`pdserve serve` on its embedded Ray: Ray's handler of fatal signals, installed when Ray starts,
     would print every thread's native stack on SIGTERM before the drain; serve takes the signal back."""
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_checkpoint), "--host", "127.0.0.1",
-               "--port", "0", "--grpc-port", "0", "--drain-s", "30"]
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_checkpoint), "--device", "cpu",
+               "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--drain-s", "30"]
     log = tmp_path / "serve.log"
     # A Ray of its own: nothing of this test process's Ray (its address, its token) in the environment.
     own = {key: value for key, value in os.environ.items() if not key.startswith("RAY_") and key != "PDSERVE_REDIS_URL"}

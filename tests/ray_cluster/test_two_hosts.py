@@ -142,7 +142,7 @@ def start_cluster(a: Host, b: Host, processes: Processes, tmp_path: Path, checkp
     env.update(RAY_ENV, PDSERVE_API_KEY="")
     gcs_port = free_port()  # any port is free in a namespace of our own
     temp_dir = Path(tempfile.mkdtemp(prefix="pd2h-", dir="/tmp"))  # short: Ray's socket paths
-    common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
+    common = ["--block", "--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats"]  # CPU nodes, on any host
     processes.start("head", a.exec_prefix() + [RAY, "start", *common, "--head", "--node-ip-address", a.address,
                                                "--port", str(gcs_port), "--temp-dir", str(temp_dir),
                                                "--include-dashboard", "false",

@@ -94,12 +94,25 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ArchitectureConfig, max_positions: int) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inverse_frequencies(config))
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.config = config
+        self.register_buffer("cos", torch.empty(max_positions, config.head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, config.head_dim // 2), persistent=False)
+        self.fill(torch.float32)
 
     cos: torch.Tensor
     sin: torch.Tensor
+
+    @torch.no_grad()
+    def fill(self, dtype: torch.dtype) -> None:
+        """Compute the tables in place, in fp32 on their device, rounded through the weights' `dtype`:
+        transformers rotates with cos and sin in the model's dtype. Also what fills them after the model
+        is materialised from the meta device (`build_model`)."""
+        if self.cos.is_meta:
+            return
+        positions = torch.arange(self.cos.shape[0], dtype=torch.float64)
+        freqs = torch.outer(positions, rope_inverse_frequencies(self.config)).to(self.cos.device)
+        self.cos = freqs.cos().to(dtype).float()
+        self.sin = freqs.sin().to(dtype).float()
 
     def at(self, positions: torch.Tensor) -> Rotation:
         """The rotation of one step's tokens, looked up once for every layer."""
