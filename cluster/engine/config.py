@@ -22,6 +22,8 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+QUANTIZATIONS = ("none", "gguf")
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Which weights to serve. `model` is a Hugging Face checkpoint directory, a .gguf file, or
@@ -40,6 +42,9 @@ class ModelConfig:
     # prefill, a decode or a recompute (`cluster.model.batch_invariant`): a resumed stream, a request
     # alone or among others, give the same text in any dtype. Slower; the torch backend only.
     deterministic: bool = False
+    # "gguf": a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed in memory and are widened as each layer
+    # computes (`cluster.model.quantized`); "none": every weight widened to `dtype` at load.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -48,6 +53,8 @@ class ModelConfig:
         _require(self.max_model_len >= 0, f"max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
         _require(isinstance(self.deterministic, bool),
                  f"deterministic must be true or false, got {self.deterministic!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,8 +31,9 @@ from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache
 from cluster.model.memory import CudaMemory, DeviceMemory, MemoryProfile, check_free
 from cluster.model.registry import architecture_config
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
-from cluster.weights.default_model import DEFAULT_MODEL_NAME, resolve_model_path
+from cluster.weights.default_model import DEFAULT_MODEL_NAME, gguf_source, resolve_model_path
 from cluster.weights.detokenizer import IncrementalDetokenizer
+from cluster.weights.gguf_packed import packed_checkpoint
 from cluster.weights.loader import Checkpoint, load_checkpoint
 from cluster.weights.tokenizer import Tokenizer
 
@@ -133,6 +134,8 @@ class LLMEngine:
         if checkpoint is None:
             self.model_dir = resolve_model_path(config.model.model, progress=progress)
             checkpoint = load_checkpoint(self.model_dir)
+            if config.model.quantization == "gguf":
+                checkpoint = packed_checkpoint(checkpoint, gguf_source(config.model.model))
         self.model_name = served_model_name(config.model.model)
         self.arch = architecture_config(checkpoint.hf_config)
         self.tokenizer: Tokenizer = checkpoint.tokenizer
@@ -143,7 +146,7 @@ class LLMEngine:
             self.arch, checkpoint.weights(), dtype=self.dtype, device=str(self.device),
             attention_backend=config.attention_backend, max_model_len=self._context_limit(),
             block_size=config.cache.block_size, num_blocks=0, kv_cache_dtype=self.kv_cache_dtype,
-            deterministic=config.model.deterministic)
+            deterministic=config.model.deterministic, quantized=checkpoint.quantized)
         self.num_blocks = self._num_blocks(total)
         self.max_model_len = self._max_model_len()
         self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)

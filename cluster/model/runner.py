@@ -10,7 +10,7 @@ import contextlib
 import ctypes
 import functools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.model.grammar_masks import GrammarMasker
 from cluster.model.memory import DeviceMemory, profile_metadata
 from cluster.model.models.llama import LlamaForCausalLM
+from cluster.model.quantized import quantize_modules
 from cluster.model.registry import model_class_for
 from cluster.model.sampler import Sampler
 
@@ -89,7 +90,7 @@ def skip_weight_init() -> Iterator[None]:
 
 
 def build_model(arch: ArchitectureConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
+                device: torch.device, quantized: Mapping[str, str] | None = None) -> LlamaForCausalLM:
     """The model with its parameters allocated once, in `dtype` on `device`, unset until `load_weights`.
 
     Built on the meta device (shapes only: no memory, no random init) and materialised in its final
@@ -99,6 +100,8 @@ def build_model(arch: ArchitectureConfig, backend: AttentionBackend, max_positio
     """
     with torch.device("meta"), skip_weight_init():
         model = model_class_for(arch.architecture)(arch, backend, max_positions=max_positions)
+        if quantized:  # packed layers in place of the float ones before anything is allocated
+            quantize_modules(model, dict(quantized), dtype)
     materialize(model.to(dtype), device)
     model.rotary.fill(dtype)  # the one buffer the checkpoint does not hold
     return model
@@ -146,7 +149,8 @@ class ModelRunner:
     def __init__(self, arch: ArchitectureConfig, weights: Iterable[tuple[str, torch.Tensor]], *,  # noqa: PLR0913
                  dtype: str, device: str, attention_backend: str, max_model_len: int,
                  block_size: int, num_blocks: int, kv_cache_dtype: str | None = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, quantized: Mapping[str, str] | None = None) -> None:
+        """`quantized`: the parameters whose weights arrive packed (name -> GGUF quantization), kept so."""
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -155,7 +159,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_host_memory()
         backend = get_attention_backend(attention_backend, self.device, deterministic)
-        model = build_model(arch, backend, max_model_len, self.dtype, self.device)
+        model = build_model(arch, backend, max_model_len, self.dtype, self.device, quantized or {})
         model.load_weights(weights)  # each tensor cast to the parameter's dtype as it is copied in
         if deterministic:
             batch_invariant.tile_linear_layers(model)

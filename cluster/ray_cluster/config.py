@@ -43,6 +43,7 @@ engine:
   max_num_batched_tokens: 2048
   max_num_seqs: 256
   deterministic: false      # every token independent of its batch, chunking and resumes (slower; CPUs)
+  quantization: none        # gguf: a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed
 ```
 
 `resources` are Ray custom resources (e.g. `{prefill_node: 1}`) that pin a pool to the nodes meant
@@ -288,6 +289,7 @@ class ClusterConfig:
 ENGINE_KEYS = {
     "model": ("model", "model"), "dtype": ("model", "dtype"), "device": ("model", "device"),
     "max_model_len": ("model", "max_model_len"), "deterministic": ("model", "deterministic"),
+    "quantization": ("model", "quantization"),
     "block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "kv_cache_dtype": ("cache", "kv_cache_dtype"), "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),

@@ -59,6 +59,17 @@ def default_gguf_path() -> Path:
     )
 
 
+def gguf_source(model: str) -> Path:
+    """The .gguf file a model name stands for ("default": the default model's); ValueError for a
+    checkpoint directory, which has none."""
+    if model == "default":
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"quantization gguf keeps a .gguf model's weights packed; {model!r} is not a .gguf file")
+    return path
+
+
 def resolve_model_path(model: str, progress: bool = True) -> Path:
     """A Hugging Face checkpoint directory for `model`: "default", a .gguf file or a checkpoint directory.
 

@@ -8,6 +8,7 @@ parts share one kept quantization; otherwise the group is widened (a Q4_K_M file
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from cluster.weights import loader
+from cluster.weights.loader import Checkpoint
 
 KEPT = frozenset({"Q8_0", "Q4_0", "Q4_1"})
 # The model's fused parameters and the checkpoint tensors that load into them.
@@ -50,6 +52,13 @@ class PackedGGUF:
                 values = loader.unpermute_from_gguf(values, kv_heads)
             # A fresh, writable copy: the reader's arrays are views of a read-only memory map.
             yield name, torch.from_numpy(np.array(values, order="C"))
+
+
+def packed_checkpoint(checkpoint: Checkpoint, gguf_path: Path) -> Checkpoint:
+    """`checkpoint` (the GGUF file's conversion: its config and tokenizer) with its weights read from
+    `gguf_path` itself, those a model can compute packed kept so."""
+    packed = read_packed(gguf_path)
+    return dataclasses.replace(checkpoint, weights=packed.tensors, quantized=packed.qtypes)
 
 
 def read_packed(path: Path) -> PackedGGUF:

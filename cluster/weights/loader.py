@@ -79,6 +79,8 @@ class Checkpoint:
     hf_config: dict[str, Any]
     tokenizer: Tokenizer
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # Parameters whose weights arrive packed (name -> GGUF quantization): the model keeps them so.
+    quantized: dict[str, str] = field(default_factory=dict)
 
 
 def load_checkpoint(model_dir: Path) -> Checkpoint:

@@ -74,3 +74,42 @@ def test_quantize_modules_then_load_gives_the_widened_models_logits(gguf_file: P
         torch.testing.assert_close(kept.compute_logits(rows), widened.compute_logits(rows), atol=1e-4, rtol=1e-4)
         layer_k, layer_w = kept.model.layers[1].mlp, widened.model.layers[1].mlp
         torch.testing.assert_close(layer_k(rows), layer_w(rows), atol=1e-4, rtol=1e-4)
+
+
+def test_an_engine_keeping_the_file_packed_generates_the_widened_engines_tokens(gguf_file: Path) -> None:
+    """`quantization: gguf` through LLMEngine: the same greedy tokens as the file widened at load, in
+    far less memory (the packed layers hold 5 bits per 4-bit weight, 8.5 per 8-bit one)."""
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from cluster.engine.llm_engine import LLMEngine
+
+    def engine(quantization: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=ModelConfig(model=str(gguf_file), dtype="float32",
+                                                        quantization=quantization),
+                                      cache=CacheConfig(block_size=4, num_blocks=64)))
+
+    packed, widened = engine("gguf"), engine("none")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 33, 9, 81, 120], [200, 3, 77]]
+    assert [o.token_ids for o in packed.generate(prompts, params)] == \
+        [o.token_ids for o in widened.generate(prompts, params)]
+    layers = packed.runner.model.model.layers
+    assert isinstance(layers[1].self_attn.qkv_proj, QuantizedLinear) and \
+        isinstance(layers[0].self_attn.qkv_proj, torch.nn.Linear)  # layer 0's mixed q/k/v: widened
+
+    def nbytes(model: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    bf16_bytes = nbytes(widened.runner.model.model.layers[1]) // 2  # the fp32 engine's layer, at 2 bytes a weight
+    assert nbytes(layers[1]) * 3 < bf16_bytes
+
+
+def test_quantization_gguf_needs_a_gguf_file(tmp_path: Path) -> None:
+    from cluster.engine.config import EngineConfig, ModelConfig
+    from cluster.engine.llm_engine import LLMEngine
+
+    checkpoint = build_tiny_llama_checkpoint(tmp_path / "hf")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint), quantization="gguf")))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ModelConfig(quantization="awq")
