@@ -61,8 +61,15 @@ class QuantizedLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            out = nn.functional.linear(rows, dequantize(self.weight, self.qtype, x.dtype), self.bias)
+            out = nn.functional.linear(rows, self.widened(x.dtype, x.device), self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+    def widened(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This layer's weight in `dtype`, for one matmul: by the C kernel where it serves, else torch."""
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_quant.available():
+            return cpu_quant.widen(self.weight, self.qtype, self.in_features, dtype)
+        return dequantize(self.weight, self.qtype, dtype)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -5,11 +5,13 @@
  *   Q4_0: fp16 scale d, 16 bytes of 4-bit q            w = d * (q - 8)
  *   Q4_1: fp16 scale d, fp16 min m, 16 bytes of q      w = d * q + m
  * where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one.
- * A block is widened to 32 floats once and dotted with every row of x: the packed weights are read
+ * A row of w is widened to floats once and dotted with every row of x: the packed weights are read
  * once per call, which is what bounds a decode step (a 4-bit weight is 5 bits of memory, not 16).
- * x and y are fp32; rows of w are split between threads. Compiled at first use (cpu_build.py). */
+ * x and y are fp32; rows of w are split between threads. `quant_widen` widens whole rows for a
+ * matmul library (a prefill's many rows). Compiled at first use (cpu_build.py). */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
@@ -53,31 +55,67 @@ static void widen_block(const uint8_t *block, int qtype, float *out) {
     }
 }
 
-/* 0 on success, -1 for an unknown qtype or a width not a multiple of 32. */
+static void widen_row(const uint8_t *row, int64_t blocks, int qtype, int bytes, float *out) {
+    for (int64_t b = 0; b < blocks; b++) widen_block(row + b * bytes, qtype, out + b * 32);
+}
+
+/* 0 on success, -1 for an unknown qtype or a width not a multiple of 32. Each thread widens one row of
+ * w at a time into its own buffer, then dots it with every row of x: the widening runs once per row
+ * of w, the dots over k contiguous floats vectorize. */
 int quant_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, int qtype, float *y,
                  int num_threads) {
     const int bytes = block_bytes(qtype);
     if (bytes == 0 || k % 32 != 0) return -1;
     const int64_t blocks = k / 32, row_bytes = blocks * bytes;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t col = 0; col < n; col++) {
-        float widened[32];
-        float sums[64];
-        for (int64_t m0 = 0; m0 < rows; m0 += 64) {
-            const int64_t count = rows - m0 < 64 ? rows - m0 : 64;
-            for (int64_t m = 0; m < count; m++) sums[m] = 0.0f;
-            const uint8_t *row = w + col * row_bytes;
-            for (int64_t b = 0; b < blocks; b++) {
-                widen_block(row + b * bytes, qtype, widened);
-                for (int64_t m = 0; m < count; m++) {
-                    const float *xs = x + (m0 + m) * k + b * 32;
-                    float s = 0.0f;
-                    _Pragma("omp simd reduction(+:s)")
-                    for (int j = 0; j < 32; j++) s += widened[j] * xs[j];
-                    sums[m] += s;
-                }
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        float *widened = malloc(sizeof(float) * (size_t)k);
+        if (widened == NULL) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t col = 0; col < n; col++) {
+            if (widened == NULL) continue;
+            widen_row(w + col * row_bytes, blocks, qtype, bytes, widened);
+            for (int64_t m = 0; m < rows; m++) {
+                const float *xs = x + m * k;
+                float s = 0.0f;
+                _Pragma("omp simd reduction(+:s)")
+                for (int64_t j = 0; j < k; j++) s += widened[j] * xs[j];
+                y[m * n + col] = s;
             }
-            for (int64_t m = 0; m < count; m++) y[(m0 + m) * n + col] = sums[m];
+        }
+        free(widened);
+    }
+    return failed ? -2 : 0;
+}
+
+static inline uint16_t to_bf16(float x) {  /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
+}
+
+/* The packed rows widened: out [n, k] in fp32, or bf16 (rounded as torch rounds) if `bf16`. For the
+ * rows a matmul library multiplies faster than the kernel above (a prefill's). */
+int quant_widen(const uint8_t *w, int64_t n, int64_t k, int qtype, void *out, int bf16, int num_threads) {
+    const int bytes = block_bytes(qtype);
+    if (bytes == 0 || k % 32 != 0) return -1;
+    const int64_t blocks = k / 32, row_bytes = blocks * bytes;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t row = 0; row < n; row++) {
+        float widened[32];
+        for (int64_t b = 0; b < blocks; b++) {
+            widen_block(w + row * row_bytes + b * bytes, qtype, widened);
+            if (bf16) {
+                uint16_t *to = (uint16_t *)out + row * k + b * 32;
+                for (int j = 0; j < 32; j++) to[j] = to_bf16(widened[j]);
+            } else {
+                memcpy((float *)out + row * k + b * 32, widened, sizeof widened);
+            }
         }
     }
     return 0;

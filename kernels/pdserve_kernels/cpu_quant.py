@@ -26,6 +26,8 @@ def library(march: str = "native") -> ctypes.CDLL | None:
     if lib is not None:
         lib.quant_matmul.argtypes = (_P, _I64, _I64, _P, _I64, _INT, _P, _INT)
         lib.quant_matmul.restype = _INT
+        lib.quant_widen.argtypes = (_P, _I64, _I64, _INT, _P, _INT, _INT)
+        lib.quant_widen.restype = _INT
     return lib
 
 
@@ -47,4 +49,18 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: str, num_threads: int |
                               out.data_ptr(), num_threads or torch.get_num_threads())
     if status != 0:
         raise ValueError(f"quant_matmul refused {qtype} weights of width {k} (a multiple of 32 is needed)")
+    return out
+
+
+def widen(packed: torch.Tensor, qtype: str, columns: int, dtype: torch.dtype,
+          num_threads: int | None = None) -> torch.Tensor:
+    """The packed rows [n, row bytes] widened to [n, columns] in `dtype` (fp32 or bf16)."""
+    lib = library()
+    if lib is None or dtype not in (torch.float32, torch.bfloat16) or not packed.is_contiguous():
+        raise ValueError("quant_widen takes contiguous uint8 rows into fp32 or bf16, where the kernel builds")
+    out = torch.empty(packed.shape[0], columns, dtype=dtype)
+    status = lib.quant_widen(packed.data_ptr(), packed.shape[0], columns, QTYPES[qtype], out.data_ptr(),
+                             int(dtype == torch.bfloat16), num_threads or torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"quant_widen refused {qtype} rows of width {columns}")
     return out

@@ -79,3 +79,11 @@ def test_quantize_modules_swaps_named_layers_and_keeps_tied_heads_tied() -> None
     assert model.model.proj.weight.dtype == torch.uint8 and model.model.proj.weight.shape == (32, 40)
     model.to(torch.bfloat16)
     assert model.model.proj.weight.dtype == torch.uint8
+
+
+@pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_kernels_widening_equals_torchs(qtype: str) -> None:
+    weights, _ = packed(24, 96, qtype, seed=3)
+    assert torch.equal(cpu_quant.widen(weights, qtype, 96, torch.float32), dequantize(weights, qtype))
+    assert torch.equal(cpu_quant.widen(weights, qtype, 96, torch.bfloat16), dequantize(weights, qtype, torch.bfloat16))
