@@ -116,6 +116,9 @@ class ModelRunner:
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_host_memory()
+        if deterministic and arch.moe is not None:
+            raise ValueError("deterministic mode does not cover mixture-of-experts models: each expert's matmul "
+                             "has as many rows as tokens chose it, so its sums depend on the batch")
         backend = get_attention_backend(attention_backend, self.device, deterministic)
         with torch.device(self.device), skip_weight_init():
             model = model_class_for(arch.architecture)(arch, backend, max_positions=max_model_len)

@@ -11,7 +11,7 @@ and gate/up become `gate_up_proj`; `load_weights` maps checkpoint names onto the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,10 +181,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+    """Attention, then an MLP: the dense `MLP`, or whatever maps [tokens, hidden] to [tokens, hidden]
+    (a mixture of experts, `cluster.model.moe.SparseMoeBlock`)."""
+
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -199,10 +202,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend,
+                 mlp_of_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, mlp_of_layer(index))
+                                    for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -217,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.model = LlamaModel(config, backend, self.mlp_of_layer)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -232,6 +237,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, kv_cache, metadata, rotation)
         return self.model.norm(hidden, residual)[0]
+
+    def mlp_of_layer(self, index: int) -> nn.Module:
+        """The MLP layer `index` builds (a subclass's may differ by layer)."""
+        return MLP(self.config)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """The lm_head's logits, widened to fp32 unless `upcast` is False (the sampler widens what it
@@ -254,16 +263,22 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            target, offset, size = self._locate(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model")
-            destination = params[target].narrow(0, offset, size) if size else params[target]
+            destination, shards = self._destination(name, params)
             if destination.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(destination.shape)}")
             destination.copy_(tensor)
-            loaded.update(self._shards_loaded(target, offset, size))
+            loaded.update(shards)
         self._check_all_loaded(params, loaded)
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, list[str]]:
+        """The parameter, or the slice of one, that checkpoint tensor `name` loads into, and the shards
+        (`_shards_of`'s keys) it fills."""
+        target, offset, size = self._locate(name)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model")
+        destination = params[target].narrow(0, offset, size) if size else params[target]
+        return destination, self._shards_loaded(target, offset, size)
 
     def _shards_loaded(self, target: str, offset: int, size: int) -> list[str]:
         """What a tensor loaded: its shard of a fused parameter, or all of them when it was stored fused
@@ -282,12 +297,15 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(fragment, fused), sum(sizes[:shard]), sizes[shard]
         return name, 0, 0
 
+    def _shards_of(self, name: str) -> list[str]:
+        """The keys a parameter's loading must fill: one per shard of a fused parameter, else one.
+        Reported missing up to their `#`."""
+        fused = next((f for f in (".qkv_proj.", ".gate_up_proj.") if f in name), None)
+        sizes = self.shard_sizes(fused) if fused else [0]
+        return [f"{name}#{sum(sizes[:i])}" for i in range(len(sizes))]
+
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        missing = []
-        for name in params:
-            fused = next((f for f in (".qkv_proj.", ".gate_up_proj.") if f in name), None)
-            shards = len(self.shard_sizes(fused)) if fused else 1
-            offsets = [sum(self.shard_sizes(fused)[:i]) for i in range(shards)] if fused else [0]
-            missing += [name for offset in offsets if f"{name}#{offset}" not in loaded]
+        missing = [shard for name in params for shard in self._shards_of(name) if shard not in loaded]
         if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(set(missing))[:5]}")
+            names = sorted({shard.split("#")[0] for shard in missing})
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {names[:5]}")
