@@ -139,7 +139,8 @@ def build_tiny_llama_checkpoint(path: Path, *, num_layers: int = 2, hidden: int 
     """A complete random-weight checkpoint directory: `build_random_llama` weights plus a tiny tokenizer.
 
     `qkv_bias=True` makes it a Qwen2ForCausalLM (biases on q/k/v only), `architecture="mistral"` a
-    MistralForCausalLM (with `sliding_window`, if given). bos/eos ids 1 and 2 agree between
+    MistralForCausalLM (with `sliding_window`, if given); any other `architecture` of
+    `build_random_llama` builds that one (`qwen3_moe`, `mixtral`: 4 experts, top-2). bos/eos ids 1 and 2 agree between
     config.json, generation_config.json and the tokenizer.
     """
     build_random_llama(path, architecture=architecture or ("qwen2" if qkv_bias else "llama"), num_layers=num_layers,

@@ -153,3 +153,27 @@ def test_deterministic_mode_refuses_a_mixture_of_experts(tmp_path: Path) -> None
     path = tiny_qwen3_moe(tmp_path)
     with pytest.raises(ValueError, match="deterministic mode does not cover mixture-of-experts"):
         runner_for(path, list(iterate_safetensors(path)), deterministic=True)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+def test_an_engine_serves_a_mixture_of_experts_greedily_as_transformers_generates(
+        tmp_path: Path, architecture: str) -> None:
+    """Two prompts batched through `LLMEngine` (its scheduler, cache and sampler) against transformers'
+    greedy `generate`, each alone."""
+    import transformers
+
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.config import CacheConfig, EngineConfig
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.weights.synthetic import build_tiny_llama_checkpoint
+    from tests.helpers import fp32_model
+
+    checkpoint = build_tiny_llama_checkpoint(tmp_path / "tiny", architecture=architecture)
+    engine = LLMEngine(EngineConfig(model=fp32_model(checkpoint), cache=CacheConfig(block_size=4, num_blocks=64)))
+    prompts = [[5, 17, 9, 200, 31], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+        assert output.token_ids == expected
