@@ -8,10 +8,12 @@ expert's rows are one contiguous run of a single gathered copy of the tokens:
     x[order // k]          ──expert e over its run────> rows [tokens * k, hidden]
     rows * weights         ──index_add_ by token──────> out [tokens, hidden]
 
-One gate/up matmul and one down matmul per expert that some token chose, none for the others; one
-host sync a layer (the run lengths). `torch._grouped_mm` computes the same runs in one call, but on
-CPUs it is the same loop inside (benchmarks/moe.py measures both), so the loop serves every device
-and dtype.
+On CPUs, where torch has `functional.grouped_mm` and the rows' strides are multiples of 16 bytes (its
+requirement), all runs go through one grouped matmul for gate/up and one for down, the run lengths
+passed as offsets: no host sync, and no per-expert dispatch, which is what a layer of many small
+experts spends its time on (benchmarks/moe.py). Elsewhere (GPUs, where it is untested here, older
+torch, odd widths) a loop runs one gate/up and one down matmul per expert that some token chose, after
+one host sync for the run lengths. Neither computes anything for an expert no token chose.
 
 Parameter names and shapes are transformers' own in-memory layout: `gate.weight` [experts, hidden],
 `experts.gate_up_proj` [experts, 2 * inter, hidden] (gate rows first), `experts.down_proj`
@@ -26,6 +28,11 @@ from torch.nn import functional
 
 from cluster.model import elementwise
 from cluster.model.architecture import MoeConfig
+
+# False: the per-expert loop wherever the grouped matmul would serve too (the tests and the benchmark
+# compare both).
+use_grouped_mm = True
+_grouped_mm = getattr(functional, "grouped_mm", None)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,10 +53,30 @@ def sorted_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     tokens = order // top_k  # the token of each pair, in expert order
-    runs = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    rows = expert_runs(x[tokens], gate_up, down, runs)
+    runs = torch.bincount(flat, minlength=gate_up.shape[0])
+    grouped = x[tokens]
+    if grouped_mm_serves(grouped, gate_up, down):
+        rows = grouped_runs(grouped, gate_up, down, runs)
+    else:
+        rows = expert_runs(grouped, gate_up, down, runs.tolist())
     rows *= weights.flatten()[order].unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, tokens, rows)
+
+
+def grouped_mm_serves(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether `grouped_runs` serves: a CPU tensor, torch has the grouped matmul, and every row stride it
+    sees (hidden and expert widths) is a multiple of 16 bytes."""
+    if not use_grouped_mm or _grouped_mm is None or x.device.type != "cpu":
+        return False
+    return all(size * x.element_size() % 16 == 0 for size in (gate_up.shape[2], down.shape[2]))
+
+
+def grouped_runs(grouped: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
+    """`expert_runs` in two grouped matmuls: the runs' ends as offsets, each run against its expert."""
+    assert _grouped_mm is not None
+    offsets = runs.cumsum(0).to(torch.int32)
+    hidden = elementwise.silu_mul(_grouped_mm(grouped, gate_up.transpose(1, 2), offs=offsets))
+    return _grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
 
 
 def expert_runs(grouped: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, runs: list[int]) -> torch.Tensor:

@@ -134,8 +134,10 @@ class ModelRunner:
         self.grammar_masker = GrammarMasker()
         self.block_tables = BlockTables(-(-max_model_len // block_size))
         # Decode-only steps replay as CUDA graphs on CUDA devices with Triton attention (None: all eager).
+        # Not for mixtures of experts: their layers read each expert's row count on the host, which a
+        # capture cannot.
         self.decode_graphs = None
-        if self.device.type == "cuda" and backend.name == "triton":
+        if self.device.type == "cuda" and backend.name == "triton" and arch.moe is None:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
                                               max_model_len)
 

@@ -8,14 +8,24 @@ import pytest
 import torch
 from torch.nn import functional
 
+from cluster.model import moe
 from cluster.model.architecture import MoeConfig
-from cluster.model.moe import Experts, SparseMoeBlock
+from cluster.model.moe import Experts, SparseMoeBlock, grouped_mm_serves
 from cluster.model.registry import architecture_config
 from cluster.model.runner import ModelRunner
 from cluster.weights.loader import iterate_safetensors, load_hf_config
 from cluster.weights.synthetic import build_random_llama
 
 HIDDEN = 32
+
+
+def test_widths_off_16_bytes_take_the_loop() -> None:
+    """The grouped matmul needs row strides of multiples of 16 bytes: 20 bf16 values are 40."""
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.bfloat16)
+
+    assert grouped_mm_serves(zeros(2, 32), zeros(4, 48, 32), zeros(4, 32, 24))
+    assert not grouped_mm_serves(zeros(2, 32), zeros(4, 40, 32), zeros(4, 32, 20))
 
 
 def random_block(num_experts: int, top_k: int, renormalize: bool, seed: int = 0) -> SparseMoeBlock:
@@ -49,16 +59,23 @@ def per_token_reference(block: SparseMoeBlock, x: torch.Tensor, top_k: int, reno
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize(("num_experts", "top_k"), [(4, 2), (8, 2), (8, 1), (6, 3)])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax-weights"])
-def test_the_sorted_experts_give_each_token_its_top_k_experts_weighted(
-        tokens: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-mm", "per-expert-loop"])
+def test_the_sorted_experts_give_each_token_its_top_k_experts_weighted(  # noqa: PLR0913
+        tokens: int, num_experts: int, top_k: int, renormalize: bool, grouped: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe, "use_grouped_mm", grouped)
     block = random_block(num_experts, top_k, renormalize)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
+    assert grouped_mm_serves(x, block.experts.gate_up_proj, block.experts.down_proj) == grouped
     with torch.no_grad():
         got = block(x)
     torch.testing.assert_close(got, per_token_reference(block, x, top_k, renormalize), atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_experts_stay_within_bfloat16_rounding_of_the_reference() -> None:
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-mm", "per-expert-loop"])
+def test_bfloat16_experts_stay_within_bfloat16_rounding_of_the_reference(
+        grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe, "use_grouped_mm", grouped)
     block = random_block(8, 2, renormalize=True).to(torch.bfloat16)
     x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
@@ -68,8 +85,9 @@ def test_bfloat16_experts_stay_within_bfloat16_rounding_of_the_reference() -> No
     torch.testing.assert_close(got.float(), expected, atol=0.05 * float(expected.abs().max()), rtol=0.05)
 
 
-def test_the_block_computes_only_the_experts_its_tokens_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loop_computes_only_the_experts_its_tokens_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     """One matmul pair per expert chosen, over that expert's rows only: no work for the others."""
+    monkeypatch.setattr(moe, "use_grouped_mm", False)
     block = random_block(8, 1, renormalize=False)
     shapes: list[tuple[int, ...]] = []
     real_linear = functional.linear
