@@ -1,17 +1,18 @@
-"""The mixture-of-experts MLP on CPUs: the engine's sorted path (`cluster.model.moe.sorted_experts`: pairs
-sorted by expert, one gathered copy, a matmul pair per expert over its contiguous rows) against the
-naive per-expert masked loop (transformers' own: a `where` over the routing per expert, a gather and
-an `index_add_` each), and against `torch._grouped_mm` over the same sorted rows where torch has it,
-all in one run on the same routing.
+"""The mixture-of-experts MLP on CPUs, three ways over the same routing in one run: the engine's path
+(`cluster.model.moe.sorted_experts`: (token, slot) pairs sorted by expert, one gathered copy, each
+projection one grouped matmul over the experts' contiguous runs where torch has it), the same sorted
+path with its per-expert loop (`sorted-loop`: a matmul pair per chosen expert), and the naive
+per-expert masked loop (`masked`, transformers' own: a `where` over the routing per expert, a gather
+and an `index_add_` each).
 
-    python -m benchmarks.moe                                   # bf16 and fp32, the default shapes
+    python -m benchmarks.moe --threads 1                       # bf16 and fp32, the default shapes
     python -m benchmarks.moe --dtypes bfloat16 --tokens 1 64 --repeats 5
 
 Shapes (hidden, experts, top-k, expert width): `mixtral-like` 8 experts, top-2; `qwen3-moe-like` 64
 experts, top-8 (Qwen3-30B-A3B has 128 of 768 at hidden 2048: scaled down to fit a small machine).
 Per shape, dtype and token count: the median and the fastest of `--repeats` timed calls of each arm
 (alternated, after a warm-up call that also checks the arms agree), and each arm's times over the
-sorted path's. On a shared machine the fastest call is the steadier figure. Writes
+engine path's. On a shared machine the fastest call is the steadier figure. Writes
 benchmarks/results/moe.<machine>.<date>.json.
 """
 
@@ -27,8 +28,8 @@ import torch
 from torch.nn import functional
 
 from benchmarks.common import Cpu, machine, print_table, save
-from cluster.model import elementwise
-from cluster.model.moe import route, sorted_experts
+from cluster.model import elementwise, moe
+from cluster.model.moe import route
 
 SHAPES = {"mixtral-like": (1024, 8, 2, 1792), "qwen3-moe-like": (1024, 64, 8, 384)}  # hidden, experts, top-k, width
 TOKENS = (1, 16, 64, 256, 1024)
@@ -47,28 +48,24 @@ def masked_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weig
     return out
 
 
-def grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-               experts: torch.Tensor) -> torch.Tensor:
-    """The sorted path with each loop of matmuls one `torch._grouped_mm` call (offsets, no host sync)."""
-    top_k = experts.shape[1]
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)
-    tokens = order // top_k
-    offsets = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
-    hidden = elementwise.silu_mul(torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=offsets))
-    rows = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
-    rows *= weights.flatten()[order].unsqueeze(1)
-    return torch.zeros_like(x).index_add_(0, tokens, rows)
+def sorted_path(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+    """The engine's path: the runs in two grouped matmuls where `moe.grouped_mm_serves`, else the loop."""
+    return moe.sorted_experts(x, gate_up, down, weights, experts)
 
 
 def sorted_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
-    return sorted_experts(x, gate_up, down, weights, experts)
+    """The engine's sorted path with its per-expert loop (a matmul pair per chosen expert)."""
+    moe.use_grouped_mm = False
+    try:
+        return moe.sorted_experts(x, gate_up, down, weights, experts)
+    finally:
+        moe.use_grouped_mm = True
 
 
-ARMS: dict[str, Callable[..., torch.Tensor]] = {"sorted": sorted_loop, "masked": masked_loop}
-if hasattr(torch, "_grouped_mm"):
-    ARMS["grouped_mm"] = grouped_mm
+ARMS: dict[str, Callable[..., torch.Tensor]] = {"sorted": sorted_path, "sorted-loop": sorted_loop,
+                                                "masked": masked_loop}
 
 
 def inputs(shape: tuple[int, int, int, int], tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -98,7 +95,7 @@ def time_arms(args: tuple[torch.Tensor, ...], repeats: int) -> dict[str, dict[st
 
 
 def ratios(seconds: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Each arm's time over the sorted path's, by statistic."""
+    """Each arm's time over the engine path's, by statistic."""
     return {statistic: {name: value / values["sorted"] for name, value in values.items()}
             for statistic, values in seconds.items()}
 
@@ -117,13 +114,15 @@ def main() -> None:
         for shape_name in args.shapes:
             for dtype_name in args.dtypes:
                 for tokens in args.tokens:
-                    seconds = time_arms(inputs(SHAPES[shape_name], tokens, getattr(torch, dtype_name)), args.repeats)
+                    x, gate_up, down, weights, experts = inputs(SHAPES[shape_name], tokens, getattr(torch, dtype_name))
+                    seconds = time_arms((x, gate_up, down, weights, experts), args.repeats)
                     results.append({"shape": shape_name, "dtype": dtype_name, "tokens": tokens, "seconds": seconds,
-                                    "over_sorted": ratios(seconds)})
+                                    "over_sorted": ratios(seconds),
+                                    "sorted_takes_grouped_mm": moe.grouped_mm_serves(x, gate_up, down)})
                     print(results[-1], flush=True)
     others = [name for name in ARMS if name != "sorted"]
     for statistic in ("fastest", "median"):
-        print_table(f"MoE MLP: {statistic} ms per call, and each arm over the sorted path",
+        print_table(f"MoE MLP: {statistic} ms per call, and each arm over the engine's sorted path",
                     ["shape", "dtype", "tokens", *[f"{name} ms" for name in ARMS],
                      *[f"{name} / sorted" for name in others]],
                     [[r["shape"], r["dtype"], r["tokens"], *[1e3 * r["seconds"][statistic][name] for name in ARMS],
