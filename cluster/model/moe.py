@@ -1,8 +1,9 @@
 """The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral: a router and a stack of SwiGLU experts.
 
-Each token goes to its top-k experts. Rather than run every expert over a mask of the batch (work for
-all experts, a `where` per expert), the step's (token, slot) pairs are sorted by expert, so each
-expert's rows are one contiguous run of a single gathered copy of the tokens:
+Each token goes to its top-k experts. Rather than scan the routing once per expert for its tokens
+(transformers' loop: a `where`, a gather and an `index_add_` per expert), the step's (token, slot)
+pairs are sorted by expert once, so each expert's rows are one contiguous run of a single gathered
+copy of the tokens:
 
     expert ids [tokens, k] ──flatten, stable argsort──> order          (pairs grouped by expert)
     x[order // k]          ──expert e over its run────> rows [tokens * k, hidden]
