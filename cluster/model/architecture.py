@@ -9,6 +9,20 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's
+    `num_experts_per_tok` experts of `num_experts` by softmax probability; their SwiGLU outputs
+    (each `intermediate_size` wide) are summed weighted by those probabilities, renormalized to sum to
+    1 where `renormalize`. The layers of `sparse_layers` have one; the others keep the dense MLP."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ArchitectureConfig:
     architecture: str  # the Hugging Face name (config.json's `architectures[0]`): the registry's key
     vocab_size: int
@@ -31,3 +45,5 @@ class ArchitectureConfig:
     sliding_window: int | None = None
     # Qwen3: queries and keys RMS-normalized per head (weights of head_dim) before the rotation.
     qk_norm: bool = False
+    # Mixture-of-experts models: which layers' MLPs are sparse and how they route; None for dense ones.
+    moe: MoeConfig | None = None

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.model.architecture import ArchitectureConfig
-from cluster.model.models import llama, mistral, phi3, qwen2, qwen3
+from cluster.model.models import llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
-    # Every architecture today builds the Llama network; a decoder of another shape gives the runner the
-    # same calls (`forward`, `compute_logits`, `load_weights`, `rotary`) and is built the same way
-    # (`model_class(arch, backend, max_positions=..., dtype=...)`).
+    # Every architecture builds the Llama network or a subclass of it (the mixtures of experts'
+    # `MoeForCausalLM`); a decoder of another shape gives the runner the same calls (`forward`,
+    # `compute_logits`, `load_weights`, `rotary`).
     model_class: type[llama.LlamaForCausalLM]
     read_config: Callable[[dict[str, Any]], ArchitectureConfig]
 
@@ -32,6 +32,8 @@ ARCHITECTURES: dict[str, ModelEntry] = {
     "Qwen2ForCausalLM": ModelEntry(llama.LlamaForCausalLM, qwen2.read_config),
     "Qwen3ForCausalLM": ModelEntry(llama.LlamaForCausalLM, qwen3.read_config),
     "Phi3ForCausalLM": ModelEntry(llama.LlamaForCausalLM, phi3.read_config),
+    "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe.MoeForCausalLM, qwen3_moe.read_config),
+    "MixtralForCausalLM": ModelEntry(qwen3_moe.MoeForCausalLM, mixtral.read_config),
 }
 
 

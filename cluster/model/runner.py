@@ -158,6 +158,9 @@ class ModelRunner:
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_host_memory()
+        if deterministic and arch.moe is not None:
+            raise ValueError("deterministic mode does not cover mixture-of-experts models: each expert's matmul "
+                             "has as many rows as tokens chose it, so its sums depend on the batch")
         backend = get_attention_backend(attention_backend, self.device, deterministic)
         model = build_model(arch, backend, max_model_len, self.dtype, self.device, quantized or {})
         model.load_weights(weights)  # each tensor cast to the parameter's dtype as it is copied in
@@ -182,7 +185,9 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeroed(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
         self.block_tables = BlockTables(-(-max_model_len // self.block_size))
-        if self.device.type == "cuda" and self.backend_name == "triton":
+        # Not for mixtures of experts: their layers read each expert's row count on the host, which a
+        # capture cannot.
+        if self.device.type == "cuda" and self.backend_name == "triton" and arch.moe is None:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
                                               max_model_len)
 

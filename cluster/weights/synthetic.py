@@ -25,11 +25,13 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
                        num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 320, qkv_bias: bool = False,
                        tie_word_embeddings: bool = False, rope_scaling: dict | None = None, seed: int = 0,
                        max_position_embeddings: int = 512, sliding_window: int | None = None,
-                       head_dim: int | None = None) -> Path:
+                       head_dim: int | None = None, moe: dict[str, Any] | None = None) -> Path:
     """Save a random-weight Llama (or Qwen2, which biases q/k/v, Qwen3, which norms each query and key
     head and may set `head_dim` apart from the hidden size, Phi-3, which stores q/k/v and gate/up fused,
-    or Mistral, whose layers attend through `sliding_window` tokens where it is set) with
-    transformers, as safetensors."""
+    Mistral, whose layers attend through `sliding_window` tokens where it is set, or the mixtures of
+    experts Qwen3-MoE and Mixtral, with `moe`'s settings over 4 experts, top-2) with transformers, as
+    safetensors. `moe` holds the transformers config keys of the experts (`num_experts` or
+    `num_local_experts`, `num_experts_per_tok`, `norm_topk_prob`, `mlp_only_layers`, ...)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -45,6 +47,15 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
     elif architecture == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=head_dim or hidden_size // num_heads)
         model = transformers.Qwen3ForCausalLM(config)
+    elif architecture == "qwen3_moe":
+        experts = {"head_dim": head_dim or hidden_size // num_heads, "moe_intermediate_size": hidden_size // 2,
+                   "num_experts": 4, "num_experts_per_tok": 2, **(moe or {})}
+        config = transformers.Qwen3MoeConfig(**common, **experts)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    elif architecture == "mixtral":
+        config = transformers.MixtralConfig(**common, sliding_window=sliding_window,
+                                            **{"num_local_experts": 4, "num_experts_per_tok": 2, **(moe or {})})
+        model = transformers.MixtralForCausalLM(config)
     elif architecture == "phi3":
         config = transformers.Phi3Config(**common, sliding_window=sliding_window, pad_token_id=0)
         model = transformers.Phi3ForCausalLM(config)
@@ -137,7 +148,8 @@ def build_tiny_llama_checkpoint(path: Path, *, num_layers: int = 2, hidden: int 
     """A complete random-weight checkpoint directory: `build_random_llama` weights plus a tiny tokenizer.
 
     `qkv_bias=True` makes it a Qwen2ForCausalLM (biases on q/k/v only), `architecture="mistral"` a
-    MistralForCausalLM (with `sliding_window`, if given). bos/eos ids 1 and 2 agree between
+    MistralForCausalLM (with `sliding_window`, if given); any other `architecture` of
+    `build_random_llama` builds that one (`qwen3_moe`, `mixtral`: 4 experts, top-2). bos/eos ids 1 and 2 agree between
     config.json, generation_config.json and the tokenizer.
     """
     build_random_llama(path, architecture=architecture or ("qwen2" if qkv_bias else "llama"), num_layers=num_layers,

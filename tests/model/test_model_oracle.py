@@ -33,6 +33,17 @@ CASES = {
     # A window wider than every sequence here: transformers' sliding mask changes nothing, nor may ours.
     "mistral-gqa-window-past-the-context": dict(architecture="mistral", num_heads=4, num_kv_heads=2,
                                                 sliding_window=64),
+    # Layer 0 dense (`mlp_only_layers`), layers 1 and 2 sparse: top-2 of 4 experts, weights renormalized.
+    "qwen3-moe-dense-and-sparse-renormalized": dict(
+        architecture="qwen3_moe", num_layers=3, head_dim=32,
+        moe=dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])),
+    # Every other layer sparse (`decoder_sparse_step`): top-2 of 8, the softmax's own weights.
+    "qwen3-moe-sparse-step-softmax-weights": dict(
+        architecture="qwen3_moe", num_layers=4,
+        moe=dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2)),
+    # `block_sparse_moe` with w1/w2/w3 in the checkpoint; top-2 of 8, renormalized.
+    "mixtral-top2-of-8": dict(architecture="mixtral", num_heads=4, num_kv_heads=2,
+                              moe=dict(num_local_experts=8, num_experts_per_tok=2)),
 }
 
 

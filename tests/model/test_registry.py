@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.model.architecture import MoeConfig
 from cluster.model.models.llama import LlamaForCausalLM
+from cluster.model.models.qwen3_moe import MoeForCausalLM
 from cluster.model.registry import architecture_config, model_class_for, supported_architectures
 
 SHAPE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -12,18 +14,60 @@ SHAPE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hi
 
 
 def test_the_registry_lists_exactly_the_supported_architectures() -> None:
-    assert sorted(supported_architectures()) == ["LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
-                                                 "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert sorted(supported_architectures()) == ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+                                                 "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                                 "Qwen3MoeForCausalLM"]
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                           "Qwen3ForCausalLM", "Phi3ForCausalLM"])
 def test_every_supported_architecture_builds_the_llama_network(architecture: str) -> None:
     assert model_class_for(architecture) is LlamaForCausalLM
-    assert architecture_config({**SHAPE, "architectures": [architecture]}).architecture == architecture
+    arch = architecture_config({**SHAPE, "architectures": [architecture]})
+    assert arch.architecture == architecture and arch.moe is None
 
 
-SUPPORTED = "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"
+QWEN3_MOE = {**SHAPE, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 6, "num_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+@pytest.mark.parametrize(("config", "moe"), [
+    # transformers' defaults: every layer sparse, the top-k weights as the softmax gave them
+    (QWEN3_MOE, MoeConfig(8, 2, 32, renormalize=False, sparse_layers=(0, 1, 2, 3, 4, 5))),
+    # layer i sparse where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
+    ({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [1], "norm_topk_prob": True},
+     MoeConfig(8, 2, 32, renormalize=True, sparse_layers=(3, 5))),
+    # transformers 5 writes the number of experts as num_local_experts
+    ({**{k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}, "num_local_experts": 4},
+     MoeConfig(4, 2, 32, renormalize=False, sparse_layers=(0, 1, 2, 3, 4, 5))),
+    ({**QWEN3_MOE, "num_experts": 0}, MoeConfig(0, 2, 32, renormalize=False, sparse_layers=())),
+    # Mixtral: every layer sparse, renormalized, experts as wide as intermediate_size
+    ({**SHAPE, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_experts_per_tok": 2},
+     MoeConfig(8, 2, 128, renormalize=True, sparse_layers=(0, 1))),
+], ids=["qwen3-moe-defaults", "qwen3-moe-sparse-step-mlp-only", "qwen3-moe-num-local-experts",
+        "qwen3-moe-no-experts", "mixtral"])
+def test_mixture_of_experts_configs_are_read_as_transformers_builds_them(config: dict, moe: MoeConfig) -> None:
+    arch = architecture_config(config)
+    assert model_class_for(arch.architecture) is MoeForCausalLM
+    assert arch.moe == moe
+
+
+@pytest.mark.parametrize(("config", "window"), [
+    (QWEN3_MOE, None),  # use_sliding_window absent: transformers' Qwen3-MoE drops the window
+    ({**QWEN3_MOE, "sliding_window": 64, "use_sliding_window": True}, 64),  # every layer slides
+    ({**SHAPE, "architectures": ["MixtralForCausalLM"]}, None),  # MixtralConfig's default is no window
+    ({**SHAPE, "architectures": ["MixtralForCausalLM"], "sliding_window": 4096}, 4096),
+])
+def test_mixture_of_experts_windows_are_read_as_transformers_applies_them(config: dict, window: int | None) -> None:
+    assert architecture_config(config).sliding_window == window
+
+
+def test_qwen3_moe_keeps_qwen3_per_head_norms() -> None:
+    assert architecture_config(QWEN3_MOE).qk_norm
+
+
+SUPPORTED = ("supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
+             "Qwen3MoeForCausalLM, MixtralForCausalLM")
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones() -> None:

@@ -11,7 +11,7 @@ and gate/up become `gate_up_proj`; `load_weights` maps checkpoint names onto the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,9 +139,9 @@ class Rotation:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,14 +150,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias,
-                                  dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.scale = self.head_dim ** -0.5
         self.backend = backend
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -185,22 +184,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ArchitectureConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: ArchitectureConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(elementwise.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, dtype: torch.dtype | None = None) -> None:
+    """Attention, then an MLP: the dense `MLP`, or whatever maps [tokens, hidden] to [tokens, hidden]
+    (a mixture of experts, `cluster.model.moe.SparseMoeBlock`)."""
+
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, dtype)
-        self.mlp = MLP(config, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, backend)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, rotation: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,11 +215,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend,
+                 mlp_of_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, dtype) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, mlp_of_layer(index))
+                                    for index in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 # Checkpoint name fragments that load into a slice of a fused parameter: (fused name, shard index).
@@ -228,15 +232,13 @@ FUSED_SHARDS = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, max_positions: int,
-                 dtype: torch.dtype | None = None) -> None:
-        """Parameters in `dtype` from the start (torch's default where None): weights load straight into
-        the serving dtype, never through a float32 copy of the whole model."""
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, max_positions: int) -> None:
+        """Built on the meta device by the runner (`build_model`), then allocated in the serving dtype."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, dtype)
-        self.rotary = RotaryEmbedding(config, max_positions)  # float32 whatever `dtype`: positions stay exact
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.model = LlamaModel(config, backend, self.mlp_of_layer)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -249,6 +251,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, kv_cache, metadata, rotation)
         return self.model.norm(hidden, residual)[0]
+
+    def mlp_of_layer(self, index: int) -> nn.Module:
+        """The MLP layer `index` builds (a subclass's may differ by layer)."""
+        return MLP(self.config)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """The lm_head's logits, widened to fp32 unless `upcast` is False (the sampler widens what it
@@ -271,16 +277,22 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            target, offset, size = self._locate(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model")
-            destination = params[target].narrow(0, offset, size) if size else params[target]
+            destination, shards = self._destination(name, params)
             if destination.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(destination.shape)}")
             destination.copy_(tensor)
-            loaded.update(self._shards_loaded(target, offset, size))
+            loaded.update(shards)
         self._check_all_loaded(params, loaded)
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, list[str]]:
+        """The parameter, or the slice of one, that checkpoint tensor `name` loads into, and the shards
+        (`_shards_of`'s keys) it fills."""
+        target, offset, size = self._locate(name)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model")
+        destination = params[target].narrow(0, offset, size) if size else params[target]
+        return destination, self._shards_loaded(target, offset, size)
 
     def _shards_loaded(self, target: str, offset: int, size: int) -> list[str]:
         """What a tensor loaded: its shard of a fused parameter, or all of them when it was stored fused
@@ -299,12 +311,15 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(fragment, fused), sum(sizes[:shard]), sizes[shard]
         return name, 0, 0
 
+    def _shards_of(self, name: str) -> list[str]:
+        """The keys a parameter's loading must fill: one per shard of a fused parameter, else one.
+        Reported missing up to their `#`."""
+        fused = next((f for f in (".qkv_proj.", ".gate_up_proj.") if f in name), None)
+        sizes = self.shard_sizes(fused) if fused else [0]
+        return [f"{name}#{sum(sizes[:i])}" for i in range(len(sizes))]
+
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        missing = []
-        for name in params:
-            fused = next((f for f in (".qkv_proj.", ".gate_up_proj.") if f in name), None)
-            shards = len(self.shard_sizes(fused)) if fused else 1
-            offsets = [sum(self.shard_sizes(fused)[:i]) for i in range(shards)] if fused else [0]
-            missing += [name for offset in offsets if f"{name}#{offset}" not in loaded]
+        missing = [shard for name in params for shard in self._shards_of(name) if shard not in loaded]
         if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(set(missing))[:5]}")
+            names = sorted({shard.split("#")[0] for shard in missing})
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {names[:5]}")
