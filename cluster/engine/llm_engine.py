@@ -148,20 +148,12 @@ class LLMEngine:
         return max(1, int(cache.kv_cache_memory_gb * 2**30) // block_bytes)
 
     def _max_model_len(self) -> int:
-        """The model's context, capped by the request, and by the pool so one request always fits.
-        Attention here always spans the whole context, so a model whose layers slide a narrower
-        window is refused rather than served answers that are not its own past the window."""
+        """The model's context, capped by the request, and by the pool so one request always fits."""
         limit = self.config.model.max_model_len or self.arch.max_position_embeddings
         if limit > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len {limit} exceeds the model's context "
                              f"({self.arch.max_position_embeddings} tokens)")
-        context = min(limit, self.num_blocks * self.config.cache.block_size)
-        window = self.arch.sliding_window
-        if window is not None and window < context:
-            raise ValueError(f"the model attends through a sliding window of {window} tokens, which this engine "
-                             f"does not implement, and its context would be {context} tokens: set max_model_len "
-                             f"to at most {window} (--max-model-len {window})")
-        return context
+        return min(limit, self.num_blocks * self.config.cache.block_size)
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -17,10 +17,10 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
                        tie_word_embeddings: bool = False, rope_scaling: dict | None = None, seed: int = 0,
                        max_position_embeddings: int = 512, sliding_window: int | None = None,
                        head_dim: int | None = None) -> Path:
-    """Save a random-weight Llama (or Qwen2, which biases q/k/v, Qwen3, which norms each query and key
-    head and may set `head_dim` apart from the hidden size, Phi-3, which stores q/k/v and gate/up fused,
-    or Mistral, whose layers attend through `sliding_window` tokens where it is set) with
-    transformers, as safetensors."""
+    """Save a random-weight Llama (or Qwen2, which biases q/k/v and, given `sliding_window`, slides it on
+    its upper half of layers only, Qwen3, which norms each query and key head and may set `head_dim`
+    apart from the hidden size, Phi-3, which stores q/k/v and gate/up fused, or Mistral, whose layers
+    attend through `sliding_window` tokens where it is set) with transformers, as safetensors."""
     import transformers
 
     torch.manual_seed(seed)
@@ -31,7 +31,8 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
     config: Any
     model: Any
     if architecture == "qwen2":
-        config = transformers.Qwen2Config(**common)
+        config = transformers.Qwen2Config(**common, use_sliding_window=sliding_window is not None,
+                                          sliding_window=sliding_window, max_window_layers=num_layers // 2)
         model = transformers.Qwen2ForCausalLM(config)
     elif architecture == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=head_dim or hidden_size // num_heads)

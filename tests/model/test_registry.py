@@ -47,4 +47,4 @@ def test_phi3_variants_this_forward_pass_does_not_compute_are_refused(extra: dic
     with pytest.raises(ValueError, match=refusal):
         architecture_config({**SHAPE, "architectures": ["Phi3ForCausalLM"], **extra})
     assert architecture_config({**SHAPE, "architectures": ["Phi3ForCausalLM"], "sliding_window": 2047}
-                               ).sliding_window == 2047
+                               ).layer_windows == (2047, 2047)
