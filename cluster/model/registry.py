@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.model.architecture import ArchitectureConfig
-from cluster.model.models import llama, mistral, phi3, qwen2, qwen3
+from cluster.model.models import gemma, llama, mistral, phi3, qwen2, qwen3
 
 
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
-    # Every architecture today builds the Llama network; a decoder of another shape gives the runner the
-    # same calls (`forward`, `compute_logits`, `load_weights`, `rotary`).
+    # The Llama network or a subclass of it with its own layers (Gemma): the runner's calls (`forward`,
+    # `compute_logits`, `load_weights`, `rotary`) and the weight loading are Llama's.
     model_class: type[llama.LlamaForCausalLM]
     read_config: Callable[[dict[str, Any]], ArchitectureConfig]
 
@@ -31,6 +31,8 @@ ARCHITECTURES: dict[str, ModelEntry] = {
     "Qwen2ForCausalLM": ModelEntry(llama.LlamaForCausalLM, qwen2.read_config),
     "Qwen3ForCausalLM": ModelEntry(llama.LlamaForCausalLM, qwen3.read_config),
     "Phi3ForCausalLM": ModelEntry(llama.LlamaForCausalLM, phi3.read_config),
+    "Gemma2ForCausalLM": ModelEntry(gemma.GemmaForCausalLM, gemma.read_gemma2_config),
+    "Gemma3ForCausalLM": ModelEntry(gemma.GemmaForCausalLM, gemma.read_gemma3_config),
 }
 
 

@@ -193,6 +193,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up with gelu's tanh approximation (GeGLU, Gemma's `gelu_pytorch_tanh`), gate and
+    up the two halves of the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim] rotated per token (Hugging Face's non-interleaved halves) by cos and
     sin [tokens, 1, head_dim / 2] float32: computed in fp32, returned in x's dtype."""

@@ -97,6 +97,19 @@ WINDOWED_CASES = {
     "qwen2-window-8-upper-layers": dict(architecture="qwen2", num_heads=6, num_kv_heads=2, hidden_size=96,
                                         num_layers=4, sliding_window=8),
     "phi3-window-5": dict(architecture="phi3", num_heads=4, num_kv_heads=2, sliding_window=5),
+    # Local and global layers alternating; caps small enough to bite on these scores and logits, a query
+    # scalar apart from head_dim, tied embeddings.
+    "gemma2-softcaps-alternating": dict(
+        architecture="gemma2", num_heads=4, num_kv_heads=2, num_layers=4, sliding_window=6,
+        tie_word_embeddings=True,
+        extra_config={"attn_logit_softcapping": 3.0, "final_logit_softcapping": 4.0, "query_pre_attn_scalar": 24}),
+    # Per-head q/k norms; the local layers' RoPE base apart from the global layers', which scale linearly.
+    "gemma3-local-global-rope": dict(
+        architecture="gemma3", num_heads=4, num_kv_heads=2, num_layers=4, sliding_window=7, tie_word_embeddings=True,
+        extra_config={"layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                             "rope_theta": 1e6}}}),
 }
 
 
@@ -110,7 +123,9 @@ def test_sliding_windows_match_transformers_past_the_window(tmp_path: Path, case
     path = build_random_llama(tmp_path, **WINDOWED_CASES[case])
     arch = architecture_config(load_hf_config(path))
     assert any(window is not None for window in arch.layer_windows)
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Eager attention: transformers' SDPA path has no soft cap.
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
     runner, scheduler = make_parts(path, budget=5)
     generator = torch.Generator().manual_seed(1)
     prompts = {"long": torch.randint(3, 320, (23,), generator=generator).tolist(),

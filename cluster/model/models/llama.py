@@ -11,7 +11,7 @@ and gate/up become `gate_up_proj`; `load_weights` maps checkpoint names onto the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,18 +139,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, layer: int) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, layer: int,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
+        """Layer `layer`'s attention: its sliding window, if any, and the soft cap on its scores;
+        `norm` the class of the per-head query and key norms (Gemma's scale by 1 + weight)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.scale = self.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.backend = backend
-        self.options = AttentionOptions(window=config.window_of(layer))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.options = AttentionOptions(window=config.window_of(layer), softcap=config.attn_logit_softcap)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 rotation: Rotation) -> torch.Tensor:
@@ -202,11 +205,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+    """The embeddings, the decoder layers (of `layer_class`: Gemma's differ) and the final norm."""
+
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend,
+                 layer_class: Callable[[ArchitectureConfig, AttentionBackend, int], nn.Module] = DecoderLayer,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, layer) for layer in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, backend, layer) for layer in range(config.num_layers))
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 
 # Checkpoint name fragments that load into a slice of a fused parameter: (fused name, shard index).
@@ -220,11 +227,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
-        self.rotary = RotaryEmbedding(config, max_positions)
+        self.model = self.build_model(config, backend)
+        self.rotary = self.build_rotary(config, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_model(self, config: ArchitectureConfig, backend: AttentionBackend) -> LlamaModel:
+        """The network under the lm head: a subclass's own layers go here (`gemma.py`)."""
+        return LlamaModel(config, backend)
+
+    def build_rotary(self, config: ArchitectureConfig, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(config, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
