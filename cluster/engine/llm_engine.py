@@ -200,16 +200,8 @@ class LLMEngine:
         return limit
 
     def _max_model_len(self) -> int:
-        """The model's context, capped by the request, and by the pool so one request always fits.
-        Attention here always spans the whole context, so a model whose layers slide a narrower
-        window is refused rather than served answers that are not its own past the window."""
-        context = min(self._context_limit(), self.num_blocks * self.config.cache.block_size)
-        window = self.arch.sliding_window
-        if window is not None and window < context:
-            raise ValueError(f"the model attends through a sliding window of {window} tokens, which this engine "
-                             f"does not implement, and its context would be {context} tokens: set max_model_len "
-                             f"to at most {window} (--max-model-len {window})")
-        return context
+        """The model's context, capped by the request, and by the pool so one request always fits."""
+        return min(self._context_limit(), self.num_blocks * self.config.cache.block_size)
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -39,11 +39,22 @@ class ArchitectureConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
-    # The attention window of the layers that slide (Mistral 7B v0.1's 4,096), None where every layer
-    # attends to its whole context. The engine attends to the whole context: it refuses a context
-    # longer than the window (`LLMEngine`), where the answers would no longer be the model's.
-    sliding_window: int | None = None
-    # Qwen3: queries and keys RMS-normalized per head (weights of head_dim) before the rotation.
+    # Each layer's sliding window (Mistral 7B v0.1's 4,096 on every layer, Qwen2's upper layers where it
+    # slides them), None for a layer that attends to its whole context; empty where no layer slides.
+    # A query sees itself and the window - 1 tokens before it (transformers' sliding mask).
+    layer_windows: tuple[int | None, ...] = ()
+    # Qwen3, Gemma 3: queries and keys RMS-normalized per head (weights of head_dim) before the rotation.
     qk_norm: bool = False
     # Mixture-of-experts models: which layers' MLPs are sparse and how they route; None for dense ones.
     moe: MoeConfig | None = None
+    # Gemma: scores scaled by query_pre_attn_scalar ** -0.5 rather than head_dim's.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 2: scores (after the scale) soft-capped, cap * tanh(score / cap), and so are the final logits.
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Gemma 3: the RoPE base of the sliding layers (no scaling), apart from the full layers' rope_theta.
+    sliding_rope_theta: float | None = None
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None where it sees its whole context."""
+        return self.layer_windows[layer] if self.layer_windows else None

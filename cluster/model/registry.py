@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.model.architecture import ArchitectureConfig
-from cluster.model.models import llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from cluster.model.models import gemma, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
-    # Every architecture builds the Llama network or a subclass of it (the mixtures of experts'
-    # `MoeForCausalLM`); a decoder of another shape gives the runner the same calls (`forward`,
-    # `compute_logits`, `load_weights`, `rotary`).
+    # The Llama network or a subclass of it with its own layers (Gemma) or MLPs (the mixtures of experts'
+    # `MoeForCausalLM`): the runner's calls (`forward`, `compute_logits`, `load_weights`, `rotary`) and the
+    # weight loading are Llama's.
     model_class: type[llama.LlamaForCausalLM]
     read_config: Callable[[dict[str, Any]], ArchitectureConfig]
 
@@ -34,6 +34,8 @@ ARCHITECTURES: dict[str, ModelEntry] = {
     "Phi3ForCausalLM": ModelEntry(llama.LlamaForCausalLM, phi3.read_config),
     "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe.MoeForCausalLM, qwen3_moe.read_config),
     "MixtralForCausalLM": ModelEntry(qwen3_moe.MoeForCausalLM, mixtral.read_config),
+    "Gemma2ForCausalLM": ModelEntry(gemma.GemmaForCausalLM, gemma.read_gemma2_config),
+    "Gemma3ForCausalLM": ModelEntry(gemma.GemmaForCausalLM, gemma.read_gemma3_config),
 }
 
 

@@ -25,13 +25,17 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
                        num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 320, qkv_bias: bool = False,
                        tie_word_embeddings: bool = False, rope_scaling: dict | None = None, seed: int = 0,
                        max_position_embeddings: int = 512, sliding_window: int | None = None,
-                       head_dim: int | None = None, moe: dict[str, Any] | None = None) -> Path:
-    """Save a random-weight Llama (or Qwen2, which biases q/k/v, Qwen3, which norms each query and key
-    head and may set `head_dim` apart from the hidden size, Phi-3, which stores q/k/v and gate/up fused,
-    Mistral, whose layers attend through `sliding_window` tokens where it is set, or the mixtures of
-    experts Qwen3-MoE and Mixtral, with `moe`'s settings over 4 experts, top-2) with transformers, as
-    safetensors. `moe` holds the transformers config keys of the experts (`num_experts` or
-    `num_local_experts`, `num_experts_per_tok`, `norm_topk_prob`, `mlp_only_layers`, ...)."""
+                       head_dim: int | None = None, moe: dict[str, Any] | None = None,
+                       extra_config: dict[str, Any] | None = None) -> Path:
+    """Save a random-weight Llama (or Qwen2, which biases q/k/v and, given `sliding_window`, slides it on
+    its upper half of layers only, Qwen3, which norms each query and key head and may set `head_dim`
+    apart from the hidden size, Phi-3, which stores q/k/v and gate/up fused, Mistral, whose layers
+    attend through `sliding_window` tokens where it is set, Gemma 2 and Gemma 3, whose local layers
+    slide `sliding_window`, or the mixtures of experts Qwen3-MoE and Mixtral, with `moe`'s settings over
+    4 experts, top-2) with transformers, as safetensors. `moe` holds the transformers config keys of
+    the experts (`num_experts` or `num_local_experts`, `num_experts_per_tok`, `norm_topk_prob`,
+    `mlp_only_layers`, ...); `extra_config`: more of the config's fields (Gemma's soft caps, layer
+    types, RoPE parameters)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -39,10 +43,14 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
                   num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    common |= extra_config or {}
     config: Any
     model: Any
-    if architecture == "qwen2":
-        config = transformers.Qwen2Config(**common)
+    if architecture in ("gemma2", "gemma3"):
+        config, model = _gemma(architecture, common, head_dim or hidden_size // num_heads, sliding_window)
+    elif architecture == "qwen2":
+        config = transformers.Qwen2Config(**common, use_sliding_window=sliding_window is not None,
+                                          sliding_window=sliding_window, max_window_layers=num_layers // 2)
         model = transformers.Qwen2ForCausalLM(config)
     elif architecture == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=head_dim or hidden_size // num_heads)
@@ -78,6 +86,20 @@ def build_random_llama(path: Path, *, architecture: str = "llama", num_layers: i
                 parameter.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def _gemma(architecture: str, common: dict[str, Any], head_dim: int, sliding_window: int | None) -> tuple[Any, Any]:
+    """A Gemma 2 or Gemma 3 (text) config and model; Gemma's activation, its head_dim as the query scalar."""
+    import transformers
+
+    fields = dict(common, head_dim=head_dim, sliding_window=sliding_window or 4096,
+                  hidden_activation="gelu_pytorch_tanh")
+    fields.setdefault("query_pre_attn_scalar", head_dim)
+    if architecture == "gemma2":
+        gemma2 = transformers.Gemma2Config(**fields)
+        return gemma2, transformers.Gemma2ForCausalLM(gemma2)
+    gemma3 = transformers.Gemma3TextConfig(**fields)
+    return gemma3, transformers.Gemma3ForCausalLM(gemma3)
 
 
 # ChatML over several lines, so that rendering depends on trim_blocks/lstrip_blocks as in transformers.

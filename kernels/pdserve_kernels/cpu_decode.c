@@ -101,9 +101,25 @@ typedef struct {
     int tiled;              /* 1: 16 tokens at a time where the build and head size allow; 0: one at a time */
     int64_t query_stride;   /* elements between two rows of the query (each row's heads contiguous) */
     int64_t table_width;    /* blocks in a row of the block table: no length may pass width * block_size */
+    int64_t window;         /* a sliding window: the query sees its context's last `window` tokens; 0: all */
+    float softcap;          /* scores become softcap * tanh(score / softcap) before the softmax; 0: no cap */
 } DecodeShape;
 
-/* x[0:n] becomes softmax(x) in place (n >= 1). */
+/* A sliding window's first visible token of a context of seq_len (transformers' sliding mask: the
+ * query at seq_len - 1 and the window - 1 tokens before it); 0 without a window. */
+static inline int64_t window_start(int64_t seq_len, const DecodeShape *s) {
+    return s->window > 0 && seq_len > s->window ? seq_len - s->window : 0;
+}
+
+/* One head's scores before its softmax: soft-capped where the layer caps them, and the first `masked`
+ * (the tokens of the context's first visible block that lie before the window) hidden. */
+static inline void adjust_scores(float *x, int64_t n, int64_t masked, float softcap) {
+    if (softcap > 0.0f)
+        for (int64_t i = 0; i < n; i++) x[i] = softcap * tanhf(x[i] / softcap);
+    for (int64_t i = 0; i < masked && i < n; i++) x[i] = -INFINITY;
+}
+
+/* x[0:n] becomes softmax(x) in place (n >= 1, some x finite). */
 static inline void softmax(float *x, int64_t n) {
     float top = x[0], total = 0.0f;
     int64_t t = 0;
@@ -333,7 +349,7 @@ DEFINE_WIDEN_ROWS(e4m3, bf16_exact, uint16_t)
 #define DEFINE_TILED(NAME, QT, CT, KT, KSUFFIX, VSUFFIX, KEYS, LOAD, STORE)                                 \
 static inline __attribute__((always_inline)) void NAME##_tiled(                                          \
         const QT *query, const CT *keys, const CT *values, const int64_t *table, int64_t seq_len, QT *out,  \
-        const DecodeShape *s, float *scratch, const int64_t dim) {                                          \
+        const DecodeShape *s, float *scratch, const int64_t dim, int64_t masked) {                          \
     const int64_t heads = s->heads, group = heads / s->kv_heads, bs = s->block_size;                      \
     const int64_t row_bytes = s->kv_heads * dim * (int64_t)sizeof(CT), block_bytes = bs * row_bytes;     \
     const int64_t most = dim == 64 ? 4 : 2;  /* query heads whose outputs fit in registers at once */      \
@@ -354,7 +370,10 @@ static inline __attribute__((always_inline)) void NAME##_tiled(                 
     }                                                                                                     \
     tile_rows((const char *)values, table, 0, seq_len < TILE ? seq_len : TILE, bs, block_bytes, row_bytes, next); \
     prefetch_rows(next, seq_len < TILE ? seq_len : TILE, row_bytes);  /* read while the softmax runs */   \
-    for (int64_t h = 0; h < heads; h++) softmax(scores + h * seq_len, seq_len);                          \
+    for (int64_t h = 0; h < heads; h++) {                                                                 \
+        adjust_scores(scores + h * seq_len, seq_len, masked, s->softcap);                                 \
+        softmax(scores + h * seq_len, seq_len);                                                           \
+    }                                                                                                     \
     for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {                                                      \
         const int64_t n = advance_tile((const char *)values, table, t0, seq_len, bs, block_bytes, row_bytes, rows, next); \
         for (int64_t g = 0; g < s->kv_heads; g++) {                                                       \
@@ -393,7 +412,7 @@ DEFINE_TILED(paged_decode_bf16_e4m3, uint16_t, uint8_t, uint16_t, bf16, e4m3, wi
 #define DEFINE_DECODE(NAME, QT, CT, LOAD, STORE, KV_LOAD, DOT)                                              \
 static inline __attribute__((always_inline)) void NAME##_sequence(                                       \
         const QT *query, const CT *keys, const CT *values, const int64_t *table, int64_t seq_len, QT *out,  \
-        const DecodeShape *s, float *scratch, const int64_t dim) {                                          \
+        const DecodeShape *s, float *scratch, const int64_t dim, int64_t masked) {                          \
     const int64_t heads = s->heads, group = heads / s->kv_heads, bs = s->block_size;                      \
     const int64_t token_stride = s->kv_heads * dim, block_stride = bs * token_stride;                     \
     float *q = scratch, *acc = q + heads * dim, *scores = acc + heads * dim;                              \
@@ -408,7 +427,10 @@ static inline __attribute__((always_inline)) void NAME##_sequence(              
             scores[h * seq_len + t] = DOT(qh, query + h * dim, k, dim, s->scale);                         \
         }                                                                                                 \
     }                                                                                                     \
-    for (int64_t h = 0; h < heads && seq_len > 0; h++) softmax(scores + h * seq_len, seq_len);          \
+    for (int64_t h = 0; h < heads && seq_len > 0; h++) {                                                  \
+        adjust_scores(scores + h * seq_len, seq_len, masked, s->softcap);                                 \
+        softmax(scores + h * seq_len, seq_len);                                                           \
+    }                                                                                                     \
     for (int64_t t = 0; t < seq_len; t++) {  /* each KV head's value widened once for its query group */ \
         const CT *row = values + table[t / bs] * block_stride + (t % bs) * token_stride;                  \
         for (int64_t g = 0; g < s->kv_heads; g++) {                                                       \
@@ -448,18 +470,22 @@ int NAME(const QT *query, const CT *cache, const int64_t *block_tables, const in
                 continue;                                                                                 \
             }                                                                                             \
             const QT *q = query + b * s->query_stride;                                                    \
-            const int64_t *table = block_tables + b * s->table_stride;                                    \
+            /* Under a window, the blocks wholly before it are skipped (the table starts later, the    \
+             * length shrinks) and the rest of the tokens before it masked. */                          \
+            const int64_t first = window_start(seq_lens[b], s), skip = first / s->block_size;           \
+            const int64_t *table = block_tables + b * s->table_stride + skip;                             \
+            const int64_t len = seq_lens[b] - skip * s->block_size, masked = first - skip * s->block_size; \
             /* The common head sizes as constants: the compiler unrolls the dot products. */               \
             if (s->head_dim == 64 && TILED(s))                                                            \
-                NAME##_tiled(q, keys, values, table, seq_lens[b], out + b * row, s, scratch, 64);         \
+                NAME##_tiled(q, keys, values, table, len, out + b * row, s, scratch, 64, masked);         \
             else if (s->head_dim == 128 && TILED(s))                                                      \
-                NAME##_tiled(q, keys, values, table, seq_lens[b], out + b * row, s, scratch, 128);        \
+                NAME##_tiled(q, keys, values, table, len, out + b * row, s, scratch, 128, masked);        \
             else if (s->head_dim == 64)                                                                   \
-                NAME##_sequence(q, keys, values, table, seq_lens[b], out + b * row, s, scratch, 64);      \
+                NAME##_sequence(q, keys, values, table, len, out + b * row, s, scratch, 64, masked);      \
             else if (s->head_dim == 128)                                                                  \
-                NAME##_sequence(q, keys, values, table, seq_lens[b], out + b * row, s, scratch, 128);     \
+                NAME##_sequence(q, keys, values, table, len, out + b * row, s, scratch, 128, masked);     \
             else                                                                                          \
-                NAME##_sequence(q, keys, values, table, seq_lens[b], out + b * row, s, scratch, s->head_dim); \
+                NAME##_sequence(q, keys, values, table, len, out + b * row, s, scratch, s->head_dim, masked); \
         }                                                                                                 \
         free(scratch);                                                                                    \
     }                                                                                                     \

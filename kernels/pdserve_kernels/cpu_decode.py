@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve_kernels import cpu_build
+from pdserve_kernels import cpu_build, reference
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 TOO_LONG = 2  # the kernel's answer when a length exceeds its block table: nothing read
@@ -35,7 +35,8 @@ class DecodeShape(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
                 ("table_stride", ctypes.c_int64), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int),
-                ("tiled", ctypes.c_int), ("query_stride", ctypes.c_int64), ("table_width", ctypes.c_int64)]
+                ("tiled", ctypes.c_int), ("query_stride", ctypes.c_int64), ("table_width", ctypes.c_int64),
+                ("window", ctypes.c_int64), ("softcap", ctypes.c_float)]
 
 
 @functools.cache
@@ -56,8 +57,10 @@ def available(dtype: torch.dtype, march: str = "native") -> bool:
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,  # noqa: PLR0913
                            seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                           options: reference.AttentionOptions = reference.CAUSAL,
                            march: str = "native", *, tiled: bool = True) -> torch.Tensor:
-    """One query token per sequence ([batch, heads, head_dim]) over its whole cached context; a
+    """One query token per sequence ([batch, heads, head_dim]) over its cached context (its window's
+    last tokens where `options` slides one: the blocks before the window are never read); a
     sequence of length 0 (a padding row) gives zeros. `max_seq_len` is unused: each sequence reads
     its own length. Same contract as `reference.paged_decode_attention`. `tiled` False takes the
     one-token loop even where the build and head size allow 16 tokens at a time (cpu_decode.c), the
@@ -81,7 +84,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     out = q.new_empty((batch, heads, head_dim))
     shape = DecodeShape(batch, heads, kv_heads, head_dim, block_size, num_blocks, tables.stride(0) if batch else 0,
                         scale, torch.get_num_threads(), int(tiled), q.stride(0) if batch else 0,
-                        tables.shape[1])
+                        tables.shape[1], options.window or 0, options.softcap or 0.0)
     failed = getattr(library, FUNCTIONS[query_dtype, kv_cache.dtype])(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kv_cache.data_ptr()), ctypes.c_void_p(tables.data_ptr()),
         ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.byref(shape))

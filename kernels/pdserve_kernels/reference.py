@@ -10,10 +10,49 @@ A token at position p of a sequence lives in block `block_table[p // block_size]
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 FP8_MAX = {torch.float8_e5m2: 57344.0, torch.float8_e4m3fn: 448.0}  # the largest finite values
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """What a layer's attention adds to plain causal attention over its context; every kernel takes it.
+
+    `window`: a sliding window, as transformers' sliding mask draws it: a query at position p sees the
+    keys at p - window < k <= p (itself and the window - 1 before it). None: the whole context.
+    `softcap`: scores (after the scale) become softcap * tanh(score / softcap) before the mask and
+    softmax (Gemma 2's `attn_logit_softcapping`). None: left as they are."""
+
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"a sliding window covers at least one token, got {self.window}")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ValueError(f"a soft cap must be positive, got {self.softcap}")
+
+
+CAUSAL = AttentionOptions()
+
+
+def visible_keys(query_positions: torch.Tensor, num_keys: int, window: int | None,
+                 first_key: int = 0) -> torch.Tensor:
+    """[queries, num_keys] bool: whether the key at position first_key + j is visible to the query at
+    query_positions[i] (causal, and inside the window where there is one)."""
+    keys = torch.arange(first_key, first_key + num_keys, device=query_positions.device)[None, :]
+    positions = query_positions.to(keys.dtype)[:, None]
+    mask = keys <= positions
+    return mask if window is None else mask & (keys > positions - window)
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """softcap * tanh(scores / softcap) (a new tensor), or scores as they are without a cap."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,22 +99,43 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: i
     return keys.transpose(1, 2), values.transpose(1, 2)
 
 
-def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
-    """One query token per sequence ([batch, heads, head_dim]) over its whole cached context."""
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,  # noqa: PLR0913
+                           seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                           options: AttentionOptions = CAUSAL) -> torch.Tensor:
+    """One query token per sequence ([batch, heads, head_dim]), at its last position, over its cached
+    context (the window's last tokens of it where `options` slides one)."""
     keys, values = gather_kv(kv_cache, block_tables, max_seq_len, attention_dtype(kv_cache, query))
-    positions = torch.arange(max_seq_len, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]
-    out = F.scaled_dot_product_attention(query.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
+    mask = visible_keys(seq_lens - 1, max_seq_len, options.window)[:, None, None, :]
+    out = attend(query.unsqueeze(2).to(keys.dtype), keys, values, mask, scale, options.softcap)
     return out.squeeze(2).to(query.dtype)
 
 
-def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA (query [batch, heads, q, dim], keys/values [batch, kv_heads, s, dim], GQA) under a boolean
+    mask, or `is_causal`; with a soft cap, which SDPA has no place for, the same in fp32 torch ops. A
+    row that sees nothing comes out zeros."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = query.shape[1] // keys.shape[1]
+    keys, values = (x.float().repeat_interleave(group, dim=1) for x in (keys, values))
+    scores = soft_cap(torch.matmul(query.float(), keys.transpose(-1, -2)) * scale, softcap)
+    if is_causal:
+        mask = visible_keys(torch.arange(query.shape[2], device=query.device), keys.shape[2], None)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).nan_to_num(0.0)
+    return torch.matmul(probs, values).to(query.dtype)
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,  # noqa: PLR0913
                             query_start_loc: list[int], seq_lens: list[int], scale: float,
-                            key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+                            key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                            options: AttentionOptions = CAUSAL) -> torch.Tensor:
     """Variable-length causal attention ([tokens, heads, head_dim]): each sequence's new tokens
-    attend to its cached prefix and to themselves. Sequences are handled one at a time.
+    attend to its cached prefix and to themselves (inside `options`' window, if any). Sequences are
+    handled one at a time.
 
     `key` and `value` ([tokens, kv_heads, head_dim]), the step's new keys and values as written to
     the cache, spare the gather for a sequence with no cached prefix: all it attends to is in them."""
@@ -86,13 +146,12 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
         keys, values = sequence_kv(kv_cache, block_tables[index], seq_len, start, end, key, value,
                                    attention_dtype(kv_cache, query))
         q = query[start:end].transpose(0, 1).unsqueeze(0).to(keys.dtype)
-        if query_len == seq_len:
-            attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        if query_len == seq_len and options.window is None:
+            attended = attend(q, keys, values, None, scale, options.softcap, is_causal=True)
         else:
-            # Query i sits at position seq_len - query_len + i and sees every key up to it.
-            rows = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            # Query i sits at position seq_len - query_len + i.
+            rows = torch.arange(seq_len - query_len, seq_len, device=query.device)
+            attended = attend(q, keys, values, visible_keys(rows, seq_len, options.window), scale, options.softcap)
         out[start:end] = attended[0].transpose(0, 1).to(out.dtype)
     return out
 
@@ -132,6 +191,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up the two halves of the last dim."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up with gelu's tanh approximation (GeGLU, Gemma's `gelu_pytorch_tanh`), gate and
+    up the two halves of the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -36,11 +36,12 @@ def sdpa_is_faster() -> bool:
     return bool(torch.cpu.get_capabilities().get("amx_bf16"))
 
 
-def grouped_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                             scale: float) -> torch.Tensor:
+def grouped_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                             options: reference.AttentionOptions = reference.CAUSAL) -> torch.Tensor:
     """query [q, heads, dim] (tokens first, as the model holds it) at the last q positions of
     keys/values [kv_heads, s, dim] (q <= s). Returns [kv_heads, q, group, dim] in the keys' dtype:
-    query head h = kv_head * group + g."""
+    query head h = kv_head * group + g. Under a sliding window a chunk reads only the keys some row of
+    it sees; a window or a soft cap takes torch's mask and softmax (`windowed_probs`)."""
     query_len, heads, dim = query.shape
     kv_heads, seq_len, _ = keys.shape
     group = heads // kv_heads
@@ -59,34 +60,54 @@ def grouped_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     # Every chunk's scores in one buffer: a fresh [rows * group, seen] tensor per chunk is a large
     # allocation, mapped and faulted in anew each time, which costs several percent of the layer.
     scratch = torch.empty(min(CHUNK, query_len) * group * seq_len, dtype=keys.dtype, device=query.device)
+    plain = options == reference.CAUSAL
     for kv_head in range(kv_heads):
         for start in range(0, query_len, CHUNK):
             end = min(query_len, start + CHUNK)
             seen = offset + end  # keys [0, seen) are visible to some row of this chunk
-            scores = scratch[:(end - start) * group * seen].view((end - start) * group, seen)
-            torch.mm(scaled[kv_head, start:end].view(-1, dim), keys[kv_head, :seen].T, out=scores)
-            if c_softmax:
+            first = 0 if options.window is None else max(0, offset + start - options.window + 1)
+            scores = scratch[:(end - start) * group * (seen - first)].view((end - start) * group, seen - first)
+            torch.mm(scaled[kv_head, start:end].view(-1, dim), keys[kv_head, first:seen].T, out=scores)
+            if not plain:
+                probs = windowed_probs(scores, offset + start, first, group, options)
+            elif c_softmax:
                 probs = cpu_fused.causal_softmax_(scores, offset + start + 1, repeat=group)
             else:
                 assert future is not None
                 rows = end - start
                 scores.view(rows, group, seen)[:, :, offset + start:] += future[:rows, None, :rows]
                 probs = torch.softmax(scores, dim=-1)
-            torch.mm(probs, values[kv_head, :seen], out=out[kv_head, start:end].view(-1, dim))
+            torch.mm(probs, values[kv_head, first:seen], out=out[kv_head, start:end].view(-1, dim))
     return out
 
 
-def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def windowed_probs(scores: torch.Tensor, position: int, first_key: int, group: int,
+                   options: reference.AttentionOptions) -> torch.Tensor:
+    """A chunk's probabilities under a window or soft cap: scores [rows * group, keys] of query rows at
+    positions position, position + 1, ... against the keys from `first_key` on; soft-capped, masked and
+    normalized in fp32 (a cap's tanh in bf16 would add bf16's error twice), returned in the scores' dtype."""
+    rows, cols = scores.shape[0] // group, scores.shape[1]
+    capped = reference.soft_cap(scores.float(), options.softcap)
+    positions = torch.arange(position, position + rows, device=scores.device)
+    hidden = ~reference.visible_keys(positions, cols, options.window, first_key)
+    capped.view(rows, group, cols).masked_fill_(hidden[:, None, :], float("-inf"))
+    return capped.softmax(-1).to(scores.dtype)
+
+
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                     options: reference.AttentionOptions = reference.CAUSAL) -> torch.Tensor:
     """query [heads, q, dim] at the last q positions of keys/values [kv_heads, s, dim] (q <= s): each
-    query sees the keys up to its own position. Returns [heads, q, dim] in the keys' dtype."""
+    query sees the keys up to its own position (inside the window, if any). Returns [heads, q, dim] in
+    the keys' dtype."""
     heads, query_len, dim = query.shape
-    out = grouped_causal_attention(query.transpose(0, 1), keys, values, scale)
+    out = grouped_causal_attention(query.transpose(0, 1), keys, values, scale, options)
     return out.permute(0, 2, 1, 3).reshape(heads, query_len, dim)
 
 
-def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,  # noqa: PLR0913
                             query_start_loc: list[int], seq_lens: list[int], scale: float,
-                            key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+                            key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                            options: reference.AttentionOptions = reference.CAUSAL) -> torch.Tensor:
     """Same contract as `reference.paged_prefill_attention`."""
     out = torch.empty_like(query)
     heads, dim = query.shape[1:]
@@ -94,7 +115,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
         start, end = query_start_loc[index], query_start_loc[index + 1]
         keys, values = reference.sequence_kv(kv_cache, block_tables[index], seq_len, start, end, key, value,
                                              reference.attention_dtype(kv_cache, query))
-        attended = grouped_causal_attention(query[start:end], keys[0], values[0], scale)  # [kv, q, group, dim]
+        attended = grouped_causal_attention(query[start:end], keys[0], values[0], scale, options)  # [kv, q, group, dim]
         kv_heads = attended.shape[0]
         out[start:end].view(end - start, kv_heads, heads // kv_heads, dim).copy_(attended.transpose(0, 1))
     return out

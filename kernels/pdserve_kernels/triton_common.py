@@ -43,6 +43,24 @@ def widen_kv(x, FP8: tl.constexpr):
         return x
 
 
+@triton.jit
+def log2_scores(dots, scale_log2, SOFTCAP: tl.constexpr):
+    """Scores in base 2 (the softmax's exp2) from q.k dot products: times the scale, soft-capped where
+    SOFTCAP > 0 (softcap * tanh(score / softcap) on the scaled score, Gemma 2's). tanh as
+    1 - 2 / (e^2x + 1): saturates to +-1 without a NaN (exp's overflow to inf gives 1), and the
+    interpreter and every GPU have exp."""
+    if SOFTCAP > 0:
+        capped = dots * (scale_log2 / (SOFTCAP * 1.4426950408889634))
+        return (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)) * (SOFTCAP * 1.4426950408889634)
+    else:
+        return dots * scale_log2
+
+
+def softcap_constexpr(softcap: float | None) -> float:
+    """The kernels' SOFTCAP constexpr: 0.0 for no cap."""
+    return 0.0 if softcap is None else float(softcap)
+
+
 def interpreted(kernel: object) -> bool:
     """Whether `kernel` runs in Triton's interpreter (TRITON_INTERPRET=1 when triton decorated it)."""
     return isinstance(kernel, InterpretedFunction)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve_kernels.reference import CAUSAL, AttentionOptions
 from pdserve_kernels.triton_common import (
     FP8_FORMATS,
     LOG2_E,
@@ -30,7 +31,9 @@ from pdserve_kernels.triton_common import (
     check_device,
     check_heads,
     dot_options,
+    log2_scores,
     num_warps,
+    softcap_constexpr,
     widen_kv,
 )
 
@@ -58,20 +61,22 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
 
 @triton.jit
 def _decode_split_kernel(  # noqa: PLR0913
-    query, cache, block_tables, seq_lens, out, partial_out, partial_lse, scale_log2, num_splits,
+    query, cache, block_tables, seq_lens, out, partial_out, partial_lse, scale_log2, num_splits, window,
     stride_query_token, stride_query_head, stride_kv, stride_slot, stride_cache_head, stride_table,
     stride_out_token, stride_out_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
-    # Whole tiles per split: only the sequence's last tile is ragged.
-    split_len = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * split_len
+    # A sliding window (window > 0) shows the query its context's last `window` tokens: the splits
+    # share those alone. Whole tiles per split: only the last tile is ragged.
+    first = tl.maximum(seq_len - window, 0) if window > 0 else 0
+    split_len = ((seq_len - first + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
@@ -94,7 +99,7 @@ def _decode_split_kernel(  # noqa: PLR0913
         offsets = (pages * PAGE_SIZE + positions % PAGE_SIZE)[:, None] * stride_slot + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = widen_kv(tl.load(keys + offsets, mask=kv_mask, other=0), FP8).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = log2_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, SOFTCAP)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
         p = tl.exp2(scores - new_top[:, None])
@@ -143,12 +148,15 @@ def _decode_reduce_kernel(  # noqa: PLR0913
              mask=dims < HEAD_DIM)
 
 
-def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, max_seq_len: int, scale: float, *,
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,  # noqa: PLR0913
+                           seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                           options: AttentionOptions = CAUSAL, *,
                            out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Like `reference.paged_decode_attention`: query [batch, heads, head_dim], one token per sequence
-    over its `seq_lens` cached tokens. `max_seq_len` only sizes the split-K choice (`num_splits`,
-    default `choose_num_splits`); `out` may be a view to write into. A sequence of length 0 gets zeros."""
+    over its `seq_lens` cached tokens (the last `options.window` of them where it slides, and scores
+    soft-capped by `options.softcap`). `max_seq_len` only sizes the split-K choice (`num_splits`,
+    default `choose_num_splits`, over the window where it is narrower); `out` may be a view to write
+    into. A sequence of length 0 gets zeros."""
     stride_kv, stride_slot, stride_cache_head = cache_strides(kv_cache)
     _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     check_heads(query, "query", head_dim)
@@ -159,7 +167,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} kv heads")
     if batch == 0:
         return out
-    splits = num_splits or choose_num_splits(batch, num_kv_heads, max_seq_len, query.device)
+    visible = max_seq_len if options.window is None else min(max_seq_len, options.window)
+    splits = num_splits or choose_num_splits(batch, num_kv_heads, visible, query.device)
     # Tiles of 16 tokens in the interpreter (CPUs): the tests' short contexts then cross several.
     tile = 64 if query.is_cuda else 16
     group = num_heads // num_kv_heads
@@ -171,10 +180,12 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     cache, fp8 = cache_operand(kv_cache)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         query, cache, block_tables, seq_lens, out, partial_out, partial_lse, scale * LOG2_E, splits,
-        query.stride(0), query.stride(1), stride_kv, stride_slot, stride_cache_head, block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT=splits > 1,
+        options.window or 0, query.stride(0), query.stride(1), stride_kv, stride_slot, stride_cache_head,
+        block_tables.stride(0), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        SPLIT=splits > 1,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tile,
-        **dot_options(_decode_split_kernel, query.dtype), FP8=fp8, num_warps=num_warps(block_d))
+        **dot_options(_decode_split_kernel, query.dtype), FP8=fp8, SOFTCAP=softcap_constexpr(options.softcap),
+        num_warps=num_warps(block_d))
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             partial_out, partial_lse, out, splits, out.stride(0), out.stride(1), HEAD_DIM=head_dim,

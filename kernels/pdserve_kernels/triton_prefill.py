@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve_kernels.reference import CAUSAL, AttentionOptions
 from pdserve_kernels.triton_common import (
     FP8_FORMATS,
     LOG2_E,
@@ -29,19 +30,21 @@ from pdserve_kernels.triton_common import (
     check_device,
     check_heads,
     dot_options,
+    log2_scores,
     num_warps,
+    softcap_constexpr,
     widen_kv,
 )
 
 
 @triton.jit
 def _prefill_kernel(  # noqa: PLR0913
-    query, cache, block_tables, seq_lens, query_start_loc, out, scale_log2,
+    query, cache, block_tables, seq_lens, query_start_loc, out, scale_log2, window,
     stride_query_token, stride_query_head, stride_kv, stride_slot, stride_cache_head, stride_table,
     stride_out_token, stride_out_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -69,20 +72,27 @@ def _prefill_kernel(  # noqa: PLR0913
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(seq_len, context + first_row + BLOCK_M)
-    for tile in range(0, end, BLOCK_N):
+    # Under a sliding window (window > 0) row r sees (last_visible[r] - window, last_visible[r]]: the
+    # tiles start at the tile's first row's first visible position.
+    begin = tl.maximum(context + first_row - window + 1, 0) if window > 0 else 0
+    for tile in range(begin, end, BLOCK_N):
         positions = tile + tl.arange(0, BLOCK_N)
         valid = positions < end
         pages = tl.load(table + positions // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         offsets = (pages * PAGE_SIZE + positions % PAGE_SIZE)[:, None] * stride_slot + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = widen_kv(tl.load(keys + offsets, mask=kv_mask, other=0), FP8).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        # Position 0 is visible to every row, so each row's running max is finite after tile one.
+        scores = log2_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, SOFTCAP)
         visible = valid[None, :] & (positions[None, :] <= last_visible[:, None])
+        if window > 0:
+            visible = visible & (positions[None, :] > last_visible[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
-        p = tl.exp2(scores - new_top[:, None])
-        alpha = tl.exp2(top - new_top)
+        # A row that has seen nothing yet (a window's rows start at different positions) keeps -inf
+        # as its max: exp2 against 0 instead gives it zeros rather than NaNs.
+        base = tl.where(new_top == float("-inf"), 0.0, new_top)
+        p = tl.exp2(scores - base[:, None])
+        alpha = tl.exp2(top - base)
         v = widen_kv(tl.load(keys + stride_kv + offsets, mask=kv_mask, other=0), FP8).to(DOT_DTYPE)
         # Probabilities round to the query's dtype (the model's): the tensor-core matmul takes both alike.
         p_v = tl.dot(p.to(query.dtype.element_ty).to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
@@ -90,15 +100,18 @@ def _prefill_kernel(  # noqa: PLR0913
         total = total * alpha + tl.sum(p, 1)
         top = new_top
 
-    acc = acc / total[:, None]
+    # Rows past the query (never stored) may have seen nothing under a window: no 0 / 0 for them.
+    acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out + tokens[:, None] * stride_out_token + head * stride_out_head + dims[None, :],
              acc.to(out.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
-def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,  # noqa: PLR0913
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                            scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole context, all sequences at once.
+                            scale: float, options: AttentionOptions = CAUSAL, *,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its context (the keys inside the sliding
+    window of `options`, if any, scores soft-capped by its `softcap`), all sequences at once.
 
     query/out [tokens, heads, head_dim]; sequence i's new tokens are rows
     `query_start_loc[i]:query_start_loc[i + 1]` of `query` and `out` (the rows need not start at 0:
@@ -118,11 +131,12 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, tile))
     cache, fp8 = cache_operand(kv_cache)
     _prefill_kernel[grid](
-        query, cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2_E,
+        query, cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2_E, options.window or 0,
         query.stride(0), query.stride(1), stride_kv, stride_slot, stride_cache_head, block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=tile, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tile,
-        **dot_options(_prefill_kernel, query.dtype), FP8=fp8, num_warps=num_warps(triton.next_power_of_2(head_dim)))
+        **dot_options(_prefill_kernel, query.dtype), FP8=fp8, SOFTCAP=softcap_constexpr(options.softcap),
+        num_warps=num_warps(triton.next_power_of_2(head_dim)))
     return out
 
 

@@ -60,30 +60,19 @@ def test_context_longer_than_the_model_is_refused(engine: LLMEngine) -> None:
         LLMEngine(EngineConfig(model=fp32_model(engine.model_dir, max_model_len=100_000)))
 
 
-def test_sliding_window_narrower_than_the_context_is_refused(tmp_path: Path) -> None:
-    """Attention here spans the whole context: a Mistral whose layers slide a 32-token window, served
-    past 32 tokens, would answer what the model does not. Refused, saying which max_model_len serves it."""
-    path = build_tiny_llama_checkpoint(tmp_path, architecture="mistral", sliding_window=32)
-    cache = CacheConfig(block_size=4, num_blocks=256)  # room for the model's 512 tokens of context
-    with pytest.raises(ValueError, match=r"sliding window of 32 tokens.*context would be 512 tokens.*"
-                                         r"max_model_len to at most 32 \(--max-model-len 32\)"):
-        LLMEngine(EngineConfig(model=fp32_model(path), cache=cache))
-    with pytest.raises(ValueError, match="context would be 33 tokens"):
-        LLMEngine(EngineConfig(model=fp32_model(path, max_model_len=33), cache=cache))
-    within = LLMEngine(EngineConfig(model=fp32_model(path, max_model_len=32), cache=cache))
-    assert within.max_model_len == 32
-    request = within.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    for _ in until_idle(within):
-        within.step()
-    assert len(request.output_token_ids) == 4
-
-
-@pytest.mark.parametrize("window", [None, 512, 4096], ids=["no-window", "window-the-context", "window-past-it"])
-def test_sliding_window_as_wide_as_the_context_is_served(tmp_path: Path, window: int | None) -> None:
+@pytest.mark.parametrize("window", [None, 32, 512, 4096], ids=["no-window", "window-32", "window-the-context",
+                                                                 "window-past-it"])
+def test_a_sliding_window_serves_the_models_whole_context(tmp_path: Path, window: int | None) -> None:
+    """A Mistral whose layers slide a window narrower than its context is served that whole context (the
+    attention slides the window): a prompt past the window generates."""
     path = build_tiny_llama_checkpoint(tmp_path, architecture="mistral", sliding_window=window)
     engine = LLMEngine(EngineConfig(model=fp32_model(path), cache=CacheConfig(block_size=4, num_blocks=256)))
-    assert engine.arch.sliding_window == window
+    assert engine.arch.layer_windows == (() if window is None else (window, window))
     assert engine.max_model_len == 512
+    request = engine.add_request(list(range(3, 83)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for _ in until_idle(engine):
+        engine.step()
+    assert len(request.output_token_ids) == 4
 
 
 def test_prompt_longer_than_context_is_refused(engine: LLMEngine) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve_kernels import cpu_build, cpu_decode, reference
+from pdserve_kernels.reference import AttentionOptions
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(torch.float32), reason="no C compiler on this machine")
 
@@ -164,3 +165,35 @@ def test_the_kernel_refuses_a_length_past_its_table_or_negative() -> None:
                 cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125, march=march)
         lens[1] = block_tables.shape[1] * BLOCK_SIZE  # the whole table: allowed
         cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, 20, 0.125, march=march)
+
+
+WINDOWED = [pytest.param(AttentionOptions(window=5), id="window-5"),
+            pytest.param(AttentionOptions(window=16), id="window-a-block"),
+            pytest.param(AttentionOptions(window=40, softcap=3.0), id="window-40-softcap"),
+            pytest.param(AttentionOptions(softcap=2.0), id="softcap")]
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("dtypes", DTYPES[:3])
+@pytest.mark.parametrize("options", WINDOWED)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 40)])
+def test_decode_kernel_slides_a_window_and_caps_scores_as_the_reference(
+        march: str, dtypes: tuple[torch.dtype, torch.dtype], options: AttentionOptions, heads: int, kv_heads: int,
+        head_dim: int, tiled: bool) -> None:
+    """A sliding window (the context's last `window` tokens: blocks before it skipped, the rest of its
+    first block masked) and a soft cap on the scores, against the torch reference: contexts shorter
+    than the window, ending on and off a block, a padding row. Scaled-up queries push scores past the cap."""
+    query_dtype, dtype = dtypes
+    seq_lens = [50, 1, 16, 0, 142, 33, 17, 5, 6]
+    query, kv_cache, block_tables, lens = paged_case(seq_lens, heads, kv_heads, head_dim, dtype, seed=head_dim,
+                                                     query_dtype=query_dtype)
+    query = query * 4
+    scale = head_dim ** -0.5
+    expected = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, options)
+    got = cpu_decode.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale, options,
+                                            march=march, tiled=tiled)
+    tolerance = TOLERANCE[query_dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[3], torch.zeros_like(got[3])), "a padding row (length 0) must come out zeros"
+    whole = reference.paged_decode_attention(query, kv_cache, block_tables, lens, max(seq_lens), scale)
+    assert not torch.allclose(got.float(), whole.float(), atol=0.1), "the options must change the answer"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve_kernels import reference, torch_prefill
+from pdserve_kernels.reference import AttentionOptions
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
@@ -33,6 +34,27 @@ def test_causal_attention_matches_sdpa(dtype: torch.dtype, query_len: int, seq_l
     got = torch_prefill.causal_attention(query, keys, values, 0.2)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("options", [AttentionOptions(window=8), AttentionOptions(window=200),
+                                     AttentionOptions(window=40, softcap=2.5), AttentionOptions(softcap=1.0)],
+                         ids=["window-8", "window-200", "window-softcap", "softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("query_len", "seq_len"), [(300, 300), (130, 530), (5, 257)])
+def test_windowed_and_capped_chunks_match_the_reference(dtype: torch.dtype, query_len: int, seq_len: int,
+                                                        options: AttentionOptions) -> None:
+    """A sliding window (of 8 tokens, and of 200, near a chunk's 256: a chunk past the first skips the keys
+    before its window) and a soft cap, with and without a cached prefix, against the reference's mask."""
+    generator = torch.Generator().manual_seed(query_len + seq_len)
+    query = torch.randn(6, query_len, 32, generator=generator).to(dtype)
+    keys, values = (torch.randn(2, seq_len, 32, generator=generator).to(dtype) for _ in range(2))
+    mask = reference.visible_keys(torch.arange(seq_len - query_len, seq_len), seq_len, options.window)
+    expected = reference.attend(query[None].float(), keys[None].float(), values[None].float(), mask, 0.2,
+                                options.softcap)[0]
+    got = torch_prefill.causal_attention(query, keys, values, 0.2, options)
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    whole = torch_prefill.causal_attention(query, keys, values, 0.2)
+    assert not torch.allclose(got.float(), whole.float(), atol=0.1), "the options must change the answer"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -32,6 +32,7 @@ from cluster.model.attention.triton_backend import TritonAttentionBackend
 from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from pdserve_kernels import reference, triton_cache, triton_decode, triton_prefill
+from pdserve_kernels.reference import CAUSAL, AttentionOptions
 from tests.helpers import fp32_model
 from tests.triton_mode import interpreting
 
@@ -47,6 +48,9 @@ interpreted = pytest.mark.skipif(not interpreting(), reason="Triton kernels are 
 # found; shrinking one could outlast the test timeout.
 KERNEL_SETTINGS = settings(deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 SEQUENCE = st.tuples(st.integers(0, 40), st.integers(1, 20))  # (cached tokens, new tokens)
+# Sliding windows from one token to wider than most contexts here, with and without a soft cap.
+OPTIONS = st.builds(AttentionOptions, window=st.sampled_from([None, 1, 5, 16, 33]),
+                    softcap=st.sampled_from([None, 2.0])).filter(lambda options: options != CAUSAL)
 SHAPES = dict(heads=st.sampled_from(HEAD_LAYOUTS), head_dim=st.sampled_from([64, 80, 96, 128]),
               block_size=st.sampled_from([4, 8, 16]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 
@@ -179,6 +183,27 @@ def test_num_splits_fill_idle_devices_only(monkeypatch: pytest.MonkeyPatch) -> N
     assert triton_decode.choose_num_splits(1, 1, 32768, torch.device("cpu")) == 1
 
 
+@settings(KERNEL_SETTINGS, max_examples=20)
+@given(seq_lens=st.lists(st.integers(1, 70), min_size=1, max_size=3), num_splits=st.sampled_from([1, 2, 3]),
+       options=OPTIONS, **SHAPES)
+def test_decode_slides_its_window_and_caps_scores_as_the_reference(
+        seq_lens: list[int], num_splits: int, options: AttentionOptions, heads: tuple[int, int], head_dim: int,
+        block_size: int, dtype: torch.dtype, seed: int) -> None:
+    """A sliding window (the splits share the window's tokens alone) and a soft cap: contexts shorter
+    and longer than the window, split-K on and off."""
+    paged = build_paged([(length - 1, 1) for length in seq_lens], heads, head_dim, block_size, dtype, seed)
+    paged.write_new_tokens()
+    metadata = paged.metadata
+    query = paged.query * 4  # scores past the soft cap
+    expected = reference.paged_decode_attention(query, paged.kv_cache, metadata.block_tables, metadata.seq_lens,
+                                                metadata.max_seq_len, head_dim ** -0.5, options)
+    out = torch.full_like(query, float("nan"))
+    triton_decode.paged_decode_attention(query, paged.kv_cache, metadata.block_tables, metadata.seq_lens,
+                                         metadata.max_seq_len, head_dim ** -0.5, options, out=out,
+                                         num_splits=num_splits)
+    assert_close(out, expected)
+
+
 # ---- prefill and extend -----------------------------------------------------------------------------
 
 @interpreted
@@ -203,22 +228,43 @@ def test_prefill_matches_reference(sequences: list[tuple[int, int]], leading_row
     assert_close(out[leading_rows:], expected)
 
 
+@settings(KERNEL_SETTINGS, max_examples=20)
+@given(sequences=st.lists(SEQUENCE, min_size=1, max_size=3), options=OPTIONS, **SHAPES)
+def test_prefill_slides_its_window_and_caps_scores_as_the_reference(
+        sequences: list[tuple[int, int]], options: AttentionOptions, heads: tuple[int, int], head_dim: int,
+        block_size: int, dtype: torch.dtype, seed: int) -> None:
+    """Each new token sees only its window's keys (cached prefix and new tokens alike; rows of one tile
+    start seeing at different positions), scores soft-capped."""
+    paged = build_paged(sequences, heads, head_dim, block_size, dtype, seed)
+    paged.write_new_tokens()
+    metadata = paged.metadata
+    query = paged.query * 4  # scores past the soft cap
+    expected = reference.paged_prefill_attention(query, paged.kv_cache, metadata.block_tables,
+                                                 metadata.query_start_list, metadata.seq_lens_list,
+                                                 head_dim ** -0.5, options=options)
+    out = torch.full_like(query, float("nan"))
+    triton_prefill.paged_prefill_attention(query, paged.kv_cache, metadata.block_tables, metadata.seq_lens,
+                                           metadata.query_start_loc, max(new for _, new in sequences),
+                                           head_dim ** -0.5, options, out=out)
+    assert_close(out, expected)
+
+
 # ---- the backend: cache write, decodes and prefills of one step --------------------------------------
 
 @interpreted
 @settings(KERNEL_SETTINGS, max_examples=12)
 @given(sequences=st.lists(SEQUENCE | st.tuples(st.integers(0, 40), st.just(1)), min_size=2, max_size=4),
-       num_splits=st.sampled_from([None, 3]), **SHAPES)
+       num_splits=st.sampled_from([None, 3]), options=OPTIONS | st.just(CAUSAL), **SHAPES)
 def test_backend_mixed_batch_matches_torch_backend(sequences: list[tuple[int, int]], num_splits: int | None,
-                                                   heads: tuple[int, int], head_dim: int, block_size: int,
-                                                   dtype: torch.dtype, seed: int) -> None:
+                                                   options: AttentionOptions, heads: tuple[int, int], head_dim: int,
+                                                   block_size: int, dtype: torch.dtype, seed: int) -> None:
     sequences = sorted(sequences, key=lambda s: s[1] != 1)  # decodes first, as the runner orders them
     paged = build_paged(sequences, heads, head_dim, block_size, dtype, seed)
     expected_cache = paged.kv_cache.clone()
     expected = TorchAttentionBackend().forward(paged.query, paged.key, paged.value, expected_cache, paged.metadata,
-                                               head_dim ** -0.5)
+                                               head_dim ** -0.5, options)
     out = TritonAttentionBackend(num_splits).forward(paged.query, paged.key, paged.value, paged.kv_cache,
-                                                     paged.metadata, head_dim ** -0.5)
+                                                     paged.metadata, head_dim ** -0.5, options)
     assert torch.equal(paged.kv_cache, expected_cache)
     assert_close(out, expected)
 
@@ -305,9 +351,16 @@ def compile_kernels_for_hopper() -> None:
     for fp8, cache in ((0, "*bf16"), (1, "*u8"), (2, "*u8")):  # the model's dtype, fp8 e4m3, e5m2
         compile_for_hopper(triton_decode._decode_split_kernel,
                            paged | {"cache": cache, "partial_out": "*fp32", "partial_lse": "*fp32"},
-                           decode | {"SPLIT": True, "FP8": fp8}, 8)
+                           decode | {"SPLIT": True, "FP8": fp8, "SOFTCAP": 0.0}, 8)
         compile_for_hopper(triton_prefill._prefill_kernel, paged | {"cache": cache, "query_start_loc": "*i32"},
-                           {"GROUP": 4, "PAGE_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "FP8": fp8} | shape | dots, 8)
+                           {"GROUP": 4, "PAGE_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "FP8": fp8, "SOFTCAP": 0.0}
+                           | shape | dots, 8)
+    # Gemma 2's soft cap (50) on its scores, in both attention kernels.
+    compile_for_hopper(triton_decode._decode_split_kernel, paged | {"partial_out": "*fp32", "partial_lse": "*fp32"},
+                       decode | {"SPLIT": False, "FP8": 0, "SOFTCAP": 50.0}, 8)
+    compile_for_hopper(triton_prefill._prefill_kernel, paged | {"query_start_loc": "*i32"},
+                       {"GROUP": 4, "PAGE_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "FP8": 0, "SOFTCAP": 50.0}
+                       | shape | dots, 8)
     compile_for_hopper(triton_decode._decode_reduce_kernel,
                        {"partial_out": "*fp32", "partial_lse": "*fp32", "out": "*bf16"}, {"BLOCK_S": 32} | shape, 4)
     for cache in ("*bf16", "*u8"):

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from pdserve_kernels.reference import CAUSAL, AttentionOptions
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -30,7 +32,8 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [tokens, heads, head_dim], key/value [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,  # noqa: PLR0913
+                metadata: AttentionMetadata, scale: float, options: AttentionOptions = CAUSAL) -> torch.Tensor:
+        """query [tokens, heads, head_dim], key/value [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim].
+        `options`: the layer's sliding window and soft cap on its scores (`pdserve_kernels.reference`)."""
         ...

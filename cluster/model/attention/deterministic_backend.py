@@ -9,6 +9,7 @@ from cluster.model import elementwise
 from cluster.model.attention.backend import AttentionMetadata
 from cluster.model.attention.torch_backend import TorchAttentionBackend, decode_attention
 from pdserve_kernels import cpu_decode
+from pdserve_kernels.reference import CAUSAL, AttentionOptions
 
 
 class DeterministicTorchBackend(TorchAttentionBackend):
@@ -19,15 +20,15 @@ class DeterministicTorchBackend(TorchAttentionBackend):
 
     name = "torch-deterministic"
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,  # noqa: PLR0913
+                metadata: AttentionMetadata, scale: float, options: AttentionOptions = CAUSAL) -> torch.Tensor:
         elementwise.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         tables, lens = per_token_contexts(metadata)
         decode = decode_attention(kv_cache.dtype, self.use_c_kernel and kv_cache.device.type == "cpu")
         if decode is cpu_decode.paged_decode_attention:
-            return decode(query, kv_cache, tables, lens, int(lens.max()), scale)
+            return decode(query, kv_cache, tables, lens, int(lens.max()), scale, options)
         return torch.cat([decode(query[row:row + 1], kv_cache, tables[row:row + 1], lens[row:row + 1],
-                                 int(lens[row]), scale) for row in range(query.shape[0])])
+                                 int(lens[row]), scale, options) for row in range(query.shape[0])])
 
 
 def per_token_contexts(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

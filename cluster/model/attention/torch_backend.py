@@ -10,6 +10,7 @@ import torch
 from cluster.model import elementwise
 from cluster.model.attention.backend import AttentionMetadata
 from pdserve_kernels import cpu_decode, reference, torch_decode, torch_prefill
+from pdserve_kernels.reference import CAUSAL, AttentionOptions
 
 
 class TorchAttentionBackend:
@@ -23,18 +24,19 @@ class TorchAttentionBackend:
     use_c_kernel = True
     use_chunked_prefill: bool | None = None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,  # noqa: PLR0913
+                metadata: AttentionMetadata, scale: float, options: AttentionOptions = CAUSAL) -> torch.Tensor:
         elementwise.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         decode = decode_attention(kv_cache.dtype, self.use_c_kernel and kv_cache.device.type == "cpu")
         decodes = metadata.num_decodes
         if decodes == len(metadata.seq_lens_list):
-            return decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale)
+            return decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale,
+                          options)
         out = torch.empty_like(query)
         if decodes:
             out[:decodes] = decode(
                 query[:decodes], kv_cache, metadata.block_tables[:decodes], metadata.seq_lens[:decodes],
-                max(metadata.seq_lens_list[:decodes]), scale)
+                max(metadata.seq_lens_list[:decodes]), scale, options)
         first = metadata.query_start_list[decodes]
         starts = [start - first for start in metadata.query_start_list[decodes:]]
         chunked = reference.attention_dtype(kv_cache, query) != torch.float32 and (
@@ -42,7 +44,7 @@ class TorchAttentionBackend:
         prefill = torch_prefill.paged_prefill_attention if chunked else reference.paged_prefill_attention
         out[first:] = prefill(
             query[first:], kv_cache, metadata.block_tables[decodes:], starts, metadata.seq_lens_list[decodes:], scale,
-            key=key[first:], value=value[first:])
+            key=key[first:], value=value[first:], options=options)
         return out
 
 

@@ -22,17 +22,18 @@ from cluster.model import elementwise
 from cluster.model.architecture import ArchitectureConfig
 from cluster.model.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve_kernels import reference
+from pdserve_kernels.reference import AttentionOptions
 
 
 def read_config(config: dict[str, Any]) -> ArchitectureConfig:
     """Llama's config.json (Llama 1-3, SmolLM): `attention_bias` biases q/k/v and the output projection;
     no layer slides whatever `sliding_window` says (transformers' Llama has none)."""
     bias = bool(config.get("attention_bias", False))
-    return llama_shaped_config(config, qkv_bias=bias, o_bias=bias, sliding_window=None)
+    return llama_shaped_config(config, qkv_bias=bias, o_bias=bias, layer_windows=())
 
 
 def llama_shaped_config(config: dict[str, Any], *, qkv_bias: bool, o_bias: bool,
-                        sliding_window: int | None) -> ArchitectureConfig:
+                        layer_windows: tuple[int | None, ...]) -> ArchitectureConfig:
     """The fields every Llama-shaped config.json writes alike, with the ones its architecture decides.
     Refuses what this forward pass does not implement (`mlp_bias`, RoPE scalings other than linear and
     Llama 3's)."""
@@ -60,15 +61,16 @@ def llama_shaped_config(config: dict[str, Any], *, qkv_bias: bool, o_bias: bool,
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        sliding_window=sliding_window,
+        layer_windows=layer_windows,
     )
 
 
-def window_of_sliding_layers(window: int | None, layer_types: list[str] | None) -> int | None:
-    """`window` where some layer slides (every layer where `layer_types` is not written), else None."""
-    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return int(window)
+def windows_of_layers(window: int | None, layer_types: list[str] | None, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window: `window` on the layers `layer_types` calls "sliding_attention" (every layer
+    where it is not written), None on the others; empty where no layer slides."""
+    types = layer_types or ["sliding_attention"] * num_layers
+    windows = tuple(int(window) if window is not None and kind == "sliding_attention" else None for kind in types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def rope_inverse_frequencies(config: ArchitectureConfig) -> torch.Tensor:
@@ -150,17 +152,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, layer: int,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
+        """Layer `layer`'s attention: its sliding window, if any, and the soft cap on its scores;
+        `norm` the class of the per-head query and key norms (Gemma's scale by 1 + weight)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.scale = self.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.backend = backend
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.options = AttentionOptions(window=config.window_of(layer), softcap=config.attn_logit_softcap)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 rotation: Rotation) -> torch.Tensor:
@@ -174,7 +180,7 @@ class Attention(nn.Module):
             rotated = rotation.rotate_heads(qkv, heads + kv_heads, dim)
             query, key = rotated.split([heads, kv_heads], dim=1)
         value = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, dim)
-        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale)
+        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.options)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -194,13 +200,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Attention, then an MLP: the dense `MLP`, or whatever maps [tokens, hidden] to [tokens, hidden]
-    (a mixture of experts, `cluster.model.moe.SparseMoeBlock`)."""
+    """Attention, then an MLP: the dense `MLP` unless `mlp` is given (whatever maps [tokens, hidden] to
+    [tokens, hidden]: a mixture of experts, `cluster.model.moe.SparseMoeBlock`)."""
 
-    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, mlp: nn.Module) -> None:
+    def __init__(self, config: ArchitectureConfig, backend: AttentionBackend, layer: int,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = mlp
+        self.self_attn = Attention(config, backend, layer)
+        self.mlp = mlp if mlp is not None else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -215,13 +222,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The embeddings, the decoder layers (of `layer_class`: Gemma's differ) and the final norm."""
+
     def __init__(self, config: ArchitectureConfig, backend: AttentionBackend,
-                 mlp_of_layer: Callable[[int], nn.Module]) -> None:
+                 layer_class: Callable[[ArchitectureConfig, AttentionBackend, int], nn.Module] = DecoderLayer,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, mlp_of_layer(index))
-                                    for index in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, backend, layer) for layer in range(config.num_layers))
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 
 # Checkpoint name fragments that load into a slice of a fused parameter: (fused name, shard index).
@@ -236,11 +245,19 @@ class LlamaForCausalLM(nn.Module):
         """Built on the meta device by the runner (`build_model`), then allocated in the serving dtype."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, self.mlp_of_layer)
-        self.rotary = RotaryEmbedding(config, max_positions)
+        self.model = self.build_model(config, backend)
+        self.rotary = self.build_rotary(config, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_model(self, config: ArchitectureConfig, backend: AttentionBackend) -> LlamaModel:
+        """The network under the lm head: a subclass's own layers go here (`gemma.py`), its own MLPs in
+        `mlp_of_layer` (`qwen3_moe.py`)."""
+        return LlamaModel(config, backend, lambda c, b, layer: DecoderLayer(c, b, layer, self.mlp_of_layer(layer)))
+
+    def build_rotary(self, config: ArchitectureConfig, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(config, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:

@@ -10,12 +10,12 @@ import dataclasses
 from typing import Any
 
 from cluster.model.architecture import ArchitectureConfig, MoeConfig
-from cluster.model.models.llama import llama_shaped_config, window_of_sliding_layers
+from cluster.model.models.llama import llama_shaped_config, windows_of_layers
 
 
 def read_config(config: dict[str, Any]) -> ArchitectureConfig:
-    window = window_of_sliding_layers(config.get("sliding_window"), config.get("layer_types"))
-    arch = llama_shaped_config(config, qkv_bias=False, o_bias=False, sliding_window=window)
+    windows = windows_of_layers(config.get("sliding_window"), config.get("layer_types"), config["num_hidden_layers"])
+    arch = llama_shaped_config(config, qkv_bias=False, o_bias=False, layer_windows=windows)
     return dataclasses.replace(arch, moe=MoeConfig(
         num_experts=int(config.get("num_local_experts", config.get("num_experts", 8))),
         num_experts_per_tok=config.get("num_experts_per_tok", 2),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.model.architecture import ArchitectureConfig
-from cluster.model.models.llama import llama_shaped_config, window_of_sliding_layers
+from cluster.model.models.llama import llama_shaped_config, windows_of_layers
 
 
 def read_config(config: dict[str, Any]) -> ArchitectureConfig:
@@ -16,5 +16,5 @@ def read_config(config: dict[str, Any]) -> ArchitectureConfig:
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial is not None and partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported: the rotation spans every head's width")
-    return llama_shaped_config(config, qkv_bias=False, o_bias=False,
-                               sliding_window=window_of_sliding_layers(config.get("sliding_window"), None))
+    windows = windows_of_layers(config.get("sliding_window"), None, config["num_hidden_layers"])
+    return llama_shaped_config(config, qkv_bias=False, o_bias=False, layer_windows=windows)

@@ -7,20 +7,20 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.model.architecture import ArchitectureConfig
-from cluster.model.models.llama import llama_shaped_config, window_of_sliding_layers
+from cluster.model.models.llama import llama_shaped_config, windows_of_layers
 
 
 def read_config(config: dict[str, Any]) -> ArchitectureConfig:
-    return llama_shaped_config(config, qkv_bias=True, o_bias=False, sliding_window=sliding_window(config))
+    return llama_shaped_config(config, qkv_bias=True, o_bias=False, layer_windows=layer_windows(config))
 
 
-def sliding_window(config: dict[str, Any]) -> int | None:
-    """The window as transformers' Qwen2 applies it."""
+def layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's window as transformers' Qwen2 applies it: none without `use_sliding_window`."""
     if not config.get("use_sliding_window", False):
-        return None
+        return ()
     layer_types = config.get("layer_types")
     if layer_types is None:
         first = config.get("max_window_layers", 0)
         layer_types = ["sliding_attention" if i >= first else "full_attention"
                        for i in range(config["num_hidden_layers"])]
-    return window_of_sliding_layers(config.get("sliding_window"), layer_types)
+    return windows_of_layers(config.get("sliding_window"), layer_types, config["num_hidden_layers"])

@@ -14,5 +14,5 @@ from cluster.model.models.llama import llama_shaped_config
 
 def read_config(config: dict[str, Any]) -> ArchitectureConfig:
     bias = bool(config.get("attention_bias", False))
-    arch = llama_shaped_config(config, qkv_bias=bias, o_bias=bias, sliding_window=qwen2.sliding_window(config))
+    arch = llama_shaped_config(config, qkv_bias=bias, o_bias=bias, layer_windows=qwen2.layer_windows(config))
     return dataclasses.replace(arch, qk_norm=True)

@@ -20,14 +20,15 @@ import torch
 from torch import nn
 
 from cluster.model.architecture import ArchitectureConfig, MoeConfig
-from cluster.model.models.llama import MLP, LlamaForCausalLM, llama_shaped_config, window_of_sliding_layers
+from cluster.model.models.llama import MLP, LlamaForCausalLM, llama_shaped_config, windows_of_layers
 from cluster.model.moe import SparseMoeBlock
 
 
 def read_config(config: dict[str, Any]) -> ArchitectureConfig:
     bias = bool(config.get("attention_bias", False))
-    window = window_of_sliding_layers(config.get("sliding_window") if config.get("use_sliding_window") else None, None)
-    arch = llama_shaped_config(config, qkv_bias=bias, o_bias=bias, sliding_window=window)
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    arch = llama_shaped_config(config, qkv_bias=bias, o_bias=bias,
+                               layer_windows=windows_of_layers(window, None, config["num_hidden_layers"]))
     return dataclasses.replace(arch, qk_norm=True, moe=MoeConfig(
         num_experts=number_of_experts(config),
         num_experts_per_tok=config.get("num_experts_per_tok", 8),
