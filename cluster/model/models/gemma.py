@@ -135,7 +135,7 @@ class GemmaRotary(RotaryEmbedding):
         """Both tables: a model materialised from the meta device fills its rotary through this."""
         super().fill(dtype)
         local = self._modules.get("local")  # absent while RotaryEmbedding's constructor fills the global one
-        if local is not None:
+        if isinstance(local, RotaryEmbedding):
             local.fill(dtype)
 
     def both(self, positions: torch.Tensor) -> Rotations:
