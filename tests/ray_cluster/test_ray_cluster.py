@@ -758,10 +758,10 @@ def test_gpus_per_worker_follow_the_device(checkpoint: Path) -> None:
     import ray
 
     has_gpus = bool(ray.cluster_resources().get("GPU", 0))
-    assert Cluster(cuda_config(checkpoint)).gpus_per_worker(PoolConfig()) == 0.5
+    assert Cluster(cuda_config(checkpoint)).gpus_per_worker(PoolConfig()) == 1  # one worker per GPU
     assert Cluster(cuda_config(checkpoint, "cpu")).gpus_per_worker(PoolConfig()) == 0
-    assert Cluster(cuda_config(checkpoint, "auto")).gpus_per_worker(PoolConfig()) == (0.5 if has_gpus else 0)
-    assert Cluster(cuda_config(checkpoint)).gpus_per_worker(PoolConfig(num_gpus=1)) == 1
+    assert Cluster(cuda_config(checkpoint, "auto")).gpus_per_worker(PoolConfig()) == (1 if has_gpus else 0)
+    assert Cluster(cuda_config(checkpoint)).gpus_per_worker(PoolConfig(num_gpus=0.5)) == 0.5  # sharing, asked for
 
 
 def test_cuda_workers_on_an_embedded_ray_without_gpus_are_refused_at_start(checkpoint: Path) -> None:
@@ -769,7 +769,7 @@ def test_cuda_workers_on_an_embedded_ray_without_gpus_are_refused_at_start(check
 
     if ray.cluster_resources().get("GPU", 0):
         pytest.skip("this Ray has GPUs")
-    with pytest.raises(ValueError, match=r"ask for 1 GPUs \(device 'cuda'\) and the Ray cluster has 0"):
+    with pytest.raises(ValueError, match=r"the workers ask Ray for GPUs \[1, 1\] and Ray's nodes have \[0\] GPU"):
         Cluster(cuda_config(checkpoint)).start()
 
 
