@@ -62,12 +62,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                        help="gguf: a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed (about a third of bf16's "
                        "memory at 4 bits); none: widened to --dtype at load")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="ranks the model is split across, each in a process of its own (a GPU each on GPUs); "
+                       "it must divide the model's attention heads and KV heads")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device,
-                          deterministic=args.deterministic, quantization=args.quantization),
+                          deterministic=args.deterministic, quantization=args.quantization,
+                          tensor_parallel_size=args.tensor_parallel_size),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -231,6 +231,8 @@ class Worker:
         self.wake.set()
         if self.thread is not None:
             await asyncio.to_thread(self.thread.join, 10)
+        if self.thread is None or not self.thread.is_alive():  # never under a step still running
+            self.engine.close()
         if self.cores is not None:
             self.cores.idle()
         for connector in (self.sender, self.receiver):
