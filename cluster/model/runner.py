@@ -389,8 +389,7 @@ class ModelRunner:
         blocks; on a tensor-parallel engine rank 0 sends it to the other ranks and each writes its own
         heads. `data`'s memory may be reused once this returns: on a GPU it waits for the copies it
         queued."""
-        arch = self.arch
-        expected = (len(block_ids), arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
+        expected = self.kv_blocks_shape(len(block_ids))
         if tuple(data.shape) != expected or data.dtype != self.kv_dtype:
             raise ValueError(f"KV of shape {tuple(data.shape)} {data.dtype} does not fit blocks "
                              f"{expected} {self.kv_dtype}")
@@ -398,6 +397,11 @@ class ModelRunner:
             assert self.group is not None
             self.group.send("write", [as_bytes(data)], block_ids=block_ids)
         self._write_local(block_ids, self._my_heads(data))
+
+    def kv_blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape of `num_blocks` blocks' KV as `read_blocks` returns it: every KV head of the model."""
+        arch = self.arch
+        return num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim
 
     def follow_write(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Ranks > 0: this rank's heads of rank 0's `write_blocks` (`data` as bytes, every head)."""

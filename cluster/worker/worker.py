@@ -175,8 +175,7 @@ class Worker:
 
     def _landing_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The staging buffer's shape for `num_blocks` blocks of a prompt's KV: [blocks, layers, 2, block...]."""
-        runner = self.engine.runner
-        return (num_blocks, len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:])
+        return self.engine.runner.kv_blocks_shape(num_blocks)
 
     async def _publish(self) -> None:
         """Keep this worker listed in the shared registry (a heartbeat), and every PUBLISH_S send the
