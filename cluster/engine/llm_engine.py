@@ -177,7 +177,8 @@ class LLMEngine:
         size = self.config.model.tensor_parallel_size
         if size == 1:
             return None
-        ranks = Ranks.start(size, RankSpec(self.arch, options, torch.get_num_threads()), self.device)
+        threads = max(1, torch.get_num_threads() // size)  # the ranks' share of what the engine computes on
+        ranks = Ranks.start(size, RankSpec(self.arch, options, threads), self.device)
         self._stop_ranks = weakref.finalize(self, ranks.stop)
         return ranks
 

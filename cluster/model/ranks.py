@@ -47,7 +47,7 @@ class RankSpec:
 
     arch: ArchitectureConfig
     runner_options: dict[str, Any]  # `ModelRunner`'s keywords (dtype, device, ...), but `group`
-    threads: int  # torch's intra-op threads: rank 0's, so the ranks split the cores alike
+    threads: int  # torch's intra-op threads of the rank's process
 
 
 class Ranks:

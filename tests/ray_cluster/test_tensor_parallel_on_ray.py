@@ -60,3 +60,10 @@ def run_cluster(engine: EngineConfig, prefill_ranks: int, decode_ranks: int) -> 
 def test_two_rank_prefill_and_decode_pools_give_the_one_rank_engines_tokens(checkpoint: Path) -> None:
     engine = engine_config_for(checkpoint)
     assert run_cluster(engine, 2, 2) == alone(engine, PROMPTS, GREEDY)
+
+
+def test_a_two_rank_prefill_pool_feeds_a_one_rank_decode_pool(checkpoint: Path) -> None:
+    """The prefill worker's rank 0 gathers both ranks' KV heads into every frame it sends; the decode
+    worker writes them into one cache."""
+    engine = engine_config_for(checkpoint)
+    assert run_cluster(engine, 2, 1) == alone(engine, PROMPTS, GREEDY)
