@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_engine(path: Path, tensor_parallel_size: int, *, budget: int = 2048, num_blocks: int = 256,
                 mode: str = "recompute") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=fp32_model(path, tensor_parallel_size=tensor_parallel_size),
+        model=fp32_model(path, tensor_parallel_size=tensor_parallel_size, device="cpu"),  # gloo, any host
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode)))  # type: ignore[arg-type]
 
@@ -106,7 +106,8 @@ KILLED_ENGINE = """
 import sys, time
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine.llm_engine import LLMEngine
-engine = LLMEngine(EngineConfig(model=ModelConfig(model=sys.argv[1], dtype="float32", tensor_parallel_size=2),
+engine = LLMEngine(EngineConfig(model=ModelConfig(model=sys.argv[1], dtype="float32", device="cpu",
+                                                  tensor_parallel_size=2),
                                 cache=CacheConfig(block_size=4, num_blocks=64)))
 print(engine.ranks.processes[0].pid, flush=True)
 time.sleep(600)
