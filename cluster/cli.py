@@ -62,12 +62,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                        help="gguf: a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed (about a third of bf16's "
                        "memory at 4 bits); none: widened to --dtype at load")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="ranks the model is split across, each in a process of its own (a GPU each on GPUs); "
+                       "it must divide the model's attention heads and KV heads")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device,
-                          deterministic=args.deterministic, quantization=args.quantization),
+                          deterministic=args.deterministic, quantization=args.quantization,
+                          tensor_parallel_size=args.tensor_parallel_size),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -199,6 +203,18 @@ def command_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def pool_flags(args: argparse.Namespace, pool: str) -> dict[str, object]:
+    """A pool's flags given on the command line: its replicas, its ranks per worker."""
+    flags: dict[str, object] = {}
+    replicas = getattr(args, f"num_{pool}")
+    if replicas is not None:
+        flags["replicas"] = replicas
+    ranks = getattr(args, f"{pool}_tensor_parallel_size", None)
+    if ranks is not None:
+        flags["engine"] = {"tensor_parallel_size": ranks}
+    return flags
+
+
 def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
     """CLI flags over the YAML file: only those given on the command line."""
     overrides: dict[str, object] = {}
@@ -218,15 +234,14 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
     if getattr(args, "reserved_cpus", None) is not None:
         overrides["reserved_cpus"] = args.reserved_cpus
     for pool in ("prefill", "decode"):
-        replicas = getattr(args, f"num_{pool}")
-        if replicas is not None:
-            overrides[pool] = {"replicas": replicas}
+        if pool_overrides := pool_flags(args, pool):
+            overrides[pool] = pool_overrides
     traces = tracing_overrides(args)
     if traces:
         overrides["tracing"] = traces
     engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb", "kv_cache_dtype",
                                                  "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
-                                                 "deterministic", "quantization")
+                                                 "deterministic", "quantization", "tensor_parallel_size")
               if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
@@ -518,6 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "of an undisturbed run, in any dtype (slower; CPUs only)")
     serve.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                        help="default none; gguf: a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed in each worker")
+    serve.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="default 1: ranks per worker of every pool, each a process on the worker's node (a GPU "
+                       "each on GPUs); it must divide the model's attention heads and KV heads")
+    for pool in ("prefill", "decode"):
+        serve.add_argument(f"--{pool}-tensor-parallel-size", type=int, default=None,
+                           help=f"ranks per {pool} worker, over --tensor-parallel-size (KV moves between pools of "
+                           "other sizes whole)")
     status = commands.add_parser("status", help="show a running server's workers, their load and KV usage")
     status.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP address")
     status.add_argument("--api-key", default=None, help="default: $PDSERVE_API_KEY")

@@ -45,6 +45,10 @@ class ModelConfig:
     # "gguf": a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed in memory and are widened as each layer
     # computes (`cluster.model.quantized`); "none": every weight widened to `dtype` at load.
     quantization: str = "none"
+    # Ranks the model is split across (Megatron-style, `cluster.model.tensor_parallel`): each holds 1/N of
+    # the attention heads, KV heads and MLP, in a process of its own (on GPUs, a GPU each). It must
+    # divide the model's attention heads, KV heads and intermediate size (checked at load).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -55,6 +59,8 @@ class ModelConfig:
                  f"deterministic must be true or false, got {self.deterministic!r}")
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
 
 
 @dataclass(frozen=True, slots=True)

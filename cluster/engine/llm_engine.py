@@ -11,10 +11,11 @@ import functools
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,8 +30,10 @@ from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
 from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from cluster.model.memory import CudaMemory, DeviceMemory, MemoryProfile, check_free
+from cluster.model.ranks import Ranks, RankSpec
 from cluster.model.registry import architecture_config
 from cluster.model.runner import DTYPES, ModelRunner, kv_block_bytes
+from cluster.model.tensor_parallel import check_tensor_parallel
 from cluster.weights.default_model import DEFAULT_MODEL_NAME, gguf_source, resolve_model_path
 from cluster.weights.detokenizer import IncrementalDetokenizer
 from cluster.weights.gguf_packed import packed_checkpoint
@@ -141,15 +144,23 @@ class LLMEngine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.memory = memory if memory is not None or self.device.type != "cuda" else CudaMemory(self.device)
         self.memory_profile: MemoryProfile | None = None  # where the KV cache is sized by utilization
+        check_tensor_parallel(self.arch, config.model.tensor_parallel_size, config.model.quantization)
         total = self._check_free_memory()
-        self.runner = ModelRunner(
-            self.arch, checkpoint.weights(), dtype=self.dtype, device=str(self.device),
-            attention_backend=config.attention_backend, max_model_len=self._context_limit(),
-            block_size=config.cache.block_size, num_blocks=0, kv_cache_dtype=self.kv_cache_dtype,
-            deterministic=config.model.deterministic, quantized=checkpoint.quantized)
-        self.num_blocks = self._num_blocks(total)
-        self.max_model_len = self._max_model_len()
-        self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)
+        options: dict[str, Any] = dict(
+            dtype=self.dtype, device=str(self.device), attention_backend=config.attention_backend,
+            max_model_len=self._context_limit(), block_size=config.cache.block_size, num_blocks=0,
+            kv_cache_dtype=self.kv_cache_dtype, deterministic=config.model.deterministic,
+            quantized=checkpoint.quantized)
+        self.ranks = self._start_ranks(options)
+        try:
+            self.runner = ModelRunner(self.arch, checkpoint.weights(), **options,
+                                      group=self.ranks.group if self.ranks is not None else None)
+            self.num_blocks = self._num_blocks(total)
+            self.max_model_len = self._max_model_len()
+            self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)
+        except BaseException:
+            self.close()
+            raise
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         # Hashes chain from the served model name, so every worker of a cluster (and the routers that
         # match prompts against the blocks workers publish) compute the same ones, whatever the path.
@@ -159,6 +170,23 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_tokens = 0  # tokens the last step computed
         self.ids = itertools.count()
+
+    def _start_ranks(self, options: dict[str, Any]) -> Ranks | None:
+        """Ranks 1.. of a tensor-parallel engine (None at size 1), stopped by `close`, or when the engine
+        is collected or the process exits without it."""
+        size = self.config.model.tensor_parallel_size
+        if size == 1:
+            return None
+        threads = max(1, torch.get_num_threads() // size)  # the ranks' share of what the engine computes on
+        ranks = Ranks.start(size, RankSpec(self.arch, options, threads), self.device)
+        self._stop_ranks = weakref.finalize(self, ranks.stop)
+        return ranks
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any; the engine steps no more after this."""
+        if self.ranks is not None:
+            self._stop_ranks()  # runs `Ranks.stop` once, whoever calls first
+            self.ranks = None
 
     def _utilization_memory(self) -> DeviceMemory | None:
         """The device's memory report where the KV cache is sized by `gpu_memory_utilization`, else None."""
@@ -179,11 +207,13 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_blocks:
             return cache.num_blocks
-        block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.kv_cache_dtype])
+        kv_dtype = DTYPES[self.kv_cache_dtype]
         memory = self._utilization_memory()
-        if memory is None:
+        if memory is None:  # a size for the engine: its ranks' caches together hold it
             gigabytes = cache.kv_cache_memory_gb or cache.cpu_kv_cache_memory_gb
-            return max(1, int(gigabytes * 2**30) // block_bytes)
+            return max(1, int(gigabytes * 2**30) // kv_block_bytes(self.arch, cache.block_size, kv_dtype))
+        # Each rank's device holds its own heads' share of every block.
+        block_bytes = kv_block_bytes(self.runner.local_arch, cache.block_size, kv_dtype)
         scheduler = self.config.scheduler
         peak = self.runner.profile_peak(memory, scheduler.max_num_batched_tokens,
                                         min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens))

@@ -10,7 +10,7 @@ import contextlib
 import ctypes
 import functools
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,12 @@ from cluster.model.models.llama import LlamaForCausalLM
 from cluster.model.quantized import quantize_modules
 from cluster.model.registry import model_class_for
 from cluster.model.sampler import Sampler
+from cluster.model.tensor_parallel import (
+    TensorParallelGroup,
+    reduce_row_parallel_outputs,
+    shard_architecture,
+    shard_weights,
+)
 
 # glibc serves allocations above 32 MiB with fresh (zero-filled) pages from mmap.
 LARGE_ALLOCATION_BYTES = 64 * 2**20
@@ -149,9 +155,15 @@ class ModelRunner:
     def __init__(self, arch: ArchitectureConfig, weights: Iterable[tuple[str, torch.Tensor]], *,  # noqa: PLR0913
                  dtype: str, device: str, attention_backend: str, max_model_len: int,
                  block_size: int, num_blocks: int, kv_cache_dtype: str | None = None,
-                 deterministic: bool = False, quantized: Mapping[str, str] | None = None) -> None:
-        """`quantized`: the parameters whose weights arrive packed (name -> GGUF quantization), kept so."""
+                 deterministic: bool = False, quantized: Mapping[str, str] | None = None,
+                 group: TensorParallelGroup | None = None) -> None:
+        """`quantized`: the parameters whose weights arrive packed (name -> GGUF quantization), kept so.
+        `group`: this runner is one rank of a tensor-parallel engine (`cluster.model.tensor_parallel`):
+        it builds and loads its shard of `arch` from the whole checkpoint's `weights`; rank 0 sends the
+        weights, and every step, to the other ranks, which run the same calls (`cluster.model.ranks`)."""
         self.arch = arch
+        self.group = group
+        self.local_arch = shard_architecture(arch, group.size) if group is not None else arch  # its heads
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # the cache's: the model's, or fp8
@@ -162,10 +174,12 @@ class ModelRunner:
             raise ValueError("deterministic mode does not cover mixture-of-experts models: each expert's matmul "
                              "has as many rows as tokens chose it, so its sums depend on the batch")
         backend = get_attention_backend(attention_backend, self.device, deterministic)
-        model = build_model(arch, backend, max_model_len, self.dtype, self.device, quantized or {})
-        model.load_weights(weights)  # each tensor cast to the parameter's dtype as it is copied in
+        model = build_model(self.local_arch, backend, max_model_len, self.dtype, self.device, quantized or {})
+        model.load_weights(self._shard(weights))  # each tensor cast to the parameter's dtype as it is copied in
         if deterministic:
             batch_invariant.tile_linear_layers(model)
+        if group is not None:
+            reduce_row_parallel_outputs(model, group)
         self.model = model.eval()
         self.backend_name = backend.name
         self.swap_store: dict[str, list[torch.Tensor]] = {}
@@ -178,16 +192,35 @@ class ModelRunner:
         if num_blocks:
             self.allocate_kv_cache(num_blocks, max_model_len)
 
+    @property
+    def leads(self) -> bool:
+        """Rank 0 of a tensor-parallel engine: what it runs, the other ranks run too."""
+        return self.group is not None and self.group.rank == 0
+
+    def _shard(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as this rank loads them; rank 0 sends each whole to the others first."""
+        group = self.group
+        if group is None:
+            return weights
+        if group.rank == 0:
+            weights = group.broadcast_weights(weights)
+        return shard_weights(weights, self.arch, group.rank, group.size)
+
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """The paged KV cache, once its size is known (after `profile_peak` where the engine sizes it
-        from the device's memory), and what is sized by the context: block tables, decode graphs."""
-        arch = self.arch
+        from the device's memory), and what is sized by the context: block tables, decode graphs. Each
+        rank's cache holds its own KV heads."""
+        if self.leads:
+            assert self.group is not None
+            self.group.send("allocate", num_blocks=num_blocks, max_model_len=max_model_len)
+        arch = self.local_arch
         shape = (2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeroed(shape, self.kv_dtype, self.device) for _ in range(arch.num_layers)]
         self.block_tables = BlockTables(-(-max_model_len // self.block_size))
-        # Not for mixtures of experts: their layers read each expert's row count on the host, which a
-        # capture cannot.
-        if self.device.type == "cuda" and self.backend_name == "triton" and arch.moe is None:
+        # Not for mixtures of experts (their layers read each expert's row count on the host, which a
+        # capture cannot), nor with several ranks (graphs would capture the all-reduces too, and every
+        # rank would replay its own): eager instead.
+        if self.device.type == "cuda" and self.backend_name == "triton" and arch.moe is None and self.group is None:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
                                               max_model_len)
 
@@ -200,10 +233,27 @@ class ModelRunner:
     def profile_peak(self, memory: DeviceMemory, num_tokens: int, logits_rows: int) -> int:
         """The activations' peak of the largest step: `num_tokens` prompt tokens (in sequences of the
         model's context at most) and the logits of `logits_rows` of them, over a KV cache just large
-        enough, allocated before the measure and freed after."""
+        enough, allocated before the measure and freed after. Every rank runs it; rank 0's is measured."""
+        if self.leads:
+            assert self.group is not None
+            self.group.send("profile", num_tokens=num_tokens, logits_rows=logits_rows)
+        step, caches = self._profile_step(num_tokens, logits_rows)
+        try:
+            return memory.peak_during(step)
+        finally:
+            caches.clear()
+
+    @torch.inference_mode()
+    def follow_profile(self, num_tokens: int, logits_rows: int) -> None:
+        """Ranks > 0: rank 0's `profile_peak` step, whose all-reduces need every rank."""
+        step, caches = self._profile_step(num_tokens, logits_rows)
+        step()
+        caches.clear()
+
+    def _profile_step(self, num_tokens: int, logits_rows: int) -> tuple[Callable[[], None], list[torch.Tensor]]:
         max_len = self.model.rotary.cos.shape[0]
         metadata, positions, num_blocks = profile_metadata(num_tokens, max_len, self.block_size, self.device)
-        arch = self.arch
+        arch = self.local_arch
         shape = (2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(arch.num_layers)]
@@ -213,20 +263,16 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:logits_rows])
             logits.softmax(dim=-1).sort(dim=-1, descending=True)  # as a top-p sampler's copies of the logits
 
-        try:
-            return memory.peak_during(step)
-        finally:
-            caches.clear()
+        return step, caches
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        for order in output.swap_out:
-            self._swap_out(order)
-        for order in output.swap_in:
-            self._swap_in(order)
-        if not output.scheduled:
+        batch = self.build_batch(output.scheduled) if output.scheduled else None
+        if self.leads:
+            self._send_step(output, batch)
+        self._swap(output.swap_out, output.swap_in)
+        if batch is None:
             return ModelRunnerOutput()
-        batch = self.build_batch(output.scheduled)
         requests = [batch.rows[row].request for row in batch.sample_rows]
         grammar_masks = self.grammar_masker.start(requests)  # computed while the model runs
         hidden = self._forward(batch)
@@ -261,6 +307,39 @@ class ModelRunner:
                 entries += token_logprobs(logits[:, : self.arch.vocab_size].float().log_softmax(dim=-1), targets, k)
         return result
 
+    def _swap(self, swap_out: list[SwapOrder], swap_in: list[SwapOrder]) -> None:
+        for order in swap_out:
+            self._swap_out(order)
+        for order in swap_in:
+            self._swap_in(order)
+
+    def _send_step(self, output: SchedulerOutput, batch: Batch | None) -> None:
+        """Rank 0: the step's swaps and batch to the other ranks, which run it with `follow_step`."""
+        assert self.group is not None
+        orders: dict[str, Any] = {"swap_out": [[o.request_id, o.block_ids] for o in output.swap_out],
+                  "swap_in": [[o.request_id, o.block_ids] for o in output.swap_in]}
+        if batch is None:
+            self.group.send("step", **orders)
+            return
+        metadata = batch.metadata
+        tensors = [batch.input_ids, batch.positions, metadata.slot_mapping, metadata.block_tables,
+                   metadata.seq_lens, metadata.query_start_loc]
+        self.group.send("step", tensors, num_decodes=metadata.num_decodes, max_seq_len=metadata.max_seq_len, **orders)
+
+    @torch.inference_mode()
+    def follow_step(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """Ranks > 0: rank 0's step (`_send_step`): the same swaps and forward pass over this rank's heads."""
+        self._swap([SwapOrder(rid, ids) for rid, ids in header["swap_out"]],
+                   [SwapOrder(rid, ids) for rid, ids in header["swap_in"]])
+        if not tensors:
+            return
+        input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc = tensors
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+            num_decodes=header["num_decodes"], max_seq_len=header["max_seq_len"],
+            seq_lens_list=seq_lens.tolist(), query_start_list=query_start_loc.tolist())
+        self.model(input_ids, positions, self.kv_caches, metadata)
+
     def capture_decode_graphs(self, max_num_seqs: int) -> list[int]:
         """Capture the decode steps' CUDA graphs (`DecodeGraphs.capture`) before serving: the batch
         sizes captured, none without graphs."""
@@ -283,23 +362,63 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (sampler generators, swapped KV, table row) of a request that ended."""
         self.sampler.free(request_id)
-        self.swap_store.pop(request_id, None)
+        if self.swap_store.pop(request_id, None) is not None and self.leads:
+            assert self.group is not None
+            self.group.send("release", request_id=request_id)  # the other ranks' swapped KV of it
         self.block_tables.release(request_id)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of blocks' KV, block-major so that any run of blocks is one contiguous
-        byte range (a transfer frame): [blocks, layers, 2, block_size, kv_heads, head_dim]."""
+        byte range (a transfer frame): [blocks, layers, 2, block_size, kv_heads, head_dim], every KV
+        head of the model: on a tensor-parallel engine rank 0 gathers the other ranks' heads, so
+        what leaves an engine never depends on how many ranks it has."""
+        if not self.leads:
+            return self._read_local(block_ids)
+        assert self.group is not None
+        self.group.send("read", block_ids=block_ids)
+        parts = self.group.gather_to_first(as_bytes(self._read_local(block_ids)))
+        return torch.cat(parts, dim=4).to(self.device).view(self.kv_dtype)
+
+    def follow_read(self, block_ids: list[int]) -> None:
+        """Ranks > 0: this rank's heads of rank 0's `read_blocks`, gathered there."""
+        assert self.group is not None
+        self.group.gather_to_first(as_bytes(self._read_local(block_ids)))
+
+    def _read_local(self, block_ids: list[int]) -> torch.Tensor:
         index = torch.tensor(block_ids, device=self.device)
         return torch.stack([cache.index_select(1, index) for cache in self.kv_caches], dim=1).transpose(0, 2) \
             .contiguous()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write KV laid out as `read_blocks` returns it into the given blocks. `data`'s memory may be
-        reused once this returns: on a GPU it waits for the copies it queued."""
-        expected = (len(block_ids), len(self.kv_caches), 2, *self.kv_caches[0].shape[2:])
+        """Write KV laid out as `read_blocks` returns it (every KV head of the model) into the given
+        blocks; on a tensor-parallel engine rank 0 sends it to the other ranks and each writes its own
+        heads. `data`'s memory may be reused once this returns: on a GPU it waits for the copies it
+        queued."""
+        expected = self.kv_blocks_shape(len(block_ids))
         if tuple(data.shape) != expected or data.dtype != self.kv_dtype:
             raise ValueError(f"KV of shape {tuple(data.shape)} {data.dtype} does not fit blocks "
                              f"{expected} {self.kv_dtype}")
+        if self.leads:
+            assert self.group is not None
+            self.group.send("write", [as_bytes(data)], block_ids=block_ids)
+        self._write_local(block_ids, self._my_heads(data))
+
+    def kv_blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape of `num_blocks` blocks' KV as `read_blocks` returns it: every KV head of the model."""
+        arch = self.arch
+        return num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_dim
+
+    def follow_write(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Ranks > 0: this rank's heads of rank 0's `write_blocks` (`data` as bytes, every head)."""
+        self._write_local(block_ids, self._my_heads(data.view(self.kv_dtype)))
+
+    def _my_heads(self, data: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads of KV laid out as `read_blocks` returns it."""
+        if self.group is None:
+            return data
+        return data.chunk(self.group.size, dim=4)[self.group.rank]
+
+    def _write_local(self, block_ids: list[int], data: torch.Tensor) -> None:
         index = torch.tensor(block_ids, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             as_bytes(cache).index_copy_(1, index, as_bytes(data[:, layer].transpose(0, 1).to(self.device)))

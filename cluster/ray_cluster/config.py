@@ -5,6 +5,8 @@ mode: disaggregated        # or colocated: every worker runs both phases (the ba
 prefill: {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0}  # threads 0: every core no busy worker holds
 decode:  {replicas: 1, num_cpus: 0.25, resources: {}, threads: 0,
           engine: {max_num_seqs: 64}}  # the pool's own engine limits, over `engine:` below (POOL_ENGINE_KEYS)
+# A pool's `engine: {tensor_parallel_size: N}` splits each of its workers' model across N ranks: N
+# processes on the worker's node, num_cpus and num_gpus asked of Ray for each (docs/ray_cluster.md).
 transport: ucx             # how KV blocks travel between prefill and decode workers
 kv_shared_memory: true     # workers on one host pass KV through shared memory (false: UCX's transports always)
 kv_overlap: true           # send KV blocks while the rest of the prompt computes
@@ -44,6 +46,7 @@ engine:
   max_num_seqs: 256
   deterministic: false      # every token independent of its batch, chunking and resumes (slower; CPUs)
   quantization: none        # gguf: a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed
+  tensor_parallel_size: 1   # ranks per worker (a pool may set its own: KV moves between sizes whole)
 ```
 
 `resources` are Ray custom resources (e.g. `{prefill_node: 1}`) that pin a pool to the nodes meant
@@ -289,7 +292,7 @@ class ClusterConfig:
 ENGINE_KEYS = {
     "model": ("model", "model"), "dtype": ("model", "dtype"), "device": ("model", "device"),
     "max_model_len": ("model", "max_model_len"), "deterministic": ("model", "deterministic"),
-    "quantization": ("model", "quantization"),
+    "quantization": ("model", "quantization"), "tensor_parallel_size": ("model", "tensor_parallel_size"),
     "block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "kv_cache_dtype": ("cache", "kv_cache_dtype"), "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
@@ -299,10 +302,11 @@ ENGINE_KEYS = {
 
 
 # What a pool may set apart in its own `engine:` (the rest is one for the cluster: the model, its
-# dtype and device, and the KV layout that transfers between the pools rely on).
+# dtype and device, and the KV layout that transfers between the pools rely on). Tensor parallelism
+# is a pool's own: an engine exports and imports every KV head, whatever its ranks.
 POOL_ENGINE_KEYS = ("kv_cache_memory_gb", "gpu_memory_utilization", "kv_cache_dtype", "num_blocks",
                     "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "preemption_mode",
-                    "attention_backend")
+                    "attention_backend", "tensor_parallel_size")
 
 
 def engine_config_from(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:
@@ -331,12 +335,16 @@ def load_cluster_config(path: str | Path | None = None, overrides: dict[str, Any
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")
         values = loaded
-    for key, value in (overrides or {}).items():
-        if isinstance(value, dict) and isinstance(values.get(key), dict):
-            values[key] = {**values[key], **value}
-        else:
-            values[key] = value
-    return cluster_config_from(values)
+    return cluster_config_from(merged(values, overrides or {}))
+
+
+def merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` over `values`, mappings merged key by key at every depth (a pool's `engine:` too)."""
+    result = dict(values)
+    for key, value in overrides.items():
+        result[key] = merged(result[key], value) if isinstance(value, dict) and isinstance(result.get(key), dict) \
+            else value
+    return result
 
 
 def cluster_config_from(values: dict[str, Any]) -> ClusterConfig:

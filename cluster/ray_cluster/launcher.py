@@ -37,7 +37,7 @@ from cluster.ray_cluster.placement import check_gpu_fit, gpus_per_worker
 from cluster.ray_cluster.router import Router, RouterConfig
 from cluster.ray_cluster.scaler import Scaler
 from cluster.ray_cluster.worker_actor import CONCURRENCY_GROUPS, RAY_NAMESPACE, control
-from cluster.ray_cluster.worker_pool import actor_name, make_worker, worker_engine, worker_spec
+from cluster.ray_cluster.worker_pool import actor_name, make_worker, pool_ranks, worker_engine, worker_spec
 from cluster.state.connect import connect_state, redacted_url
 from cluster.weights.default_model import resolve_model_path
 from cluster.weights.tokenizer import Tokenizer
@@ -271,7 +271,7 @@ class Cluster:
         for role, pool in pools:
             num_gpus = self.gpus_per_worker(pool)
             worker_engine(self.config, role, num_gpus)  # refuses a pool's memory share past its GPU share
-            workers += [num_gpus] * pool.replicas
+            workers += [num_gpus * pool_ranks(self.config, role)] * pool.replicas  # a GPU per rank
         try:
             check_gpu_fit(workers, node_gpus())
         except ValueError as error:

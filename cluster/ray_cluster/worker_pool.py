@@ -25,11 +25,20 @@ def actor_name(uid: str, role: str, index: int) -> str:
     return f"pdserve-{uid}-{role}-{index}"
 
 
+def pool_ranks(config: ClusterConfig, role: str) -> int:
+    """The tensor-parallel ranks of each worker of the pool of `role`."""
+    return config.engine_for(role).model.tensor_parallel_size
+
+
 def worker_engine(config: ClusterConfig, role: str, num_gpus: float) -> EngineConfig:
-    """The engine config of a worker of the pool of `role` on `num_gpus` GPUs: its pool's
+    """The engine config of a worker of the pool of `role` on `num_gpus` GPUs per rank: its pool's
     (`ClusterConfig.engine_for`), with the share of its GPU's memory it may take where it shares one."""
     pool = config.prefill if role == "prefill" else config.decode
     engine = config.engine_for(role)
+    ranks = engine.model.tensor_parallel_size
+    if ranks > 1 and 0 < num_gpus < 1:
+        raise ValueError(f"{role}: tensor_parallel_size {ranks} with num_gpus {num_gpus:g}: each rank computes on a "
+                         "GPU of its own; give the pool whole GPUs (num_gpus 1) or tensor_parallel_size 1")
     utilization = worker_gpu_memory_utilization(config.engine.cache.gpu_memory_utilization,
                                                 pool.engine.get("gpu_memory_utilization"), num_gpus, pool=role)
     return replace(engine, cache=replace(engine.cache, gpu_memory_utilization=utilization))
@@ -50,9 +59,13 @@ def make_worker(config: ClusterConfig, uid: str, role: str, index: int, num_gpus
     died with no worker of its own."""
     pool = config.prefill if role == "prefill" else config.decode
     name = actor_name(uid, role, index)
+    # The actor asks Ray for every rank's CPUs and GPUs: it runs rank 0 and spawns the others on its
+    # own node (`cluster.model.ranks`), where they use what Ray gave it (CUDA_VISIBLE_DEVICES: its GPUs).
+    ranks = pool_ranks(config, role)
     # max_task_retries=0: a stream cut by a worker's death is the router's to resume, not Ray's
     # to replay from its start.
-    options = worker_actor_class().options(num_cpus=pool.num_cpus, num_gpus=num_gpus, resources=dict(pool.resources),
+    options = worker_actor_class().options(num_cpus=pool.num_cpus * ranks, num_gpus=num_gpus * ranks,
+                                           resources=dict(pool.resources),
                                            name=name, namespace=RAY_NAMESPACE, max_restarts=config.worker_max_restarts,
                                            max_task_retries=0, max_concurrency=pool.max_concurrency,
                                            lifetime="detached" if config.name or detached else None)

@@ -175,8 +175,7 @@ class Worker:
 
     def _landing_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The staging buffer's shape for `num_blocks` blocks of a prompt's KV: [blocks, layers, 2, block...]."""
-        runner = self.engine.runner
-        return (num_blocks, len(runner.kv_caches), 2, *runner.kv_caches[0].shape[2:])
+        return self.engine.runner.kv_blocks_shape(num_blocks)
 
     async def _publish(self) -> None:
         """Keep this worker listed in the shared registry (a heartbeat), and every PUBLISH_S send the
@@ -231,6 +230,8 @@ class Worker:
         self.wake.set()
         if self.thread is not None:
             await asyncio.to_thread(self.thread.join, 10)
+        if self.thread is None or not self.thread.is_alive():  # never under a step still running
+            self.engine.close()
         if self.cores is not None:
             self.cores.idle()
         for connector in (self.sender, self.receiver):

@@ -3,10 +3,12 @@ checked with errors that name the field, and what each pool's workers are made w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from cluster.ray_cluster.config import cluster_config_from
-from cluster.ray_cluster.worker_pool import worker_arguments, worker_spec
+from cluster.ray_cluster.config import cluster_config_from, load_cluster_config
+from cluster.ray_cluster.worker_pool import pool_ranks, worker_arguments, worker_engine, worker_spec
 
 CONFIG = {"engine": {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "kv_cache_memory_gb": 0.5},
           "prefill": {"engine": {"max_num_batched_tokens": 4096}},
@@ -47,3 +49,26 @@ def test_the_workers_of_each_pool_are_made_with_its_engine() -> None:
 def test_a_bad_pool_override_names_its_field(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cluster_config_from(overrides)
+
+
+def test_each_pool_takes_its_own_tensor_parallel_size_from_the_file_and_the_command_line(tmp_path: Path) -> None:
+    from cluster.cli import build_parser, cluster_overrides
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text("engine: {tensor_parallel_size: 2}\nprefill: {engine: {max_num_batched_tokens: 512}}\n")
+    args = build_parser().parse_args(["serve", "--decode-tensor-parallel-size", "1", "--num-prefill", "2"])
+    config = load_cluster_config(path, cluster_overrides(args))
+    assert (pool_ranks(config, "prefill"), pool_ranks(config, "decode")) == (2, 1)
+    assert config.engine_for("prefill").scheduler.max_num_batched_tokens == 512  # merged, not replaced
+    assert config.prefill.replicas == 2
+    every_pool = build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
+    config = load_cluster_config(None, cluster_overrides(every_pool))
+    assert (pool_ranks(config, "prefill"), pool_ranks(config, "decode")) == (2, 2)
+
+
+def test_ranks_on_a_shared_gpu_are_refused() -> None:
+    config = cluster_config_from({"decode": {"engine": {"tensor_parallel_size": 2}}})
+    with pytest.raises(ValueError, match=r"decode: tensor_parallel_size 2 with num_gpus 0.5: each rank computes "
+                                         r"on a GPU of its own"):
+        worker_engine(config, "decode", 0.5)
+    assert worker_engine(config, "decode", 1.0).model.tensor_parallel_size == 2
