@@ -26,6 +26,7 @@ from cluster.engine.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from cluster.serving.cache_domains import DEFAULT_ISOLATION, ISOLATIONS
 from cluster.serving.connection_limits import ConnectionLimits
@@ -62,6 +63,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
                        help="gguf: a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed (about a third of bf16's "
                        "memory at 4 bits); none: widened to --dtype at load")
+    group.add_argument("--speculative-config", type=speculative_json, default=None,
+                       help=SPECULATIVE_HELP)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -74,7 +77,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, preemption_mode=args.preemption_mode),
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend,
+        speculative=SpeculativeConfig.from_dict(args.speculative_config))
+
+
+SPECULATIVE_HELP = ('speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
+
+
+def speculative_json(text: str) -> dict[str, object]:
+    """--speculative-config's JSON object, checked as the engine would check it."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    try:
+        SpeculativeConfig.from_dict(values)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return dict(values)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -226,7 +247,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         overrides["tracing"] = traces
     engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb", "kv_cache_dtype",
                                                  "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
-                                                 "deterministic", "quantization")
+                                                 "deterministic", "quantization", "speculative_config")
               if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
@@ -518,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "of an undisturbed run, in any dtype (slower; CPUs only)")
     serve.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                        help="default none; gguf: a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed in each worker")
+    serve.add_argument("--speculative-config", type=speculative_json, default=None,
+                       help=SPECULATIVE_HELP + "; every pool's (the cluster YAML's engine.speculative_config, "
+                       "or a pool's own, sets it on the decode pool alone)")
     status = commands.add_parser("status", help="show a running server's workers, their load and KV usage")
     status.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP address")
     status.add_argument("--api-key", default=None, help="default: $PDSERVE_API_KEY")

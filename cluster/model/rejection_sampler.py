@@ -30,8 +30,15 @@ import torch
 from cluster.common.events import TokenLogprobs
 from cluster.engine.request import Request
 from cluster.model.grammar_masks import GrammarMasks, fill_grammar_masks
-from cluster.model.sampler import BatchPlan, Sampler, compute_logprobs, greedy_argmax, process_logits, \
-    race, random_probs
+from cluster.model.sampler import (
+    BatchPlan,
+    Sampler,
+    compute_logprobs,
+    greedy_argmax,
+    process_logits,
+    race,
+    random_probs,
+)
 
 
 @dataclass(slots=True)

@@ -28,8 +28,8 @@ from cluster.model.grammar_masks import GrammarMasker
 from cluster.model.memory import DeviceMemory, profile_metadata
 from cluster.model.models.llama import LlamaForCausalLM
 from cluster.model.quantized import quantize_modules
-from cluster.model.rejection_sampler import position_views, verify
 from cluster.model.registry import model_class_for
+from cluster.model.rejection_sampler import position_views, verify
 from cluster.model.sampler import Sampler
 
 # glibc serves allocations above 32 MiB with fresh (zero-filled) pages from mmap.

@@ -85,12 +85,13 @@ def test_the_speculative_config_resolves_lookup_bounds_as_vllm_does() -> None:
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
     assert not SpeculativeConfig().enabled and only_max.enabled
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}).num_speculative_tokens == 2
-    for bad, message in [({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    cases: list[tuple[dict[str, object], str]] = [({"method": "eagle", "num_speculative_tokens": 2}, "method"),
                          ({"method": "ngram"}, "num_speculative_tokens must be >= 1"),
                          ({"num_speculative_tokens": 2}, "needs a speculative method"),
                          ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                            "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown")]:
+                         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown")]
+    for bad, message in cases:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_dict(bad)
 
