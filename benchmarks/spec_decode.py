@@ -9,8 +9,9 @@ passages quoted before they are summarized). Non-repetitive: open questions. Eac
 (batch 1, where a step's time is the token's) and all of a workload's prompts together (a batch),
 greedy, `--max-tokens` each. Per arm: inter-token latency (a request's decode time over its tokens
 after the first, the mean over requests; tokens of one step arrive together, so this is the time a
-token costs), output tokens per second of the batch, and the drafts' acceptance. Greedy tokens are
-checked to be the same in both arms. Writes benchmarks/results/spec-decode.<machine>.<date>.json.
+token costs), output tokens per second of the batch, and the drafts' acceptance. Whether the greedy
+tokens are the same in both arms is recorded: in bf16 a row of drafts rounds differently from a
+decode and answers may part after some tokens; in fp32 or `--deterministic` they are the same. Writes benchmarks/results/spec-decode.<machine>.<date>.json.
 """
 
 from __future__ import annotations
