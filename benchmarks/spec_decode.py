@@ -11,7 +11,8 @@ greedy, `--max-tokens` each. Per arm: inter-token latency (a request's decode ti
 after the first, the mean over requests; tokens of one step arrive together, so this is the time a
 token costs), output tokens per second of the batch, and the drafts' acceptance. Whether the greedy
 tokens are the same in both arms is recorded: in bf16 a row of drafts rounds differently from a
-decode and answers may part after some tokens; in fp32 or `--deterministic` they are the same. Writes benchmarks/results/spec-decode.<machine>.<date>.json.
+decode and answers may part after some tokens; in fp32 or `--deterministic` they are the same.
+Writes benchmarks/results/spec-decode.<machine>.<date>.json.
 """
 
 from __future__ import annotations
