@@ -26,6 +26,7 @@ from cluster.engine.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from cluster.serving.cache_domains import DEFAULT_ISOLATION, ISOLATIONS
 from cluster.serving.connection_limits import ConnectionLimits
@@ -65,6 +66,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="ranks the model is split across, each in a process of its own (a GPU each on GPUs); "
                        "it must divide the model's attention heads and KV heads")
+    group.add_argument("--speculative-config", type=speculative_json, default=None,
+                       help=SPECULATIVE_HELP)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -78,7 +81,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, preemption_mode=args.preemption_mode),
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend,
+        speculative=SpeculativeConfig.from_dict(args.speculative_config))
+
+
+SPECULATIVE_HELP = ('speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
+
+
+def speculative_json(text: str) -> dict[str, object]:
+    """--speculative-config's JSON object, checked as the engine would check it."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    try:
+        SpeculativeConfig.from_dict(values)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return dict(values)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -241,7 +262,8 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         overrides["tracing"] = traces
     engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb", "kv_cache_dtype",
                                                  "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
-                                                 "deterministic", "quantization", "tensor_parallel_size")
+                                                 "deterministic", "quantization", "tensor_parallel_size",
+                                                 "speculative_config")
               if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
@@ -540,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(f"--{pool}-tensor-parallel-size", type=int, default=None,
                            help=f"ranks per {pool} worker, over --tensor-parallel-size (KV moves between pools of "
                            "other sizes whole)")
+    serve.add_argument("--speculative-config", type=speculative_json, default=None,
+                       help=SPECULATIVE_HELP + "; every pool's (the cluster YAML's engine.speculative_config, "
+                       "or a pool's own, sets it on the decode pool alone)")
     status = commands.add_parser("status", help="show a running server's workers, their load and KV usage")
     status.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP address")
     status.add_argument("--api-key", default=None, help="default: $PDSERVE_API_KEY")

@@ -80,7 +80,7 @@ def stub_prefill(engine: LLMEngine, rng: np.random.Generator) -> int:
     scheduler, steps = engine.scheduler, 0
     while scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.running):
         output = scheduler.schedule()
-        sampled = {s.request.request_id: token for s, token in
+        sampled = {s.request.request_id: [token] for s, token in
                    zip(output.scheduled, fake_tokens(len(output.scheduled), rng), strict=True) if s.samples}
         scheduler.update_from_output(output, sampled)
         steps += 1
@@ -247,10 +247,10 @@ def stub_step(engine: LLMEngine, rng: np.random.Generator) -> tuple[float, float
     t2 = time.perf_counter()
     requests = [batch.rows[row].request for row in batch.sample_rows]
     tokens = fake_tokens(len(requests), rng)
-    scheduler.update_from_output(output, {r.request_id: t for r, t in zip(requests, tokens, strict=True)})
+    scheduler.update_from_output(output, {r.request_id: [t] for r, t in zip(requests, tokens, strict=True)})
     t3 = time.perf_counter()
     for request, token in zip(requests, tokens, strict=True):  # what engine.step does per output
-        engine._output(request, token, None)
+        engine._output(request, [token], [])
     t4 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 

@@ -121,3 +121,10 @@ class WorkerLoad:
     # waiting for a slot): a decode worker's queue is these beyond its running ones.
     num_held: int = 0
     draining: bool = False  # it takes no new requests: it finishes those it holds, then leaves
+    # Speculative decoding (vLLM's spec_decode counters), where its engine speculates (num_speculative_tokens > 0):
+    # rows verified with drafts, drafts run, drafts accepted, and acceptances by draft position (0 first).
+    num_speculative_tokens: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: list[int] = field(default_factory=list)

@@ -126,11 +126,64 @@ class SchedulerConfig:
         _require(self.policy in ("fcfs", "priority"), f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's prompt-lookup length where neither bound is set.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`), off while `method` is None.
+
+    "ngram" (prompt lookup): the last `prompt_lookup_min`..`prompt_lookup_max` tokens of a request are
+    looked up earlier in its prompt and output, and the `num_speculative_tokens` that followed them
+    are proposed as drafts, verified by the model in the next step. As in vLLM, a bound left unset
+    takes the other's value, and both unset are 5.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.method is None or self.method in SPECULATIVE_METHODS,
+                 f"speculative method must be one of {SPECULATIVE_METHODS} (or unset: off), got {self.method!r}")
+        if self.method is None:
+            _require(self.num_speculative_tokens == 0,
+                     "num_speculative_tokens needs a speculative method (method: ngram)")
+            return
+        _require(self.num_speculative_tokens >= 1,
+                 f"num_speculative_tokens must be >= 1 with method {self.method!r}, got {self.num_speculative_tokens}")
+        low = self.prompt_lookup_min or self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP
+        high = self.prompt_lookup_max or self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP
+        _require(1 <= low <= high, f"prompt_lookup_min must be in [1, prompt_lookup_max], got {low} and {high}")
+        object.__setattr__(self, "prompt_lookup_min", low)  # frozen: the resolved bounds, once
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object] | None) -> SpeculativeConfig:
+        """From vLLM's `speculative_config` mapping (the CLI's JSON, the cluster YAML's)."""
+        if not values:
+            return cls()
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {type(values).__name__}")
+        known = {name for name in cls.__dataclass_fields__}
+        unknown = sorted(set(values) - known)
+        _require(not unknown, f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        return cls(**values)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # "auto" picks triton on CUDA devices and torch elsewhere.
     attention_backend: str = "auto"
 

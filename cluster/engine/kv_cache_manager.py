@@ -66,8 +66,12 @@ class KVCacheManager:
         if not cached_blocks:
             num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens <= len(blocks) * self.block_size:  # fits in the blocks it has: most decodes
-                if num_tokens % self.block_size == 0:
-                    self._cache_full_blocks(request, blocks, min(num_tokens, len(request.all_token_ids)))
+                # Only the request's own tokens fill blocks for the cache, never the drafts after them;
+                # a step of several tokens (accepted drafts) may cross a block boundary anywhere.
+                num_real = min(num_tokens, len(request.all_token_ids))
+                if self.pool.enable_prefix_caching and \
+                        num_real // self.block_size > self.num_cached_of.get(request.request_id, 0):
+                    self._cache_full_blocks(request, blocks, num_real)
                 return True
         cached_blocks = cached_blocks or []
         num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
@@ -84,6 +88,12 @@ class KVCacheManager:
         if cache_full:
             self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
         return True
+
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether `allocate_slots(request, num_new_tokens)` (no cached prefix) would fit, changing nothing."""
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_needed = cdiv(num_tokens, self.block_size) - len(self.blocks_of.get(request.request_id, []))
+        return num_needed <= self.pool.num_free_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Enter the request's full blocks up to `num_tokens` into the prefix cache: for blocks filled

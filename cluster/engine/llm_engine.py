@@ -28,6 +28,8 @@ from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler_output import SchedulerOutput
+from cluster.engine.spec_decode import SpecDecodeStats, build_proposer
 from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from cluster.model.memory import CudaMemory, DeviceMemory, MemoryProfile, check_free
 from cluster.model.ranks import Ranks, RankSpec
@@ -102,6 +104,7 @@ class EngineStats:
     seconds_per_request: float = 0.0  # recent requests' time running here, first step to end (0: none yet)
     num_swapped: int = 0  # requests whose KV is swapped out to host memory
     histograms: dict[str, BucketCounts] = field(default_factory=dict)  # copies of `RequestStats`'
+    spec_decode: SpecDecodeStats | None = None  # drafts verified and accepted; None: speculation is off
 
 
 def served_model_name(model: str) -> str:
@@ -167,6 +170,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(pool, config.cache.block_size, model_name=self.model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    num_swap_blocks=config.cache.num_swap_blocks or self.num_blocks)
+        self.proposer = build_proposer(config.speculative)  # drafts for speculative decoding; None: off
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_tokens = 0  # tokens the last step computed
         self.ids = itertools.count()
@@ -293,7 +297,7 @@ class LLMEngine:
     def admit_remote(self, request_id: str, first_token_id: int) -> RequestOutput:
         """The KV is in place: the request joins the batch at the next step, after `first_token_id`."""
         request = self.scheduler.admit_remote(request_id, first_token_id)
-        return self._output(request, first_token_id, None)
+        return self._output(request, [first_token_id], [])
 
     def fail_remote(self, request_id: str, first_token_id: int | None = None) -> RequestOutput | None:
         """The KV will not arrive: compute the prompt here; with the prefill's `first_token_id`, go
@@ -301,7 +305,7 @@ class LLMEngine:
         request = self.scheduler.fail_remote(request_id, first_token_id)
         if request is None or first_token_id is None:
             return None
-        return self._output(request, first_token_id, None)
+        return self._output(request, [first_token_id], [])
 
     def settle_remote(self, request_id: str, first_token_id: int | None) -> RequestOutput | None:
         """The router says which first token the client has (None: none); a request whose KV was
@@ -322,7 +326,7 @@ class LLMEngine:
             return self.abort_output(request)
         if not request.output_token_ids:
             return None
-        return self._output(request, request.output_token_ids[0], None)
+        return self._output(request, [request.output_token_ids[0]], [])
 
     def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         """A resumed run's (`seed_offset` > 0) goes on after the output generated elsewhere, the last
@@ -414,34 +418,74 @@ class LLMEngine:
         self.scheduler.request_stats.step(scheduler_output.num_batched_tokens)
         for scheduled in scheduler_output.scheduled:  # before the update: a request may finish in it
             scheduled.request.prompt_logprobs += runner_output.prompt_logprobs.get(scheduled.request.request_id, [])
+        before = [scheduled.request.num_output_tokens for scheduled in scheduler_output.scheduled]
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
-        for scheduled in scheduler_output.scheduled:
+        for scheduled, num_before in zip(scheduler_output.scheduled, before, strict=True):
             request = scheduled.request
-            token_id = runner_output.sampled.get(request.request_id)
-            if token_id is None or request.status == RequestStatus.FINISHED_ABORTED:
+            token_ids = runner_output.sampled.get(request.request_id)
+            if token_ids is None or request.status == RequestStatus.FINISHED_ABORTED:
                 continue
-            logprobs = runner_output.logprobs.get(request.request_id)
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
-            outputs.append(self._output(request, token_id, logprobs))
+            num_kept = request.num_output_tokens - num_before  # a stop condition inside them kept those up to it
+            logprobs = runner_output.logprobs.get(request.request_id, [])[:num_kept]
+            outputs.append(self._output(request, token_ids[:num_kept], logprobs))
+        if self.proposer is not None:
+            self._propose(scheduler_output)
         return outputs
 
-    def _output(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _propose(self, scheduler_output: SchedulerOutput) -> None:
+        """Drafts for the next step of each request this step advanced that decodes next: constrained
+        requests are never given any (their grammar would have to follow every draft)."""
+        assert self.proposer is not None
+        requests, limits = [], []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            request.draft_token_ids = []
+            if request.finished or request.grammar is not None or \
+                    request.num_computed_tokens + 1 != len(request.all_token_ids):
+                continue
+            requests.append(request)
+            limits.append(self._max_drafts(request))
+        for request, drafts in zip(requests, self.proposer.propose(requests, limits), strict=True):
+            request.draft_token_ids = drafts
+
+    def _max_drafts(self, request: Request) -> int:
+        """Drafts worth running: positions inside the context, and no more than the tokens the request
+        may still produce after the step's own one."""
+        params = request.sampling_params
+        return max(0, min(self.config.speculative.num_speculative_tokens,
+                          self.max_model_len - len(request.all_token_ids),
+                          params.max_tokens - request.num_output_tokens - 1))
+
+    def _output(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
+        """The output of `token_ids`, just appended to the request. A stop string found before the last
+        of them ends the request there: the tokens after it are taken back."""
         detokenizer = self.detokenizers[request.request_id]
-        # A prefill for another worker is not the request's end: text held back (a partial UTF-8
-        # character, a possible stop string) is the decode worker's to release, not flushed here.
-        new_text = detokenizer.add(token_id, final=request.finished and not request.hold_kv)
+        new_text, num_kept = "", 0
+        for token_id in token_ids:
+            num_kept += 1
+            # A prefill for another worker is not the request's end: text held back (a partial UTF-8
+            # character, a possible stop string) is the decode worker's to release, not flushed here.
+            final = request.finished and not request.hold_kv and num_kept == len(token_ids)
+            new_text += detokenizer.add(token_id, final=final)
+            if detokenizer.stopped:
+                break
+        if num_kept < len(token_ids):
+            request.drop_output_tokens(len(token_ids) - num_kept)
+            token_ids, logprobs = token_ids[:num_kept], logprobs[:num_kept]
+            if request.finished:  # by a later token's condition: the stop string came first
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_string
         if detokenizer.stopped and not request.finished:
             request.stop_reason = detokenizer.stop_string
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        request.logprobs += logprobs
         if request.finished:
             self._release(request.request_id)
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=[token_id], new_text=new_text,
-            token_ids=request.output_token_ids, index=request.num_output_tokens - 1, text=detokenizer.text,
-            finished=request.finished,
+            request_id=request.request_id, new_token_ids=token_ids, new_text=new_text,
+            token_ids=request.output_token_ids, index=request.num_output_tokens - len(token_ids),
+            text=detokenizer.text, finished=request.finished,
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0), new_logprobs=[logprobs] if logprobs else [],
+            num_cached_tokens=max(request.num_cached_tokens, 0), new_logprobs=logprobs,
             stop_reason=request.stop_reason, arrival_time=request.arrival_time,
             first_token_time=request.first_token_time, prompt_logprobs=self._prompt_logprobs(request))
 
@@ -512,6 +556,7 @@ class LLMEngine:
             self.kv_cache.prefix_queries = self.kv_cache.prefix_hits = 0
             self.scheduler.seconds_per_request = 0.0  # three tokens: not a client's request
             self.scheduler.request_stats = RequestStats(self.max_model_len)
+            self.scheduler.spec_stats = SpecDecodeStats()
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
@@ -521,4 +566,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=self.kv_cache.prefix_queries,
             prefix_cache_hits=self.kv_cache.prefix_hits, num_recomputes=self.scheduler.num_recomputes,
             seconds_per_request=self.scheduler.seconds_per_request, num_swapped=len(self.scheduler.swapped),
-            histograms=self.scheduler.request_stats.snapshot())
+            histograms=self.scheduler.request_stats.snapshot(),
+            spec_decode=self.scheduler.spec_stats.copy() if self.proposer is not None else None)

@@ -74,6 +74,8 @@ class Request:
     hold_kv: bool = False
     # Where the output stands in its grammar (`sampling_params.structured`); None: unconstrained.
     grammar: GrammarMatcher | None = None
+    # Speculative decoding: tokens proposed to follow `all_token_ids`, verified when next scheduled.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -115,6 +117,15 @@ class Request:
             self.first_token_time = time.monotonic()
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+    def drop_output_tokens(self, count: int) -> None:
+        """Take back the last `count` output tokens: accepted drafts after a stop string, which the
+        detokenizer finds only once the step appended them (never for a constrained request: its
+        grammar has advanced past them, and it is never given drafts)."""
+        assert self.grammar is None or count == 0
+        if count:
+            del self.output_token_ids[-count:]
+            del self.all_token_ids[-count:]
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished state the last output token put this request in, or None to keep going.

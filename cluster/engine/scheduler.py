@@ -20,6 +20,7 @@ from cluster.engine.kv_cache_manager import KVCacheManager, cdiv
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
+from cluster.engine.spec_decode import SpecDecodeStats
 
 # A decode worker's request whose KV will not come waits this long, without blocks, for its router to
 # say which first token the client has (a prefill may have streamed one); longer, its router is gone.
@@ -55,6 +56,7 @@ class Scheduler:
         # running requests make room for waiting ones, which the routers' admission estimates waits by.
         self.seconds_per_request = 0.0
         self.request_stats = RequestStats(max_model_len)  # vLLM's per-request histograms, counted at the end
+        self.spec_stats = SpecDecodeStats()  # drafts verified and accepted (speculative decoding)
         # Disaggregation. Decode side: requests whose KV is in flight, with their lease deadlines,
         # then those whose KV has landed, admitted ahead of the waiting queue (they hold blocks).
         self.reserved: dict[str, tuple[Request, float]] = {}
@@ -244,21 +246,33 @@ class Scheduler:
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return output
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request past the tokens it just ran; returns those that finished."""
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance every scheduled request past the tokens it just ran: the accepted drafts and the
+        model's token after them (`sampled`, in order; a stop condition met inside them drops the
+        rest). Returns the requests that finished."""
         finished = []
         for scheduled in output.scheduled:
             request = scheduled.request
-            request.num_computed_tokens += scheduled.num_new_tokens
+            token_ids = sampled[request.request_id] if scheduled.samples else ()
+            num_rejected = self._verified(scheduled, len(token_ids) - 1) if scheduled.draft_token_ids else 0
+            request.num_computed_tokens += scheduled.num_new_tokens - num_rejected
             if not scheduled.samples or request.status >= RequestStatus.FINISHED_STOPPED:  # a chunk, or aborted
                 continue
-            token_id = sampled[request.request_id]
-            request.append_output_token(token_id)
-            status = request.check_stop(self.max_model_len)
-            if status is not None:
-                self.finish(request, status)
-                finished.append(request)
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                status = request.check_stop(self.max_model_len)
+                if status is not None:
+                    self.finish(request, status)
+                    finished.append(request)
+                    break
         return finished
+
+    def _verified(self, scheduled: ScheduledRequest, num_accepted: int) -> int:
+        """Count a verified row's drafts; how many were rejected (their KV slots are computed no more:
+        the request's next tokens overwrite them)."""
+        num_drafts = len(scheduled.draft_token_ids)
+        self.spec_stats.observe(num_drafts, num_accepted)
+        return num_drafts - num_accepted
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         # The hot loop of every step (one pass per running request): locals over attribute lookups.
@@ -270,12 +284,24 @@ class Scheduler:
             if num_new <= 0:  # admitted in static mode, no budget for it yet
                 index += 1
                 continue
+            drafts = request.draft_token_ids
+            if drafts and request.num_computed_tokens + 1 == len(request.all_token_ids):  # they follow its last token
+                drafts = self._fit_drafts(request, budget)
+                num_new += len(drafts)
             if not allocate(request, num_new) and not self._preempt_until_fits(request, num_new, index, output):
                 break  # the request preempted itself: nothing behind it can run either
-            scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(self._scheduled(request, num_new, drafts))
             budget -= num_new
             index += 1
         return budget
+
+    def _fit_drafts(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts that the budget and the free blocks allow: drafts are the first thing
+        given up, before any request is preempted for room."""
+        drafts = request.draft_token_ids[:budget - 1]
+        if drafts and not self.kv_cache.can_allocate(request, 1 + len(drafts)):
+            drafts = []
+        return drafts
 
     def _preempt_until_fits(self, request: Request, num_new: int, index: int, output: SchedulerOutput) -> bool:
         while True:
@@ -304,6 +330,7 @@ class Scheduler:
         else:
             request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         output.preempted.append(request)
@@ -372,9 +399,10 @@ class Scheduler:
             self.num_swapped_blocks -= self.swapped.pop(request.request_id)
         return num_new
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        samples = request.num_computed_tokens + num_new >= len(request.all_token_ids)
-        return ScheduledRequest(request, num_new, self.kv_cache.block_ids_of[request.request_id], samples)
+    def _scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        samples = request.num_computed_tokens + num_new - len(drafts or ()) >= len(request.all_token_ids)
+        return ScheduledRequest(request, num_new, self.kv_cache.block_ids_of[request.request_id], samples,
+                                drafts or [])
 
     def _push_waiting(self, request: Request) -> None:
         if request.status != RequestStatus.PREEMPTED:

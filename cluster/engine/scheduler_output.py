@@ -15,6 +15,8 @@ class ScheduledRequest:
     block_ids: list[int]
     # Whether this step reaches the request's last known token, so the model's sample is kept.
     samples: bool
+    # Drafts run after the request's last token (the last `len(draft_token_ids)` of `num_new_tokens`).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

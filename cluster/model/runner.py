@@ -29,6 +29,7 @@ from cluster.model.memory import DeviceMemory, profile_metadata
 from cluster.model.models.llama import LlamaForCausalLM
 from cluster.model.quantized import quantize_modules
 from cluster.model.registry import model_class_for
+from cluster.model.rejection_sampler import position_views, verify
 from cluster.model.sampler import Sampler
 from cluster.model.tensor_parallel import (
     TensorParallelGroup,
@@ -48,8 +49,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Per request that sampled, its new tokens in order: one, or with drafts its accepted ones and one more.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per new token, where asked
     # Requests asking prompt logprobs: those of the prompt tokens this step's positions predict, in order.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
@@ -61,7 +63,8 @@ class Batch:
     positions: torch.Tensor
     metadata: AttentionMetadata
     sample_rows: list[int]  # rows whose last position is sampled
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor  # the positions whose logits are computed: each sampled row's last 1 + drafts
+    speculative: bool = False  # some sampled row has drafts
 
 
 def keep_freed_host_memory() -> None:
@@ -273,18 +276,30 @@ class ModelRunner:
         self._swap(output.swap_out, output.swap_in)
         if batch is None:
             return ModelRunnerOutput()
-        requests = [batch.rows[row].request for row in batch.sample_rows]
+        sampling = [batch.rows[row] for row in batch.sample_rows]
+        drafts = [s.draft_token_ids for s in sampling] if batch.speculative else []
+        # One request per logits row: with drafts, each drafted request at each of its positions.
+        requests = [view for s in sampling for view in position_views(s.request, s.draft_token_ids)] \
+            if batch.speculative else [s.request for s in sampling]
         grammar_masks = self.grammar_masker.start(requests)  # computed while the model runs
         hidden = self._forward(batch)
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden))
         if not batch.sample_rows:
             return result
         logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)  # the sampler widens
-        sampled = self.sampler(logits, requests, grammar_masks.result() if grammar_masks is not None else None)
-        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
-            result.sampled[request.request_id] = token_id
-            if logprobs is not None:
-                result.logprobs[request.request_id] = logprobs
+        masks = grammar_masks.result() if grammar_masks is not None else None
+        if batch.speculative:
+            verified = verify(self.sampler, logits, requests, drafts, masks)
+            for s, token_ids, logprobs in zip(sampling, verified.token_ids, verified.logprobs, strict=True):
+                result.sampled[s.request.request_id] = token_ids
+                if logprobs:
+                    result.logprobs[s.request.request_id] = logprobs
+            return result
+        sampled = self.sampler(logits, requests, masks)
+        for request, token_id, token_logprobs in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
+            result.sampled[request.request_id] = [token_id]
+            if token_logprobs is not None:
+                result.logprobs[request.request_id] = [token_logprobs]
         return result
 
     def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
@@ -496,11 +511,17 @@ def build_batch(scheduled: list[ScheduledRequest], block_tables: BlockTables, bl
     # Decodes (one new token) first: the attention backend batches them together.
     rows = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens != 1]
     starts, lengths, token_ids, sample_rows = [], [], [], []
+    speculative = False
     for index, s in enumerate(rows):
         start, length = s.request.num_computed_tokens, s.num_new_tokens
         starts.append(start)
         lengths.append(length)
-        token_ids += s.request.all_token_ids[start:start + length]
+        if s.draft_token_ids:  # the drafts run after the request's last token
+            token_ids += s.request.all_token_ids[start:start + length - len(s.draft_token_ids)]
+            token_ids += s.draft_token_ids
+            speculative = True
+        else:
+            token_ids += s.request.all_token_ids[start:start + length]
         if s.samples:
             sample_rows.append(index)
     lengths_array = np.array(lengths)
@@ -519,8 +540,17 @@ def build_batch(scheduled: list[ScheduledRequest], block_tables: BlockTables, bl
         seq_lens=to_device(seq_lens.astype(np.int32)), query_start_loc=to_device(query_start.astype(np.int32)),
         num_decodes=len(rows) - int(np.count_nonzero(lengths_array - 1)), max_seq_len=int(seq_lens.max()),
         seq_lens_list=seq_lens.tolist(), query_start_list=query_start.tolist())
+    logits_indices = _speculative_indices(rows, sample_rows, query_start) if speculative \
+        else query_start[1:][sample_rows] - 1
     return Batch(rows, torch.tensor(token_ids, dtype=torch.int64, device=device), to_device(positions),
-                 metadata, sample_rows, to_device(query_start[1:][sample_rows] - 1))
+                 metadata, sample_rows, to_device(logits_indices), speculative)
+
+
+def _speculative_indices(rows: list[ScheduledRequest], sample_rows: list[int], query_start: np.ndarray) -> np.ndarray:
+    """The flat positions of each sampled row's last token and drafts, row after row."""
+    ends = query_start[1:]
+    return np.concatenate([np.arange(ends[row] - 1 - len(rows[row].draft_token_ids), ends[row])
+                           for row in sample_rows])
 
 
 def prompt_logprob_span(scheduled: ScheduledRequest, query_start: int) -> tuple[int, int, int] | None:

@@ -136,19 +136,12 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """Temperature, filters and the exponential race, on a float32 copy owned by us."""
-        params = [request.sampling_params for request in requests]
-        temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits.div_(temperatures.unsqueeze(1))
-        apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = logits.softmax(dim=-1)
-        apply_min_p(probs, [p.min_p for p in params])
-        exponentials = self._draw_exponentials(probs.shape, requests, probs.device)
-        return probs.div_(exponentials).argmax(dim=-1)
+        probs = random_probs(logits, requests)
+        return race(probs, self.draw_uniforms(probs.shape, requests, probs.device))
 
-    def _draw_exponentials(
-        self, shape: torch.Size, requests: Sequence[Request], device: torch.device
-    ) -> torch.Tensor:
-        """Exponential(1) draws as -log(uniform): on CPUs several times faster than `exponential_`."""
+    def draw_uniforms(self, shape: torch.Size, requests: Sequence[Request], device: torch.device) -> torch.Tensor:
+        """[rows, vocab] uniforms in [0, 1), row i from requests[i]'s own generator where it has a seed
+        (rows of one request drawn in order), else from the shared one."""
         uniforms = torch.empty(shape, device=device)
         unseeded = [row for row, request in enumerate(requests) if request.sampling_params.seed is None]
         shared = self._shared_generator(device)
@@ -160,9 +153,7 @@ class Sampler:
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None:
                 uniforms[row].uniform_(generator=self._request_generator(request, shape[1], device))
-        # uniform_ is in [0, 1), so draws are > 0 (no 0 / 0 = NaN, which argmax would rank first);
-        # a 0 gives an infinite draw, which only makes p / q = 0.
-        return uniforms.log_().neg_()
+        return uniforms
 
     def _shared_generator(self, device: torch.device) -> torch.Generator | None:
         if self._shared_seed is None:
@@ -186,6 +177,26 @@ class Sampler:
                 row.uniform_(generator=generator)
             self._request_generators[request.request_id] = generator
         return generator
+
+
+def random_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, top-k and top-p, softmax, min-p, in
+    place on `logits` (a float32 copy the caller owns)."""
+    params = [request.sampling_params for request in requests]
+    temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits.div_(temperatures.unsqueeze(1))
+    apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+    probs = logits.softmax(dim=-1)
+    apply_min_p(probs, [p.min_p for p in params])
+    return probs
+
+
+def race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's sample by exponential race: argmax(probs / q), q = -log(uniform) ~ Exponential(1),
+    picks token i with probability probs[i] (-log: on CPUs several times faster than `exponential_`).
+    uniform_ is in [0, 1), so draws are > 0 (no 0 / 0 = NaN, which argmax would rank first); a 0
+    gives an infinite draw, which only makes p / q = 0. Both tensors are overwritten."""
+    return probs.div_(uniforms.log_().neg_()).argmax(dim=-1)
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:

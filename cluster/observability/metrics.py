@@ -128,6 +128,14 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
 }
 
 
+SPEC_DECODE_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
+    "vllm:spec_decode_num_drafts": ("Rows verified with draft tokens (speculative decoding).",
+                                    lambda w: w.spec_decode_num_drafts),
+    "vllm:spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda w: w.spec_decode_num_draft_tokens),
+    "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", lambda w: w.spec_decode_num_accepted_tokens),
+}
+
+
 WORKER_HISTOGRAMS: dict[str, str] = {
     "vllm:request_queue_time_seconds": "Time a request waited here before it was first scheduled.",
     "vllm:request_prefill_time_seconds": "Time from first scheduled to first token (prefill and colocated workers).",
@@ -212,6 +220,7 @@ class _Snapshot(Collector):
                 if (counts := load.histograms.get(name)) is not None:
                     histogram.add_metric(self._labels(load), _buckets(counts), counts.total)
             yield histogram
+        yield from self._spec_decode_families()
         swapped = GaugeMetricFamily("vllm:num_requests_swapped", "Requests whose KV is swapped out to host memory "
                                     "(workers with preemption by swap only).", labels=LABELS)
         for load in self.loads:
@@ -223,6 +232,25 @@ class _Snapshot(Collector):
         for role in sorted({load.role for load in self.loads}):
             workers.add_metric([role], sum(load.role == role for load in self.loads))
         yield workers
+
+    def _spec_decode_families(self) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters, for the workers that speculate only (a worker without
+        drafts has no series rather than constant zeros)."""
+        speculating = [load for load in self.loads if load.num_speculative_tokens > 0]
+        for name, (help_text, value) in SPEC_DECODE_COUNTERS.items():
+            counter = CounterMetricFamily(name, help_text, labels=LABELS)
+            for load in speculating:
+                counter.add_metric(self._labels(load), value(load))
+            yield counter
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted draft tokens by their position in the draft (0 first).",
+                                           labels=[*LABELS, "position"])
+        for load in speculating:
+            accepted = load.spec_decode_accepted_per_pos
+            for position in range(load.num_speculative_tokens):
+                count = accepted[position] if position < len(accepted) else 0
+                per_position.add_metric([*self._labels(load), str(position)], count)
+        yield per_position
 
     def _cache_config_info(self) -> Iterator[Metric]:
         """vLLM's info gauge (always 1): each worker's cache config as labels; `num_gpu_blocks` is

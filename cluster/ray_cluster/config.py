@@ -47,6 +47,8 @@ engine:
   deterministic: false      # every token independent of its batch, chunking and resumes (slower; CPUs)
   quantization: none        # gguf: a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed
   tensor_parallel_size: 1   # ranks per worker (a pool may set its own: KV moves between sizes whole)
+  speculative_config: null  # vLLM's: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2,
+                            # prompt_lookup_max: 4}; a pool may set its own (the decode pool's is what counts)
 ```
 
 `resources` are Ray custom resources (e.g. `{prefill_node: 1}`) that pin a pool to the nodes meant
@@ -63,7 +65,7 @@ from typing import Any
 import yaml
 
 from cluster.common.roles import Mode, RoutingPolicy
-from cluster.engine.config import CacheConfig, EngineConfig
+from cluster.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from cluster.observability.tracing import TracingConfig
 
 TRANSPORTS = ("ucx",)
@@ -298,6 +300,8 @@ ENGINE_KEYS = {
     "kv_cache_dtype": ("cache", "kv_cache_dtype"), "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"), "max_num_seqs": ("scheduler", "max_num_seqs"),
     "preemption_mode": ("scheduler", "preemption_mode"),
+    # vLLM's mapping as it is ({method: ngram, num_speculative_tokens: 4, ...}): the whole section.
+    "speculative_config": ("speculative", ""),
 }
 
 
@@ -306,13 +310,13 @@ ENGINE_KEYS = {
 # is a pool's own: an engine exports and imports every KV head, whatever its ranks.
 POOL_ENGINE_KEYS = ("kv_cache_memory_gb", "gpu_memory_utilization", "kv_cache_dtype", "num_blocks",
                     "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "preemption_mode",
-                    "attention_backend", "tensor_parallel_size")
+                    "attention_backend", "tensor_parallel_size", "speculative_config")
 
 
 def engine_config_from(values: dict[str, Any], base: EngineConfig | None = None) -> EngineConfig:
     """Flat engine keys (as in the YAML `engine:` section) over a base config."""
     base = base or EngineConfig(cache=CacheConfig(cpu_kv_cache_memory_gb=1.0))
-    parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+    parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "speculative": {}}
     for key, value in values.items():
         if key == "attention_backend":
             continue
@@ -320,11 +324,14 @@ def engine_config_from(values: dict[str, Any], base: EngineConfig | None = None)
             raise ValueError(f"unknown engine key {key!r}; known: {', '.join(sorted(ENGINE_KEYS))}")
         section, name = ENGINE_KEYS[key]
         parts[section][name] = value
+    speculative = SpeculativeConfig.from_dict(values["speculative_config"]) if "speculative_config" in values \
+        else base.speculative
     return EngineConfig(model=replace(base.model, **parts["model"]) if parts["model"] else base.model,
                         cache=replace(base.cache, **parts["cache"]) if parts["cache"] else base.cache,
                         scheduler=replace(base.scheduler, **parts["scheduler"]) if parts["scheduler"]
                         else base.scheduler,
-                        attention_backend=values.get("attention_backend", base.attention_backend))
+                        attention_backend=values.get("attention_backend", base.attention_backend),
+                        speculative=speculative)
 
 
 def load_cluster_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:

@@ -36,7 +36,8 @@ from cluster.common.loads import (
 )
 from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.llm_engine import KVExport, LLMEngine, RequestOutput
+from cluster.engine.config import SpeculativeConfig
+from cluster.engine.llm_engine import EngineStats, KVExport, LLMEngine, RequestOutput
 from cluster.observability.tracing import WorkerTraces
 from cluster.state.interface import SharedState, WorkerInfo
 from cluster.transfer.connector import KVHeader, KVReceiver, KVSender, TransferError
@@ -60,6 +61,17 @@ def event_of(output: RequestOutput, worker_id: str) -> TokenEvent:
                       output.finish_reason, output.num_prompt_tokens, worker_id, output.num_cached_tokens,
                       list(output.new_logprobs), output.prompt_logprobs)
 
+
+
+def spec_decode_fields(stats: EngineStats, config: SpeculativeConfig) -> dict[str, Any]:
+    """A worker load's speculative decoding counters, from its engine's; none where it does not speculate."""
+    spec = stats.spec_decode
+    if spec is None:
+        return {}
+    return {"num_speculative_tokens": config.num_speculative_tokens, "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_accepted_per_pos": list(spec.accepted_per_position)}
 
 class Worker:
     """One engine on its own thread, in a role, with the KV connector of that role.
@@ -469,7 +481,7 @@ class Worker:
                           {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
                           dtype=self.engine.dtype, kv_cache_dtype=self.engine.kv_cache_dtype, threads=self.threads,
                           num_held=len(self.streams),
-                          draining=self.draining)
+                          draining=self.draining, **spec_decode_fields(stats, self.engine.config.speculative))
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""

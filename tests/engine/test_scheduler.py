@@ -33,9 +33,9 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 4, priority
                    priority=priority)
 
 
-def stub_sample(output: SchedulerOutput) -> dict[str, int]:
+def stub_sample(output: SchedulerOutput) -> dict[str, list[int]]:
     """The token a model would sample: 7, for every request that reached its last token."""
-    return {s.request.request_id: 7 for s in output.scheduled if s.samples}
+    return {s.request.request_id: [7] for s in output.scheduled if s.samples}
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
@@ -267,7 +267,7 @@ def test_block_invariants_hold_under_random_traffic(ops: list[tuple[str, int, in
             scheduler.abort(ids[a % len(ids)])
         elif op == "step":
             output = scheduler.schedule()
-            scheduler.update_from_output(output, {k: rng.randrange(1, 50) for k in stub_sample(output)})
+            scheduler.update_from_output(output, {k: [rng.randrange(1, 50)] for k in stub_sample(output)})
         assert_pool_consistent(scheduler)
     run_to_completion(scheduler)
     assert_pool_consistent(scheduler)
@@ -502,7 +502,7 @@ def test_eos_ends_a_request_once_min_tokens_are_out_unless_it_is_ignored() -> No
         scheduler.add_request(request)
     while scheduler.num_unfinished:  # the model samples EOS every time
         output = scheduler.schedule()
-        scheduler.update_from_output(output, {s.request.request_id: 0 for s in output.scheduled if s.samples})
+        scheduler.update_from_output(output, {s.request.request_id: [0] for s in output.scheduled if s.samples})
     assert {request_id: (request.num_output_tokens, request.status) for request_id, request in requests.items()} == {
         "plain": (1, RequestStatus.FINISHED_STOPPED), "min": (3, RequestStatus.FINISHED_STOPPED),
         "ignored": (6, RequestStatus.FINISHED_LENGTH)}

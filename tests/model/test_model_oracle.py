@@ -73,7 +73,7 @@ def run_recording_logits(runner: ModelRunner, scheduler: Scheduler) -> dict[str,
             for offset in range(end - start):
                 record[first + offset] = logits[start + offset]
             if scheduled.samples:
-                sampled[scheduled.request.request_id] = int(logits[end - 1].argmax())
+                sampled[scheduled.request.request_id] = [int(logits[end - 1].argmax())]
         scheduler.update_from_output(output, sampled)
     return logits_at
 

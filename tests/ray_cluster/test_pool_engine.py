@@ -72,3 +72,25 @@ def test_ranks_on_a_shared_gpu_are_refused() -> None:
                                          r"on a GPU of its own"):
         worker_engine(config, "decode", 0.5)
     assert worker_engine(config, "decode", 1.0).model.tensor_parallel_size == 2
+
+
+def test_speculation_is_an_engine_key_a_pool_may_set_alone() -> None:
+    """vLLM's `speculative_config` mapping in `engine:`, on the decode pool alone, or from `pdserve serve
+    --speculative-config` (for every pool); `generate`'s flag builds the same engine config."""
+    from cluster.cli import build_parser, cluster_overrides, engine_config
+    from cluster.ray_cluster.config import load_cluster_config
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    config = cluster_config_from({"decode": {"engine": {"speculative_config": spec}}})
+    decode, prefill = config.engine_for("decode").speculative, config.engine_for("prefill").speculative
+    assert (decode.method, decode.num_speculative_tokens, decode.prompt_lookup_min) == ("ngram", 3, 4)
+    assert not prefill.enabled and not cluster_config_from({}).engine.speculative.enabled
+    flag = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    served = load_cluster_config(None, cluster_overrides(build_parser().parse_args(["serve", *flag])))
+    assert served.engine_for("decode").speculative.num_speculative_tokens == 2
+    generate = engine_config(build_parser().parse_args(["generate", "hi", *flag]))
+    assert generate.speculative == served.engine.speculative
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        cluster_config_from({"engine": {"speculative_config": {"method": "ngram"}}})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", '{"method": "medusa"}'])
