@@ -86,7 +86,13 @@ def test_logits_match_transformers_in_prefill_chunks_and_decode(tmp_path: Path, 
     oracle = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner, scheduler = make_parts(path, budget=5)
     prompts = {"long": list(range(3, 14)), "short": [17, 5, 9, 200, 31, 8, 8]}
-    requests = [Request(name, prompt, SamplingParams(max_tokens=6, temperature=0), eos_token_ids=(),)
+    assert_logits_match(oracle, runner, scheduler, prompts, max_tokens=6)
+
+
+def assert_logits_match(oracle: torch.nn.Module, runner: ModelRunner, scheduler: Scheduler,
+                        prompts: dict[str, list[int]], max_tokens: int) -> None:
+    """Greedy-decode `prompts` with our parts; every position's logits equal the oracle's on the same tokens."""
+    requests = [Request(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), eos_token_ids=())
                 for name, prompt in prompts.items()]
     for request in requests:
         scheduler.add_request(request)
@@ -141,17 +147,7 @@ def test_sliding_windows_match_transformers_past_the_window(tmp_path: Path, case
     generator = torch.Generator().manual_seed(1)
     prompts = {"long": torch.randint(3, 320, (23,), generator=generator).tolist(),
                "short": torch.randint(3, 320, (12,), generator=generator).tolist()}
-    requests = [Request(name, prompt, SamplingParams(max_tokens=10, temperature=0), eos_token_ids=())
-                for name, prompt in prompts.items()]
-    for request in requests:
-        scheduler.add_request(request)
-    ours = run_recording_logits(runner, scheduler)
-    for request in requests:
-        tokens = torch.tensor([request.all_token_ids[:-1]])
-        with torch.no_grad():
-            expected = oracle(tokens).logits[0]
-        got = torch.stack([ours[request.request_id][p] for p in range(request.num_tokens - 1)])
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_logits_match(oracle, runner, scheduler, prompts, max_tokens=10)
 
 
 def test_bfloat16_puts_weights_and_cache_in_bfloat16(tmp_path: Path) -> None:
