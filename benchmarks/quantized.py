@@ -8,7 +8,7 @@ on the same file and workload: memory, accuracy and speed.
 Arms, each in a process of its own (so its RSS is its own):
 - `pdserve widened bf16`: `quantization: none`, weights widened to bf16 at load (the baseline);
 - `pdserve widened fp32`: widened to fp32: the accuracy reference (the file's own numbers, exactly);
-- `pdserve packed`: `quantization: gguf`, Q8_0/Q4_0/Q4_1 weights packed (`cluster.model.quantized`);
+- `pdserve packed`: `quantization: gguf`, Q8_0/Q4_0/Q4_1/Q4_K weights packed (`cluster.model.quantized`);
 - `llama-server`: llama.cpp's server on the same file, 2 threads, greedy, the same prompts.
 
 Measured: the weights' bytes and the process's RSS after loading; greedy agreement with the fp32

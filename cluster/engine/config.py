@@ -42,7 +42,7 @@ class ModelConfig:
     # prefill, a decode or a recompute (`cluster.model.batch_invariant`): a resumed stream, a request
     # alone or among others, give the same text in any dtype. Slower; the torch backend only.
     deterministic: bool = False
-    # "gguf": a .gguf model's Q8_0/Q4_0/Q4_1 weights stay packed in memory and are widened as each layer
+    # "gguf": a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K weights stay packed in memory and are widened as each layer
     # computes (`cluster.model.quantized`); "none": every weight widened to `dtype` at load.
     quantization: str = "none"
     # Ranks the model is split across (Megatron-style, `cluster.model.tensor_parallel`): each holds 1/N of

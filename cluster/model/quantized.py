@@ -1,6 +1,6 @@
-"""GGUF-quantized weights kept packed in memory (Q8_0, Q4_0, Q4_1), as llama.cpp keeps them: a
-linear layer or an embedding holds its rows as their blocks of 32 weights (uint8), and widens them
-only when it computes.
+"""GGUF-quantized weights kept packed in memory (Q8_0, Q4_0, Q4_1, Q4_K), as llama.cpp keeps them: a
+linear layer or an embedding holds its rows as their blocks (of 32 weights, Q4_K's of 256) as uint8,
+and widens them only when it computes.
 
 - `QuantizedLinear`: a decode step's few rows go through the C kernel that dots each block with the
   activations as it widens it (`pdserve_kernels.cpu_quant`); more rows (a prefill) widen the layer's
@@ -20,21 +20,24 @@ from torch import nn
 
 from pdserve_kernels import cpu_quant
 
-BLOCK_WEIGHTS = 32
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 KERNEL_ROWS = 16  # up to this many rows the C kernel beats widening the weight for torch's matmul
 
 
 def row_bytes(columns: int, qtype: str) -> int:
-    if columns % BLOCK_WEIGHTS:
-        raise ValueError(f"{qtype} rows hold whole blocks of {BLOCK_WEIGHTS} weights; {columns} columns do not")
-    return columns // BLOCK_WEIGHTS * BLOCK_BYTES[qtype]
+    weights = BLOCK_WEIGHTS[qtype]
+    if columns % weights:
+        raise ValueError(f"{qtype} rows hold whole blocks of {weights} weights; {columns} columns do not")
+    return columns // weights * BLOCK_BYTES[qtype]
 
 
 def dequantize(packed: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed rows [rows, row bytes] (uint8) widened to [rows, columns] in `dtype`."""
     rows = packed.shape[0]
     blocks = packed.reshape(rows, -1, BLOCK_BYTES[qtype])
+    if qtype == "Q4_K":
+        return _dequantize_q4_k(blocks).reshape(rows, -1).to(dtype)
     scale = blocks[..., 0:2].contiguous().view(torch.float16).float()
     if qtype == "Q8_0":
         values = blocks[..., 2:].contiguous().view(torch.int8).float() * scale
@@ -44,6 +47,19 @@ def dequantize(packed: torch.Tensor, qtype: str, dtype: torch.dtype = torch.floa
         low = blocks[..., 2:4].contiguous().view(torch.float16).float() if qtype == "Q4_1" else -8.0 * scale
         values = q * scale + low
     return values.reshape(rows, -1).to(dtype)
+
+
+def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks [rows, n, 144] to [rows, n, 256]: eight sub-blocks of 32, each d * scale_i * q
+    - dmin * min_i with 6-bit scales and mins packed as llama.cpp packs them in 12 bytes."""
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[..., 4:16].to(torch.int32)
+    low = torch.cat([packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], dim=-1)
+    mins = torch.cat([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], dim=-1)
+    q = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)  # 4 runs of 32 bytes: sub-blocks 2i (low), 2i+1 (high)
+    nibbles = torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(*blocks.shape[:-1], 8, 32).float()
+    return (nibbles * (d * low.float()).unsqueeze(-1) - (dmin * mins.float()).unsqueeze(-1)).flatten(-2)
 
 
 class QuantizedLinear(nn.Module):

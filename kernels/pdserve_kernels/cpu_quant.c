@@ -4,7 +4,10 @@
  *   Q8_0: fp16 scale d, 32 int8 q                      w = d * q
  *   Q4_0: fp16 scale d, 16 bytes of 4-bit q            w = d * (q - 8)
  *   Q4_1: fp16 scale d, fp16 min m, 16 bytes of q      w = d * q + m
- * where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one.
+ * where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one;
+ *   Q4_K: a super-block of 256: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of
+ *         4-bit q; sub-block i of 32 is w = d * scale_i * q - dmin * min_i, its q in the low nibbles of
+ *         32 bytes (even i) or their high nibbles (odd i), two sub-blocks per 32 bytes.
  * A row of w is widened to floats once and dotted with every row of x: the packed weights are read
  * once per call, which is what bounds a decode step (a 4-bit weight is 5 bits of memory, not 16).
  * x and y are fp32; rows of w are split between threads. `quant_widen` widens whole rows for a
@@ -14,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3 };
 
 static inline float f16_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
@@ -37,10 +40,42 @@ static inline uint16_t read_u16(const uint8_t *p) {
 }
 
 static int block_bytes(int qtype) {
-    return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 0;
+    return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q4_K ? 144 : 0;
+}
+
+static int block_weights(int qtype) { return qtype == Q4_K ? 256 : 32; }
+
+/* Q4_K's 6-bit scale and min of sub-block j, as llama.cpp packs them into 12 bytes. */
+static void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void widen_q4_k(const uint8_t *block, float *out) {
+    const float d = f16_to_float(read_u16(block)), dmin = f16_to_float(read_u16(block + 2));
+    const uint8_t *scales = block + 4, *q = block + 16;
+    for (int j = 0; j < 8; j += 2, q += 32, out += 64) {
+        int sc0, m0, sc1, m1;
+        scale_min_k4(j, scales, &sc0, &m0);
+        scale_min_k4(j + 1, scales, &sc1, &m1);
+        const float d0 = d * (float)sc0, d1 = d * (float)sc1, min0 = dmin * (float)m0, min1 = dmin * (float)m1;
+        for (int l = 0; l < 32; l++) {
+            out[l] = d0 * (float)(q[l] & 0x0F) - min0;
+            out[l + 32] = d1 * (float)(q[l] >> 4) - min1;
+        }
+    }
 }
 
 static void widen_block(const uint8_t *block, int qtype, float *out) {
+    if (qtype == Q4_K) {
+        widen_q4_k(block, out);
+        return;
+    }
     const float d = f16_to_float(read_u16(block));
     if (qtype == Q8_0) {
         const int8_t *q = (const int8_t *)(block + 2);
@@ -56,17 +91,18 @@ static void widen_block(const uint8_t *block, int qtype, float *out) {
 }
 
 static void widen_row(const uint8_t *row, int64_t blocks, int qtype, int bytes, float *out) {
-    for (int64_t b = 0; b < blocks; b++) widen_block(row + b * bytes, qtype, out + b * 32);
+    const int weights = block_weights(qtype);
+    for (int64_t b = 0; b < blocks; b++) widen_block(row + b * bytes, qtype, out + b * weights);
 }
 
-/* 0 on success, -1 for an unknown qtype or a width not a multiple of 32. Each thread widens one row of
+/* 0 on success, -1 for an unknown qtype or a width not a multiple of its block. Each thread widens one row of
  * w at a time into its own buffer, then dots it with every row of x: the widening runs once per row
  * of w, the dots over k contiguous floats vectorize. */
 int quant_matmul(const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, int qtype, float *y,
                  int num_threads) {
-    const int bytes = block_bytes(qtype);
-    if (bytes == 0 || k % 32 != 0) return -1;
-    const int64_t blocks = k / 32, row_bytes = blocks * bytes;
+    const int bytes = block_bytes(qtype), weights = block_weights(qtype);
+    if (bytes == 0 || k % weights != 0) return -1;
+    const int64_t blocks = k / weights, row_bytes = blocks * bytes;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
@@ -102,19 +138,19 @@ static inline uint16_t to_bf16(float x) {  /* round to nearest even, as torch do
 /* The packed rows widened: out [n, k] in fp32, or bf16 (rounded as torch rounds) if `bf16`. For the
  * rows a matmul library multiplies faster than the kernel above (a prefill's). */
 int quant_widen(const uint8_t *w, int64_t n, int64_t k, int qtype, void *out, int bf16, int num_threads) {
-    const int bytes = block_bytes(qtype);
-    if (bytes == 0 || k % 32 != 0) return -1;
-    const int64_t blocks = k / 32, row_bytes = blocks * bytes;
+    const int bytes = block_bytes(qtype), weights = block_weights(qtype);
+    if (bytes == 0 || k % weights != 0) return -1;
+    const int64_t blocks = k / weights, row_bytes = blocks * bytes;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
     for (int64_t row = 0; row < n; row++) {
-        float widened[32];
+        float widened[256];
         for (int64_t b = 0; b < blocks; b++) {
             widen_block(w + row * row_bytes + b * bytes, qtype, widened);
             if (bf16) {
-                uint16_t *to = (uint16_t *)out + row * k + b * 32;
-                for (int j = 0; j < 32; j++) to[j] = to_bf16(widened[j]);
+                uint16_t *to = (uint16_t *)out + row * k + b * weights;
+                for (int j = 0; j < weights; j++) to[j] = to_bf16(widened[j]);
             } else {
-                memcpy((float *)out + row * k + b * 32, widened, sizeof widened);
+                memcpy((float *)out + row * k + b * weights, widened, sizeof(float) * (size_t)weights);
             }
         }
     }

@@ -16,7 +16,7 @@ import torch
 from pdserve_kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
-QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -48,7 +48,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: str, num_threads: int |
     status = lib.quant_matmul(x.data_ptr(), rows, k, packed.data_ptr(), packed.shape[0], QTYPES[qtype],
                               out.data_ptr(), num_threads or torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"quant_matmul refused {qtype} weights of width {k} (a multiple of 32 is needed)")
+        raise ValueError(f"quant_matmul refused {qtype} weights of width {k} (a multiple of its block is needed)")
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 from cluster.model.quantized import QuantizedEmbedding, QuantizedLinear, dequantize, quantize_modules
 from pdserve_kernels import cpu_quant
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
 
 
 def packed(rows: int, columns: int, qtype: str, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -19,14 +19,19 @@ def packed(rows: int, columns: int, qtype: str, seed: int = 0) -> tuple[torch.Te
     from gguf.constants import GGMLQuantizationType
 
     kind = GGMLQuantizationType[qtype]
-    weights = np.random.default_rng(seed).standard_normal((rows, columns)).astype(np.float32)
-    data = gguf.quants.quantize(weights, kind)
+    generator = np.random.default_rng(seed)
+    if qtype == "Q4_K":  # gguf's Python cannot quantize to it: random super-blocks, its d and dmin kept finite
+        data = generator.integers(0, 256, (rows, columns // 256, 144), dtype=np.uint8)
+        data[..., 0:4] = np.frombuffer(np.array([0.002, 0.001], dtype=np.float16).tobytes(), dtype=np.uint8)
+        data = data.reshape(rows, -1)
+    else:
+        data = gguf.quants.quantize(generator.standard_normal((rows, columns)).astype(np.float32), kind)
     return torch.from_numpy(np.ascontiguousarray(data)), gguf.quants.dequantize(data, kind)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_widening_equals_gguf_dequantization(qtype: str) -> None:
-    rows, expected = packed(24, 96, qtype)
+    rows, expected = packed(24, 512, qtype)
     assert torch.equal(dequantize(rows, qtype), torch.from_numpy(expected))
 
 
@@ -34,8 +39,8 @@ def test_widening_equals_gguf_dequantization(qtype: str) -> None:
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 16, 70])
 def test_the_kernel_equals_a_matmul_over_the_widened_weights(qtype: str, rows: int) -> None:
-    weights, _ = packed(40, 128, qtype, seed=1)
-    x = torch.randn(rows, 128)
+    weights, _ = packed(40, 256, qtype, seed=1)
+    x = torch.randn(rows, 256)
     expected = x @ dequantize(weights, qtype).T
     torch.testing.assert_close(cpu_quant.matmul(x, weights, qtype), expected, atol=1e-4, rtol=1e-4)
 
@@ -43,17 +48,17 @@ def test_the_kernel_equals_a_matmul_over_the_widened_weights(qtype: str, rows: i
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_layers_compute_what_their_widened_weights_do(qtype: str, dtype: torch.dtype) -> None:
-    weights, widened = packed(48, 64, qtype, seed=2)
-    linear = QuantizedLinear(64, 48, qtype)
+    weights, widened = packed(48, 256, qtype, seed=2)
+    linear = QuantizedLinear(256, 48, qtype)
     linear.weight.data.copy_(weights)
     reference = torch.from_numpy(widened)
     atol, rtol = (0.1, 0.02) if dtype == torch.bfloat16 else (1e-4, 1e-4)
     for rows in (2, 40):  # the C kernel's rows, then torch's matmul
-        x = torch.randn(rows, 64).to(dtype)
+        x = torch.randn(rows, 256).to(dtype)
         out = linear(x)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), x.float() @ reference.T, atol=atol, rtol=rtol)
-    embedding = QuantizedEmbedding(48, 64, qtype, dtype)
+    embedding = QuantizedEmbedding(48, 256, qtype, dtype)
     embedding.weight.data.copy_(weights)
     ids = torch.tensor([[3, 47, 3]])
     assert torch.equal(embedding(ids), reference.to(dtype)[ids])
@@ -84,6 +89,6 @@ def test_quantize_modules_swaps_named_layers_and_keeps_tied_heads_tied() -> None
 @pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_the_kernels_widening_equals_torchs(qtype: str) -> None:
-    weights, _ = packed(24, 96, qtype, seed=3)
-    assert torch.equal(cpu_quant.widen(weights, qtype, 96, torch.float32), dequantize(weights, qtype))
-    assert torch.equal(cpu_quant.widen(weights, qtype, 96, torch.bfloat16), dequantize(weights, qtype, torch.bfloat16))
+    weights, _ = packed(24, 512, qtype, seed=3)
+    assert torch.equal(cpu_quant.widen(weights, qtype, 512, torch.float32), dequantize(weights, qtype))
+    assert torch.equal(cpu_quant.widen(weights, qtype, 512, torch.bfloat16), dequantize(weights, qtype, torch.bfloat16))
