@@ -43,7 +43,6 @@ from cluster.weights.default_model import resolve_model_path
 from cluster.weights.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-GCS_PORT_WAIT_S = 120
 ROUTER_POLL_S = 1.0  # how often the serving process asks each router replica how it is
 START_TIMEOUT_S = 300.0
 
@@ -83,9 +82,6 @@ def init_ray(address: str = "") -> None:
         from ray._raylet import Config  # type: ignore[attr-defined]
 
         Config.initialize("")
-    # Ray waits 30 s for its GCS server to report its port, then fails the start: on a busy 2-core host
-    # (another Ray beside it) the server has taken longer. Read at ray.init; an operator's value stays.
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
     global _temp_dir  # noqa: PLW0603 (one Ray per process: its directory is the process's too)
     _temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-")
     ray.init(address="local", include_dashboard=False, log_to_driver=False, _temp_dir=_temp_dir)
