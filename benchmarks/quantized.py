@@ -77,7 +77,7 @@ def run_arm(name: str, model: str) -> dict[str, Any]:
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     started = time.perf_counter()
-    single = engine.generate(prompts[:1], greedy)[0].token_ids
+    engine.generate(prompts[:1], greedy)
     single_s = time.perf_counter() - started
     started = time.perf_counter()
     batch = [output.token_ids for output in engine.generate(prompts, greedy)]
@@ -88,7 +88,7 @@ def run_arm(name: str, model: str) -> dict[str, Any]:
     prefill_s = time.perf_counter() - started
     logprobs = [entry.logprob for entry in scored.prompt_logprobs or [] if entry is not None]
     return {"arm": name, "quantization": quantization, "dtype": dtype, "weights_mb": weights / 2**20,
-            "rss_mb": rss_mb, "tokens": batch, "single_tokens": single,
+            "rss_mb": rss_mb, "tokens": batch,
             "decode_tok_s_batch1": NEW_TOKENS / single_s, "decode_tok_s_batch8": len(prompts) * NEW_TOKENS / batch_s,
             "prefill_tok_s": len(text_ids) / prefill_s, "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
             "prompt_tokens": [len(p) for p in prompts]}
@@ -210,7 +210,6 @@ def main(argv: list[str] | None = None) -> None:
     reference = arms["widened-fp32"]["tokens"]
     for result in arms.values():
         result["greedy_agreement"] = agreement(result.pop("tokens"), reference)
-        result.pop("single_tokens")
     binary = build_llama_server() if args.build_llama_server else args.llama_server
     if binary is not None:
         from cluster.weights.default_model import gguf_source

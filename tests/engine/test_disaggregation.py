@@ -39,6 +39,19 @@ def run_prefill(engine: LLMEngine, prompt: list[int], request_id: str, params: S
     return output.token_ids[0]
 
 
+def move_kv(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], request_id: str) -> tuple[int, torch.Tensor]:
+    """Reserve on `decode`, prefill on `prefill`, import its exported KV; the first token and the export.
+    The landed blocks equal the export bit for bit."""
+    block_ids = decode.reserve_remote(prompt, GREEDY, request_id=request_id)
+    assert block_ids is not None
+    first = run_prefill(prefill, prompt, request_id)
+    export = prefill.export_kv(request_id)
+    decode.import_kv(request_id, export.data.clone())
+    prefill.release_held(request_id)
+    assert torch.equal(decode.runner.read_blocks(block_ids), export.data)  # bit for bit
+    return first, export.data
+
+
 def drain(engine: LLMEngine) -> dict[str, list[int]]:
     results = {}
     for _ in until_idle(engine):
@@ -59,13 +72,7 @@ def test_disaggregated_greedy_equals_engine_alone_and_kv_is_bit_exact(checkpoint
     prefill, decode = make_engine(checkpoint, budget=7), make_engine(checkpoint)
     for index, prompt in enumerate(PROMPTS):
         request_id = f"r{index}"
-        block_ids = decode.reserve_remote(prompt, GREEDY, request_id=request_id)
-        assert block_ids is not None
-        first = run_prefill(prefill, prompt, request_id)
-        export = prefill.export_kv(request_id)
-        decode.import_kv(request_id, export.data.clone())
-        prefill.release_held(request_id)
-        assert torch.equal(decode.runner.read_blocks(block_ids), export.data)  # bit for bit
+        first, _ = move_kv(prefill, decode, prompt, request_id)
         decode.admit_remote(request_id, first)
         if index % 2:
             decode.step()  # staggered: some arrive while others decode

@@ -18,7 +18,7 @@ import torch
 from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
-from tests.engine.test_disaggregation import drain, run_prefill
+from tests.engine.test_disaggregation import drain, move_kv
 from tests.engine.test_engine_outputs import GREEDY, PROMPTS, assert_pool_whole, run_staggered
 from tests.helpers import fp32_model
 
@@ -165,14 +165,8 @@ def test_kv_moves_between_engines_of_other_sizes(checkpoint: Path, tp_engine: LL
     prefill, decode = (tp_engine, single) if sizes == (2, 1) else (single, tp_engine)
     for index, prompt in enumerate(PROMPTS):
         request_id = f"moved-{sizes}-{index}"
-        block_ids = decode.reserve_remote(prompt, GREEDY, request_id=request_id)
-        assert block_ids is not None
-        first = run_prefill(prefill, prompt, request_id)
-        export = prefill.export_kv(request_id)
-        assert export.data.shape[4] == 2  # both of the model's KV heads
-        decode.import_kv(request_id, export.data.clone())
-        prefill.release_held(request_id)
-        assert torch.equal(decode.runner.read_blocks(block_ids), export.data)  # bit for bit, every head
+        first, exported = move_kv(prefill, decode, prompt, request_id)  # landed bit for bit, every head
+        assert exported.shape[4] == 2  # both of the model's KV heads
         decode.admit_remote(request_id, first)
     finished = drain(decode)
     assert [finished[f"moved-{sizes}-{index}"] for index in range(len(PROMPTS))] == reference
