@@ -27,13 +27,8 @@ def test_sigterm_on_the_cluster_path_is_one_line_then_the_drain(tiny_checkpoint:
     command = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_checkpoint), "--device", "cpu",
                "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--drain-s", "30"]
     log = tmp_path / "serve.log"
-    # A Ray of its own: nothing of this test process's Ray (its address, its token) in the environment.
-    own = {key: value for key, value in os.environ.items() if not key.startswith("RAY_") and key != "PDSERVE_REDIS_URL"}
-    with log.open("wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                   env={**own, "PDSERVE_API_KEY": ""})
+    process = start_serving(command, log)
     try:
-        wait_for_log(log, r"ready: serving", process)
         os.kill(process.pid, signal.SIGTERM)
         assert process.wait(timeout=120) == 0
     finally:
@@ -43,3 +38,25 @@ def test_sigterm_on_the_cluster_path_is_one_line_then_the_drain(tiny_checkpoint:
     assert "Started a local Ray instance" in text  # the cluster path, not --local
     assert "SIGTERM received" not in text and "PC: @" not in text, text
     assert "SIGTERM: stopping" in text and "pdserve: stopped" in text
+
+
+def start_serving(command: list[str], log: Path, attempts: int = 2) -> subprocess.Popen[bytes]:
+    """`pdserve serve` started until ready. A second Ray beside the suite's own has, on this 2-core
+    machine, now and then failed to start its GCS server within Ray's 30 s (no log of it at all): that
+    start is tried again, as it is not what this test is about."""
+    # A Ray of its own: nothing of this test process's Ray (its address, its token) in the environment.
+    own = {key: value for key, value in os.environ.items() if not key.startswith("RAY_") and key != "PDSERVE_REDIS_URL"}
+    for attempt in range(attempts):
+        with log.open("wb") as output:
+            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                       env={**own, "PDSERVE_API_KEY": ""})
+        try:
+            wait_for_log(log, r"ready: serving", process)
+            return process
+        except AssertionError:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=60)
+            if attempt + 1 == attempts or "Timed out waiting for file" not in log.read_text():
+                raise
+    raise AssertionError(f"no start in {attempts} attempts")
