@@ -86,7 +86,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 SPECULATIVE_HELP = ('speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
+                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or, with a draft model of the same tokenizer, '
+                    '\'{"model": "PATH", "num_speculative_tokens": 4}\' (default: off)')
 
 
 def speculative_json(text: str) -> dict[str, object]:

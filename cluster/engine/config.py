@@ -126,7 +126,7 @@ class SchedulerConfig:
         _require(self.policy in ("fcfs", "priority"), f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's prompt-lookup length where neither bound is set.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -139,14 +139,21 @@ class SpeculativeConfig:
     looked up earlier in its prompt and output, and the `num_speculative_tokens` that followed them
     are proposed as drafts, verified by the model in the next step. As in vLLM, a bound left unset
     takes the other's value, and both unset are 5.
+
+    "draft_model": a smaller model with the served model's tokenizer (`model`: a checkpoint directory
+    or .gguf file) proposes its greedy `num_speculative_tokens`. As in vLLM, a `model` without a
+    `method` means this one.
     """
 
     method: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None and self.model:
+            object.__setattr__(self, "method", "draft_model")
         _require(self.method is None or self.method in SPECULATIVE_METHODS,
                  f"speculative method must be one of {SPECULATIVE_METHODS} (or unset: off), got {self.method!r}")
         if self.method is None:
@@ -155,6 +162,12 @@ class SpeculativeConfig:
             return
         _require(self.num_speculative_tokens >= 1,
                  f"num_speculative_tokens must be >= 1 with method {self.method!r}, got {self.num_speculative_tokens}")
+        if self.method == "draft_model":
+            _require(bool(self.model), "method draft_model needs the draft's checkpoint: model")
+            _require(self.prompt_lookup_min is None and self.prompt_lookup_max is None,
+                     "prompt_lookup_min and prompt_lookup_max are the ngram method's, not draft_model's")
+            return
+        _require(self.model is None, f"model is the draft_model method's, not {self.method}'s")
         low = self.prompt_lookup_min or self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP
         high = self.prompt_lookup_max or self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP
         _require(1 <= low <= high, f"prompt_lookup_min must be in [1, prompt_lookup_max], got {low} and {high}")

@@ -13,7 +13,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,13 +23,13 @@ from cluster.common.events import FinishReason, TokenLogprobs
 from cluster.common.loads import BucketCounts
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.block_pool import BlockPool
-from cluster.engine.config import EngineConfig
+from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.scheduler_output import SchedulerOutput
-from cluster.engine.spec_decode import SpecDecodeStats, build_proposer
+from cluster.engine.spec_decode import DraftModelProposer, Proposer, SpecDecodeStats, build_proposer
 from cluster.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from cluster.model.memory import CudaMemory, DeviceMemory, MemoryProfile, check_free
 from cluster.model.ranks import Ranks, RankSpec
@@ -170,10 +170,32 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(pool, config.cache.block_size, model_name=self.model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    num_swap_blocks=config.cache.num_swap_blocks or self.num_blocks)
-        self.proposer = build_proposer(config.speculative)  # drafts for speculative decoding; None: off
+        self.proposer = self._proposer()  # drafts for speculative decoding; None: off
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_tokens = 0  # tokens the last step computed
         self.ids = itertools.count()
+
+    def _proposer(self) -> Proposer | None:
+        if self.config.speculative.method != "draft_model":
+            return build_proposer(self.config.speculative)
+        try:
+            draft = LLMEngine(self._draft_config())
+        except BaseException:
+            self.close()
+            raise
+        return DraftModelProposer(draft, self.arch.vocab_size)
+
+    def _draft_config(self) -> EngineConfig:
+        """The draft model's engine: this engine's device, dtype, block size and batch limits, a pool of as
+        many blocks (every running request's tokens fit in it too), its own context, no speculation."""
+        model, cache = self.config.model, self.config.cache
+        assert self.config.speculative.model is not None
+        return replace(
+            self.config, speculative=SpeculativeConfig(),
+            model=ModelConfig(model=self.config.speculative.model, dtype=str(self.dtype).removeprefix("torch."),
+                              device=str(self.device), seed=model.seed, deterministic=model.deterministic),
+            cache=CacheConfig(block_size=cache.block_size, num_blocks=self.num_blocks,
+                              kv_cache_dtype=cache.kv_cache_dtype))
 
     def _start_ranks(self, options: dict[str, Any]) -> Ranks | None:
         """Ranks 1.. of a tensor-parallel engine (None at size 1), stopped by `close`, or when the engine
@@ -188,6 +210,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel ranks, if any; the engine steps no more after this."""
+        if isinstance(getattr(self, "proposer", None), DraftModelProposer):
+            self.proposer.engine.close()  # type: ignore[union-attr]
         if self.ranks is not None:
             self._stop_ranks()  # runs `Ranks.stop` once, whoever calls first
             self.ranks = None
@@ -529,6 +553,8 @@ class LLMEngine:
         counter behind."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.engine.warm_up()
         self._warm_up_run([0])
         self.runner.capture_decode_graphs(self.config.scheduler.max_num_seqs)
         block_size = self.config.cache.block_size

@@ -14,17 +14,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from cluster.common.errors import QueueFullError
+from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import SpeculativeConfig
 from cluster.engine.request import Request
+
+if TYPE_CHECKING:
+    from cluster.engine.llm_engine import LLMEngine
 
 
 class Proposer(Protocol):
     """Proposes each request's next tokens. Drafts are guesses: wrong ones cost a wasted query
-    position, never a wrong token. A draft-model proposer runs its own model here."""
+    position, never a wrong token."""
 
     def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> list[list[int]]:
         """At most `max_drafts[i]` drafts for `requests[i]`, following its `all_token_ids`."""
@@ -66,7 +71,56 @@ def ngram_lookup(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[
     return array[end + 1:end + 1 + k].tolist()
 
 
+class DraftModelProposer:
+    """A smaller model's greedy continuation of each request (vLLM's "draft_model").
+
+    The draft model runs in an engine of its own (its paged KV cache, its prefix cache) on the served
+    model's device. Each round gives it every request's tokens as a prompt and runs it to that
+    request's number of drafts: its prefix cache holds the full blocks of the round before, so a round
+    computes the tokens since then (the last partial block included) and one decode step per draft.
+    Greedy drafts are point masses, as n-gram drafts are, so the rejection sampler's verification keeps
+    the served model's distribution. A draft id outside the served model's vocabulary ends a row's drafts.
+    """
+
+    def __init__(self, engine: LLMEngine, vocab_size: int) -> None:
+        self.engine, self.vocab_size = engine, vocab_size
+
+    def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> list[list[int]]:
+        drafted: dict[str, list[int]] = {}
+        for request, k in zip(requests, max_drafts, strict=True):
+            if k > 0 and self._add(request, k):
+                drafted[_draft_id(request)] = []
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                drafted[output.request_id] = list(output.token_ids)
+        return [self._in_vocab(drafted.get(_draft_id(request), [])) for request in requests]
+
+    def _add(self, request: Request, k: int) -> bool:
+        """Queue the request's tokens on the draft engine; False where it cannot run them (a context
+        shorter than the served model's, tokens outside its vocabulary, a full queue)."""
+        if len(request.all_token_ids) + k > self.engine.max_model_len:
+            return False
+        params = SamplingParams(max_tokens=k, temperature=0, ignore_eos=True,
+                                cache_domain=request.sampling_params.cache_domain)
+        try:
+            self.engine.add_request(request.all_token_ids, params, request_id=_draft_id(request))
+        except (ValueError, QueueFullError):
+            return False
+        return True
+
+    def _in_vocab(self, drafts: list[int]) -> list[int]:
+        for position, token_id in enumerate(drafts):
+            if token_id >= self.vocab_size:
+                return drafts[:position]
+        return drafts
+
+
+def _draft_id(request: Request) -> str:
+    return f"draft-{request.request_id}"
+
+
 def build_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The n-gram proposer; the draft model's is the engine's to build (it loads a model)."""
     if config.method == "ngram":
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -48,7 +48,8 @@ engine:
   quantization: none        # gguf: a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K weights stay packed
   tensor_parallel_size: 1   # ranks per worker (a pool may set its own: KV moves between sizes whole)
   speculative_config: null  # vLLM's: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2,
-                            # prompt_lookup_max: 4}; a pool may set its own (the decode pool's is what counts)
+                            # prompt_lookup_max: 4} or {model: DRAFT_PATH, num_speculative_tokens: 4}; a pool
+                            # may set its own (the decode pool's is what counts)
 ```
 
 `resources` are Ray custom resources (e.g. `{prefill_node: 1}`) that pin a pool to the nodes meant

@@ -90,7 +90,7 @@ def test_the_speculative_config_resolves_lookup_bounds_as_vllm_does() -> None:
                          ({"num_speculative_tokens": 2}, "needs a speculative method"),
                          ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                            "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown")]
+                         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "draft_model method")]
     for bad, message in cases:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_dict(bad)

@@ -1,6 +1,7 @@
-"""Speculative decoding on the decode pool of a real Ray cluster (1 prefill + 1 decode worker): the
-greedy tokens are those of an engine without speculation, drafts were accepted on the decode worker
-(whose engine alone speculates), and its counters reach the gateway's /metrics as vLLM names them."""
+"""Speculative decoding on the decode pool of a real Ray cluster (1 prefill + 1 decode worker), n-gram
+drafts and a draft model's: the greedy tokens are those of an engine without speculation, drafts were
+accepted on the decode worker (whose engine alone speculates), and its counters reach the gateway's
+/metrics as vLLM names them."""
 
 from __future__ import annotations
 
@@ -29,10 +30,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                        kv_heads=2)
 
 
-def test_speculation_on_the_decode_pool_keeps_the_greedy_tokens(checkpoint: Path) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_on_the_decode_pool_keeps_the_greedy_tokens(checkpoint: Path, method: str) -> None:
+    """The draft model is the served one (deterministic mode): every draft it makes is accepted, so the
+    decode worker ran the draft model on the history the prefill worker sent."""
     engine = fp32_engine(checkpoint, block_size=4, num_blocks=256, deterministic=True)
+    speculative = SPECULATIVE if method == "ngram" else {"model": str(checkpoint), "num_speculative_tokens": 4}
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1),
-                           decode=PoolConfig(replicas=1, num_cpus=0.1, engine={"speculative_config": SPECULATIVE}),
+                           decode=PoolConfig(replicas=1, num_cpus=0.1, engine={"speculative_config": speculative}),
                            engine=engine)
     prompts = [RUN, *REPETITIVE, *RANDOM]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -43,7 +48,11 @@ def test_speculation_on_the_decode_pool_keeps_the_greedy_tokens(checkpoint: Path
         loads = {load.role: load for load in asyncio.run(cluster.workers())}
         decode, prefill = loads["decode"], loads["prefill"]
         assert decode.num_speculative_tokens == 4 and prefill.num_speculative_tokens == 0
-        assert decode.spec_decode_num_draft_tokens > decode.spec_decode_num_accepted_tokens > 0
+        assert decode.spec_decode_num_accepted_tokens > 0
+        if method == "ngram":
+            assert decode.spec_decode_num_draft_tokens > decode.spec_decode_num_accepted_tokens
+        else:
+            assert decode.spec_decode_num_draft_tokens == decode.spec_decode_num_accepted_tokens
         scraped = samples(asyncio.run(gateway_metrics("tiny", config).exposition(list(loads.values()))).decode())
         assert value(scraped, "vllm:spec_decode_num_accepted_tokens_total", role="decode") == \
             decode.spec_decode_num_accepted_tokens
