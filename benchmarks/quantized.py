@@ -8,7 +8,12 @@ on the same file and workload: memory, accuracy and speed.
 Arms, each in a process of its own (so its RSS is its own):
 - `pdserve widened bf16`: `quantization: none`, weights widened to bf16 at load (the baseline);
 - `pdserve widened fp32`: widened to fp32: the accuracy reference (the file's own numbers, exactly);
-- `pdserve packed`: `quantization: gguf`, Q8_0/Q4_0/Q4_1/Q4_K weights packed (`cluster.model.quantized`);
+- `pdserve packed`: `quantization: gguf`, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K weights packed (`cluster.model.quantized`);
+- `pdserve packed, Q5_0 table` (`--token-table Q5_0`): the same file with its token embeddings (tied to the
+  output head) requantized from their own values, every other tensor as it was, as llama.cpp's
+  `llama-quantize --token-embedding-type` makes it: the default model's 8-bit table is a fifth of its
+  weights, so this is what brings a 4-bit file to a third of bf16's memory; scored against the original
+  file's fp32 arm;
 - `llama-server`: llama.cpp's server on the same file, 2 threads, greedy, the same prompts.
 
 Measured: the weights' bytes and the process's RSS after loading; greedy agreement with the fp32
@@ -59,7 +64,8 @@ PERPLEXITY_TEXT = (
     "of movement, and helped build the roads that cars would later use. Today millions of people ride them "
     "every day, for sport, for transport and for pleasure, and cities build lanes to keep riders safe.")
 NEW_TOKENS = 64
-ARMS = {"widened-fp32": ("none", "float32"), "widened-bf16": ("none", "bfloat16"), "packed": ("gguf", "bfloat16")}
+ARMS = {"widened-fp32": ("none", "float32"), "widened-bf16": ("none", "bfloat16"), "packed": ("gguf", "bfloat16"),
+        "packed-table": ("gguf", "bfloat16")}
 
 
 def run_arm(name: str, model: str) -> dict[str, Any]:
@@ -103,6 +109,34 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
                 break
             equal += 1
     return equal / sum(len(theirs) for theirs in reference)
+
+
+def requantize_token_table(source: Path, qtype: str, destination: Path) -> Path:
+    """`source` with its token embeddings requantized to `qtype` from their widened values; every other
+    tensor and all metadata copied as they are."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(destination, arch=str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        data, tensor_type = tensor.data, tensor.tensor_type
+        if tensor.name == "token_embd.weight":
+            tensor_type = gguf.GGMLQuantizationType[qtype]
+            data = quants.quantize(quants.dequantize(data, tensor.tensor_type), tensor_type)
+        writer.add_tensor(tensor.name, np.ascontiguousarray(data), raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return destination
 
 
 def llama_server_arm(binary: Path, gguf: Path, prompts: list[str]) -> dict[str, Any]:
@@ -197,24 +231,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="default", help="a .gguf file, or default")
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--build-llama-server", action="store_true")
+    parser.add_argument("--token-table", default="Q5_0", choices=["Q5_0", "Q5_1", "Q4_1", "Q4_0"],
+                        help="the quantization of the packed-table arm's token embeddings")
     parser.add_argument("--one-arm", choices=list(ARMS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_arm:
         print(json.dumps(run_arm(args.one_arm, args.model)))
         return
-    arms = {}
-    for name in ARMS:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.quantized", "--one-arm", name, "--model", args.model],
-                             check=True, capture_output=True, text=True).stdout
-        arms[name] = json.loads(out.strip().splitlines()[-1])
-    reference = arms["widened-fp32"]["tokens"]
-    for result in arms.values():
-        result["greedy_agreement"] = agreement(result.pop("tokens"), reference)
-    binary = build_llama_server() if args.build_llama_server else args.llama_server
-    if binary is not None:
-        from cluster.weights.default_model import gguf_source
+    from cluster.weights.default_model import converted_gguf_dir, gguf_source
 
-        arms["llama-server"] = llama_server_arm(binary, gguf_source(args.model), PROMPTS)
+    source = gguf_source(args.model)
+    with tempfile.TemporaryDirectory() as scratch:
+        table = requantize_token_table(source, args.token_table, Path(scratch) / f"table-{args.token_table}.gguf")
+        converted_gguf_dir(source, progress=False)  # converted here, so no arm's peak RSS holds a conversion
+        table_conversion = converted_gguf_dir(table, progress=False)
+        files = {name: table if name == "packed-table" else source for name in ARMS}
+        arms = {}
+        for name in ARMS:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.quantized", "--one-arm", name,
+                                  "--model", str(files[name])], check=True, capture_output=True, text=True).stdout
+            arms[name] = json.loads(out.strip().splitlines()[-1])
+        arms["packed-table"]["token_table"] = args.token_table
+        reference = arms["widened-fp32"]["tokens"]
+        for result in arms.values():
+            result["greedy_agreement"] = agreement(result.pop("tokens"), reference)
+        binary = build_llama_server() if args.build_llama_server else args.llama_server
+        if binary is not None:
+            arms["llama-server"] = llama_server_arm(binary, source, PROMPTS)
+            arms["llama-server-table"] = {**llama_server_arm(binary, table, PROMPTS), "arm": "llama-server-table"}
+        shutil.rmtree(table_conversion)  # keyed by the temporary file: never found again
     columns = ["weights_mb", "rss_mb", "greedy_agreement", "perplexity", "decode_tok_s_batch1", "decode_tok_s_batch8",
                "prefill_tok_s"]
     print_table("quantized weights", ["arm", *columns],

@@ -1,4 +1,4 @@
-"""GGUF-quantized weights kept packed in memory (Q8_0, Q4_0, Q4_1, Q4_K), as llama.cpp keeps them: a
+"""GGUF-quantized weights kept packed in memory (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K), as llama.cpp keeps them: a
 linear layer or an embedding holds its rows as their blocks (of 32 weights, Q4_K's of 256) as uint8,
 and widens them only when it computes.
 
@@ -20,8 +20,10 @@ from torch import nn
 
 from pdserve_kernels import cpu_quant
 
-BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144}
+# Where a 32-weight block keeps its fp16 min (after the scale) and its 4-bit q (its 5th bits, Q5's, before them).
+HAS_MIN = frozenset({"Q4_1", "Q5_1"})
 KERNEL_ROWS = 16  # up to this many rows the C kernel beats widening the weight for torch's matmul
 
 
@@ -42,11 +44,24 @@ def dequantize(packed: torch.Tensor, qtype: str, dtype: torch.dtype = torch.floa
     if qtype == "Q8_0":
         values = blocks[..., 2:].contiguous().view(torch.int8).float() * scale
     else:
-        nibbles = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
-        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
-        low = blocks[..., 2:4].contiguous().view(torch.float16).float() if qtype == "Q4_1" else -8.0 * scale
-        values = q * scale + low
+        q = _four_bit_values(blocks, 4 if qtype in HAS_MIN else 2, qtype.startswith("Q5"))
+        if qtype in HAS_MIN:
+            values = q * scale + blocks[..., 2:4].contiguous().view(torch.float16).float()
+        else:  # signed q stored with an offset of half its range
+            values = q * scale - (16.0 if qtype == "Q5_0" else 8.0) * scale
     return values.reshape(rows, -1).to(dtype)
+
+
+def _four_bit_values(blocks: torch.Tensor, start: int, fifth_bit: bool) -> torch.Tensor:
+    """A 32-weight block's unsigned q: byte j's low nibble is weight j, its high nibble weight j + 16; Q5's
+    4 bytes before them hold each weight's 5th bit, bit j of their little-endian 32 bits for weight j."""
+    nibbles = blocks[..., start + 4 if fifth_bit else start:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).to(torch.int32)
+    if fifth_bit:
+        high = blocks[..., start:start + 4].to(torch.int32)
+        bits = (high.unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)) & 1  # [..., 4 bytes, 8 bits]
+        q = q | (bits.flatten(-2) << 4)
+    return q.float()
 
 
 def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:

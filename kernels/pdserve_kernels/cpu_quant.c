@@ -1,10 +1,14 @@
-/* Matmuls over GGUF-quantized weights kept packed (Q8_0, Q4_0, Q4_1): y[m, n] = sum_k x[m, k] * w[n, k].
+/* Matmuls over GGUF-quantized weights kept packed (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K):
+ * y[m, n] = sum_k x[m, k] * w[n, k].
  *
  * Each row of w is its blocks of 32 weights, as llama.cpp lays them out:
  *   Q8_0: fp16 scale d, 32 int8 q                      w = d * q
  *   Q4_0: fp16 scale d, 16 bytes of 4-bit q            w = d * (q - 8)
  *   Q4_1: fp16 scale d, fp16 min m, 16 bytes of q      w = d * q + m
- * where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one;
+ *   Q5_0: fp16 scale d, 4 bytes qh, 16 bytes of q   w = d * (q + 16 * bit - 16)
+ *   Q5_1: fp16 scale d, fp16 min m, 4 bytes qh, 16 bytes of q    w = d * (q + 16 * bit) + m
+ * where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one, and
+ * a Q5 weight j's 5th bit is bit j of qh read as a little-endian 32-bit word;
  *   Q4_K: a super-block of 256: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of
  *         4-bit q; sub-block i of 32 is w = d * scale_i * q - dmin * min_i, its q in the low nibbles of
  *         32 bytes (even i) or their high nibbles (odd i), two sub-blocks per 32 bytes.
@@ -17,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_0 = 4, Q5_1 = 5 };
 
 static inline float f16_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
@@ -40,7 +44,15 @@ static inline uint16_t read_u16(const uint8_t *p) {
 }
 
 static int block_bytes(int qtype) {
-    return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q4_K ? 144 : 0;
+    switch (qtype) {
+    case Q8_0: return 34;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q4_K: return 144;
+    default: return 0;
+    }
 }
 
 static int block_weights(int qtype) { return qtype == Q4_K ? 256 : 32; }
@@ -82,11 +94,19 @@ static void widen_block(const uint8_t *block, int qtype, float *out) {
         for (int j = 0; j < 32; j++) out[j] = d * (float)q[j];
         return;
     }
-    const float m = qtype == Q4_1 ? f16_to_float(read_u16(block + 2)) : -8.0f * d;
-    const uint8_t *q = block + (qtype == Q4_1 ? 4 : 2);
+    const int has_min = qtype == Q4_1 || qtype == Q5_1, five_bits = qtype == Q5_0 || qtype == Q5_1;
+    const float m = has_min ? f16_to_float(read_u16(block + 2)) : (qtype == Q5_0 ? -16.0f : -8.0f) * d;
+    const uint8_t *q = block + (has_min ? 4 : 2);
+    uint32_t high = 0;
+    if (five_bits) {
+        memcpy(&high, q, sizeof high);
+        q += 4;
+    }
     for (int j = 0; j < 16; j++) {
-        out[j] = d * (float)(q[j] & 0x0F) + m;
-        out[j + 16] = d * (float)(q[j] >> 4) + m;
+        const int low_q = (q[j] & 0x0F) | (int)(((high >> j) & 1) << 4);
+        const int high_q = (q[j] >> 4) | (int)(((high >> (j + 16)) & 1) << 4);
+        out[j] = d * (float)low_q + m;
+        out[j + 16] = d * (float)high_q + m;
     }
 }
 

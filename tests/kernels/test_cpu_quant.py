@@ -10,7 +10,7 @@ import torch
 from cluster.model.quantized import QuantizedEmbedding, QuantizedLinear, dequantize, quantize_modules
 from pdserve_kernels import cpu_quant
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"]
 
 
 def packed(rows: int, columns: int, qtype: str, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:

@@ -113,3 +113,26 @@ def test_quantization_gguf_needs_a_gguf_file(tmp_path: Path) -> None:
         LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint), quantization="gguf")))
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(quantization="awq")
+
+
+def test_five_bit_weights_stay_packed_and_give_the_widened_engines_tokens(tmp_path: Path) -> None:
+    """Q5_0 embeddings (tied to the head) and Q5_1 layers, as a file quantized with a 5-bit token table."""
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from cluster.engine.llm_engine import LLMEngine
+
+    checkpoint = build_tiny_llama_checkpoint(tmp_path / "hf", hidden=64, heads=4, kv_heads=2, tie=True)
+    names = {name: "Q5_1" for name in quantized_names(2, mixed=False)} | {"token_embd.weight": "Q5_0"}
+    path = write_tiny_gguf(checkpoint, tmp_path / "model.gguf", quantize=names)
+    assert read_packed(path).qtypes["model.layers.0.mlp.gate_up_proj.weight"] == "Q5_1"
+
+    def engine(quantization: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32", quantization=quantization),
+                                      cache=CacheConfig(block_size=4, num_blocks=64)))
+
+    packed, widened = engine("gguf"), engine("none")
+    assert isinstance(packed.runner.model.model.embed_tokens, QuantizedEmbedding)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 33, 9, 81, 120], [200, 3, 77]]
+    assert [o.token_ids for o in packed.generate(prompts, params)] == \
+        [o.token_ids for o in widened.generate(prompts, params)]
