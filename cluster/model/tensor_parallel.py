@@ -4,9 +4,11 @@ Rank r of `size` holds attention heads [r*H/size, (r+1)*H/size) of the queries a
 the KV heads, the matching rows of `qkv_proj` and `gate_up_proj` (column-parallel: each rank computes
 its own heads and its own part of the MLP's intermediate), and the matching columns of `o_proj` and
 `down_proj` (row-parallel: each rank's product is a partial sum of the full output, summed across
-ranks by one all-reduce after each). Norms, the rotary tables, the embeddings and the lm head stay
-replicated: every rank holds the whole residual stream, so after the last all-reduce every rank has
-the same hidden states, and rank 0 alone computes logits and samples.
+ranks by one all-reduce after each). A mixture of experts splits every expert the same way (each rank
+holds its share of each expert's intermediate, routes every token as the others do, and its block's
+output is summed), as vLLM's tensor-parallel MoE does. Norms, the rotary tables, the routers, the
+embeddings and the lm head stay replicated: every rank holds the whole residual stream, so after the
+last all-reduce every rank has the same hidden states, and rank 0 alone computes logits and samples.
 
 ```
  hidden ──> qkv_proj[rows of my heads] ──> attention (my heads, my KV cache) ──> o_proj[my columns] ─┐
@@ -34,26 +36,28 @@ import torch.distributed as dist
 from torch import nn
 
 from cluster.model.architecture import ArchitectureConfig
+from cluster.model.moe import SparseMoeBlock
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # a step's collectives, a weight's broadcast
-# Checkpoint name fragments of column-parallel parameters: each rank keeps its rows.
-COLUMN_PARALLEL = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
+# Checkpoint name fragments of column-parallel parameters: each rank keeps its rows (Mixtral's experts
+# name gate and up w1 and w3).
+COLUMN_PARALLEL = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.", ".w1.", ".w3.")
 # Row-parallel layers: each rank keeps its columns of the weight, and their outputs are summed.
 ROW_PARALLEL = ("o_proj", "down_proj")
+ROW_PARALLEL_EXPERTS = ".w2.weight"  # Mixtral's experts' down projection
 
 
 def check_tensor_parallel(arch: ArchitectureConfig, size: int, quantization: str = "none") -> None:
     """Refuse a size this model cannot be split by, naming the sizes that would split it."""
     if size == 1:
         return
-    if arch.moe is not None and arch.moe.sparse_layers or arch.architecture.startswith("Gemma"):
-        raise ValueError(f"tensor parallelism splits the Llama-shaped dense decoders (Llama, Mistral, Qwen2, Qwen3, "
-                         f"Phi-3); {arch.architecture} serves tensor_parallel_size 1 only")
     if quantization != "none":
         raise ValueError(f"quantization {quantization!r} serves tensor_parallel_size 1 only (packed weights are "
                          f"not split across ranks), got tensor_parallel_size {size}")
     dims = {"attention heads": arch.num_heads, "KV heads": arch.num_kv_heads,
             "intermediate size": arch.intermediate_size}
+    if arch.moe is not None and arch.moe.sparse_layers:
+        dims["expert intermediate size"] = arch.moe.intermediate_size
     if any(value % size for value in dims.values()):
         fits = [n for n in range(1, arch.num_kv_heads + 1) if all(value % n == 0 for value in dims.values())]
         described = ", ".join(f"{value} {name}" for name, value in dims.items())
@@ -64,8 +68,9 @@ def check_tensor_parallel(arch: ArchitectureConfig, size: int, quantization: str
 def shard_architecture(arch: ArchitectureConfig, size: int) -> ArchitectureConfig:
     """The architecture one rank builds: its share of the heads and of the MLP's intermediate."""
     check_tensor_parallel(arch, size)
+    moe = arch.moe and dataclasses.replace(arch.moe, intermediate_size=arch.moe.intermediate_size // size)
     return dataclasses.replace(arch, num_heads=arch.num_heads // size, num_kv_heads=arch.num_kv_heads // size,
-                               intermediate_size=arch.intermediate_size // size)
+                               intermediate_size=arch.intermediate_size // size, moe=moe)
 
 
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], arch: ArchitectureConfig, rank: int,
@@ -86,6 +91,12 @@ def shard_tensor(name: str, tensor: torch.Tensor, arch: ArchitectureConfig, rank
         return torch.cat([part.chunk(size)[rank] for part in parts])
     if ".gate_up_proj." in name:  # stored fused (Phi-3): gate's rows then up's
         return torch.cat([part.chunk(size)[rank] for part in tensor.chunk(2)])
+    if name.endswith(".experts.gate_up_proj"):  # experts stacked [experts, 2 * inter, hidden], gate rows first
+        return torch.cat([part.chunk(size, dim=1)[rank] for part in tensor.chunk(2, dim=1)], dim=1)
+    if name.endswith(".experts.down_proj"):  # stacked [experts, hidden, inter]
+        return tensor.chunk(size, dim=2)[rank].contiguous()
+    if name.endswith(ROW_PARALLEL_EXPERTS):
+        return tensor.chunk(size, dim=1)[rank].contiguous()
     if any(fragment in name for fragment in COLUMN_PARALLEL):
         return tensor.chunk(size)[rank]
     if any(f".{layer}.weight" in name for layer in ROW_PARALLEL):
@@ -97,10 +108,11 @@ def shard_tensor(name: str, tensor: torch.Tensor, arch: ArchitectureConfig, rank
 
 
 def reduce_row_parallel_outputs(model: nn.Module, group: TensorParallelGroup) -> None:
-    """Sum each row-parallel layer's output across ranks, in place, as the layer returns it. A forward
-    hook keeps the model's code the one-device model's, for every architecture built on it."""
+    """Sum each row-parallel layer's output (and each sparse MLP's: its experts' down projections are
+    row-parallel) across ranks, in place, as the layer returns it. A forward hook keeps the model's code
+    the one-device model's, for every architecture built on it."""
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in ROW_PARALLEL:
+        if name.rsplit(".", 1)[-1] in ROW_PARALLEL or isinstance(module, SparseMoeBlock):
             module.register_forward_hook(lambda _module, _args, output: group.all_reduce(output))
 
 

@@ -174,16 +174,64 @@ def test_kv_moves_between_engines_of_other_sizes(checkpoint: Path, tp_engine: LL
     assert_pool_whole(decode)
 
 
-@pytest.mark.parametrize("config", [
-    {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-    {"architectures": ["Gemma2ForCausalLM"]},
-])
-def test_models_tensor_parallelism_does_not_split_are_refused(config: dict) -> None:
+# A dense layer then sparse ones (top-2 of 4 experts, each split between the ranks), Mixtral's w1/w3/w2
+# names, and Gemma 2's soft caps and sliding local layers.
+OTHER_ARCHITECTURES = {
+    "qwen3_moe": dict(architecture="qwen3_moe", num_layers=3, head_dim=32,
+                      moe=dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])),
+    "mixtral": dict(architecture="mixtral", moe=dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2": dict(architecture="gemma2", num_layers=4, sliding_window=6, tie_word_embeddings=True,
+                   extra_config={"attn_logit_softcapping": 3.0, "final_logit_softcapping": 4.0,
+                                 "query_pre_attn_scalar": 24}),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_ARCHITECTURES))
+def test_two_ranks_split_experts_and_gemma_as_they_split_llama(tmp_path: Path, name: str) -> None:
+    from cluster.weights.synthetic import build_random_llama, build_tiny_tokenizer
+
+    path = build_random_llama(tmp_path / name, **OTHER_ARCHITECTURES[name])  # type: ignore[arg-type]
+    build_tiny_tokenizer(path)
+    expected = [make_engine(path, 1).generate([prompt], GREEDY)[0].token_ids for prompt in PROMPTS]
+    engine = make_engine(path, 2, budget=5)
+    try:
+        assert run_staggered(engine, PROMPTS) == expected
+        assert_pool_whole(engine)
+    finally:
+        engine.close()
+
+
+def test_stacked_experts_split_as_their_per_expert_tensors_do() -> None:
+    """A checkpoint may store each layer's experts stacked ([experts, 2 * inter, hidden] gate rows first,
+    [experts, hidden, inter]); a rank's slice equals the stack of its per-expert slices."""
+    from cluster.model.registry import architecture_config
+    from cluster.model.tensor_parallel import shard_tensor
+
+    arch = architecture_config({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 320, "hidden_size": 64,
+                                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32})
+    gate, up, down = torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32)
+    for rank in (0, 1):
+        def each(projection: str, weights: torch.Tensor, rank: int = rank) -> torch.Tensor:
+            return torch.stack([shard_tensor(f"model.layers.1.mlp.experts.{e}.{projection}.weight", weights[e], arch,
+                                             rank, 2) for e in range(4)])
+
+        stacked = shard_tensor("model.layers.1.mlp.experts.gate_up_proj", torch.cat([gate, up], dim=1), arch, rank, 2)
+        assert torch.equal(stacked, torch.cat([each("gate_proj", gate), each("up_proj", up)], dim=1))
+        assert torch.equal(shard_tensor("model.layers.1.mlp.experts.down_proj", down, arch, rank, 2),
+                           each("down_proj", down))
+        assert each("down_proj", down).shape == (4, 64, 16)
+
+
+def test_a_size_that_does_not_split_the_experts_is_refused() -> None:
     from cluster.model.registry import architecture_config
     from cluster.model.tensor_parallel import check_tensor_parallel
 
-    arch = architecture_config({"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **config})
-    with pytest.raises(ValueError, match="serves tensor_parallel_size 1 only"):
-        check_tensor_parallel(arch, 2)
-    check_tensor_parallel(arch, 1)
+    arch = architecture_config({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 320, "hidden_size": 64,
+                                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "num_key_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 34})
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide .*34 expert intermediate size"):
+        check_tensor_parallel(arch, 4)
+    check_tensor_parallel(arch, 2)
