@@ -54,6 +54,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2: one byte per key and value (twice "
                        "the blocks, fp8's precision)")
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--host-kv-cache-gb", type=float, default=None,
+                       help="a host KV tier of this size: cached blocks the pool evicts move to host memory and come "
+                       "back on a prefix hit (default: off)")
+    group.add_argument("--num-host-kv-blocks", type=int, default=0,
+                       help="the host KV tier's size in blocks (0: from --host-kv-cache-gb)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
@@ -78,7 +83,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          host_kv_cache_gb=args.host_kv_cache_gb, num_host_kv_blocks=args.num_host_kv_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, preemption_mode=args.preemption_mode),
         attention_backend=args.attention_backend,
@@ -262,9 +268,9 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
     if traces:
         overrides["tracing"] = traces
     engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb", "kv_cache_dtype",
-                                                 "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
-                                                 "deterministic", "quantization", "tensor_parallel_size",
-                                                 "speculative_config")
+                                                 "host_kv_cache_gb", "num_host_kv_blocks", "gpu_memory_utilization",
+                                                 "max_num_batched_tokens", "max_num_seqs", "deterministic",
+                                                 "quantization", "tensor_parallel_size", "speculative_config")
               if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
@@ -548,6 +554,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "share of it")
     serve.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
                        help="default auto (the model's dtype); fp8 (= fp8_e4m3), fp8_e5m2: one byte per key and value")
+    serve.add_argument("--host-kv-cache-gb", type=float, default=None,
+                       help="per worker: a host KV tier of this size, where evicted prefix blocks wait for a hit "
+                       "(default: off)")
+    serve.add_argument("--num-host-kv-blocks", type=int, default=None,
+                       help="per worker: the host KV tier's size in blocks (default 0: from --host-kv-cache-gb)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--deterministic", action="store_const", const=True, default=None,

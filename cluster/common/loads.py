@@ -128,3 +128,11 @@ class WorkerLoad:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: list[int] = field(default_factory=list)
+    # The host KV tier, where its engine has one (num_host_kv_blocks > 0): its blocks and those holding KV,
+    # prompt tokens looked up there (past the device pool's hits) and found, blocks moved out and back in.
+    num_host_kv_blocks: int = 0
+    host_kv_used_blocks: int = 0
+    host_kv_queries: int = 0
+    host_kv_hits: int = 0
+    host_kv_offloaded: int = 0
+    host_kv_promoted: int = 0

@@ -9,12 +9,18 @@ A block is in exactly one of three conditions:
 Free blocks (cached or empty) sit in one LRU queue. New blocks are taken from its front, which evicts
 the least recently freed cached block. Requests free their blocks tail first, so the end of a
 prompt (least likely to be shared) is evicted before its beginning.
+
+With a host tier (`cluster.engine.host_tier`), an evicted cached block is not lost: its hash and KV
+move to host memory, and the pool's events report it evicted only when the tier drops it, since until
+then the worker still holds it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from cluster.engine.host_tier import HostTier
 
 
 @dataclass(eq=False, slots=True)
@@ -32,9 +38,16 @@ class CacheEvents:
     stored: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
 
+    def store(self, block_hash: int) -> None:
+        # The index applies every stored hash before the evicted ones: a hash evicted, then stored
+        # again, must not stay among the evicted (a store, then an eviction, reads right as it is).
+        if block_hash in self.evicted:
+            self.evicted.remove(block_hash)
+        self.stored.append(block_hash)
+
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, host_tier: HostTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -44,6 +57,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
         self.events: CacheEvents | None = None  # see `record_events`
+        self.host_tier = host_tier if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,7 +108,7 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
             if self.events is not None:
-                self.events.stored.append(block_hash)
+                self.events.store(block_hash)
 
     def record_events(self) -> None:
         """From now on keep the hashes of blocks cached and evicted, for `take_events` (a worker
@@ -109,15 +123,36 @@ class BlockPool:
         taken, self.events = self.events, CacheEvents()
         return taken
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.free_queue.values()):
-            self._evict(block)
+    def held_hashes(self) -> list[int]:
+        """Every hash this worker can serve a prefix from: the device cache's, then the host tier's."""
+        in_host = list(self.host_tier.slot_of) if self.host_tier is not None else []
+        return [*self.cached, *(block_hash for block_hash in in_host if block_hash not in self.cached)]
 
-    def _evict(self, block: Block) -> None:
-        if block.block_hash is None:
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, in the host tier too (nothing is offloaded)."""
+        for block in list(self.free_queue.values()):
+            self._evict(block, offload=False)
+        if self.host_tier is not None:
+            for block_hash in self.host_tier.clear():
+                self._report_evicted(block_hash)
+
+    def _evict(self, block: Block, offload: bool = True) -> None:
+        block_hash = block.block_hash
+        if block_hash is None:
             return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-            if self.events is not None:
-                self.events.evicted.append(block.block_hash)
         block.block_hash = None
+        if self.cached.get(block_hash) is not block:
+            return  # a private duplicate: nothing was cached under it
+        del self.cached[block_hash]
+        if offload and self.host_tier is not None:
+            dropped = self.host_tier.offload(block_hash, block.block_id)
+            if dropped is not None:
+                self._report_evicted(dropped)
+        else:
+            self._report_evicted(block_hash)
+
+    def _report_evicted(self, block_hash: int) -> None:
+        """A hash left this worker (a copy in the other tier keeps it held)."""
+        held = block_hash in self.cached or (self.host_tier is not None and block_hash in self.host_tier)
+        if self.events is not None and not held:
+            self.events.evicted.append(block_hash)

@@ -82,6 +82,10 @@ class CacheConfig:
     # "auto": the model's dtype; fp8 (KV_CACHE_DTYPES): a byte per element, twice the blocks in the same
     # memory and half the bytes a decode step and a transfer move, at fp8's precision (docs/engine.md).
     kv_cache_dtype: str = "auto"
+    # The host KV tier (off at 0 and None): cached blocks the pool evicts move to host memory and come back
+    # on a prefix hit (docs/engine.md). Its size: `num_host_kv_blocks`, else `host_kv_cache_gb`.
+    host_kv_cache_gb: float | None = None
+    num_host_kv_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -96,6 +100,16 @@ class CacheConfig:
         _require(self.num_swap_blocks >= 0, f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _require(self.host_kv_cache_gb is None or self.host_kv_cache_gb > 0,
+                 f"host_kv_cache_gb must be > 0 (or unset: no host tier), got {self.host_kv_cache_gb}")
+        _require(self.num_host_kv_blocks >= 0,
+                 f"num_host_kv_blocks must be >= 0 (0 = size from host_kv_cache_gb), got {self.num_host_kv_blocks}")
+        _require(self.enable_prefix_caching or not self.host_kv_enabled,
+                 "the host KV tier keeps evicted prefix blocks: it needs enable_prefix_caching")
+
+    @property
+    def host_kv_enabled(self) -> bool:
+        return bool(self.num_host_kv_blocks or self.host_kv_cache_gb)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +217,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        _require(not self.cache.host_kv_enabled or self.model.tensor_parallel_size == 1,
+                 "the host KV tier does not support tensor_parallel_size > 1: unset host_kv_cache_gb")
         sched = self.scheduler
         _require(sched.enable_chunked_prefill or sched.max_num_batched_tokens >= (self.model.max_model_len or 0),
                  "without chunked prefill, max_num_batched_tokens must be >= max_model_len "

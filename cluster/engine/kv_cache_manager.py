@@ -3,18 +3,38 @@
 The scheduler asks three things: how much of a new request's prompt is already cached
 (`find_cached_prefix`), whether the blocks for the tokens it wants to run fit (`allocate_slots`),
 and to give everything back when a request ends or is preempted (`free`). The model runner only
-sees the resulting block ids (`block_ids`).
+sees the resulting block ids (`block_ids`), and the copies to and from the host tier
+(`take_host_copies`).
+
+A prefix is looked up in the device pool first, then, where it stops, in the host tier; blocks found
+there are promoted when the request's slots are allocated: each gets a fresh device block, its KV
+is copied in before the step runs, and the request's computed tokens count it like a device hit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from cluster.common.block_hashes import hash_block_tokens, root_hash
 from cluster.engine.block_pool import Block, BlockPool
+from cluster.engine.host_tier import HostCopies
 from cluster.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """The cached blocks a prompt starts with: some in the device pool, then some in the host tier."""
+
+    blocks: list[Block] = field(default_factory=list)
+    host_hashes: list[int] = field(default_factory=list)  # promoted by `allocate_slots`
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.host_hashes)
 
 
 class KVCacheManager:
@@ -36,25 +56,36 @@ class KVCacheManager:
         """The request's block table (a live list: read it, don't keep or change it)."""
         return self.block_ids_of.get(request_id, [])
 
-    def find_cached_prefix(self, request: Request) -> tuple[list[Block], int]:
-        """The longest run of cached full blocks at the start of the request's tokens.
+    def find_cached_prefix(self, request: Request) -> tuple[CachedPrefix, int]:
+        """The longest run of cached full blocks at the start of the request's tokens (the device
+        pool's, then the host tier's), and its tokens. Changes nothing but the hit counters.
 
         At least one token is always left to compute, since the model must produce logits for it.
         """
+        found = CachedPrefix()
         if not self.pool.enable_prefix_caching:
-            return [], 0
+            return found, 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
+        hashes = self._block_hashes(request, max_blocks)[:max_blocks]
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
-            hits.append(block)
+            found.blocks.append(block)
+        tier = self.pool.host_tier
+        if tier is not None:
+            for block_hash in hashes[len(found.blocks):]:
+                if block_hash not in tier:
+                    break
+                found.host_hashes.append(block_hash)
+            tier.queries += request.num_tokens - len(found.blocks) * self.block_size
+            tier.hits += len(found.host_hashes) * self.block_size
+        num_tokens = found.num_blocks * self.block_size
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.prefix_hits += num_tokens
+        return found, num_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[Block] | None = None,
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None,
                        cache_full: bool = True) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
 
@@ -63,7 +94,7 @@ class KVCacheManager:
         any attention reads, so a block is never read before its KV is there.
         """
         blocks = self.blocks_of.get(request.request_id, [])
-        if not cached_blocks:
+        if cached is None or not cached.num_blocks:
             num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens <= len(blocks) * self.block_size:  # fits in the blocks it has: most decodes
                 # Only the request's own tokens fill blocks for the cache, never the drafts after them;
@@ -73,21 +104,47 @@ class KVCacheManager:
                         num_real // self.block_size > self.num_cached_of.get(request.request_id, 0):
                     self._cache_full_blocks(request, blocks, num_real)
                 return True
-        cached_blocks = cached_blocks or []
-        num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        cached = cached or CachedPrefix()
+        cached_blocks = cached.blocks
+        num_tokens = request.num_computed_tokens + cached.num_blocks * self.block_size + num_new_tokens
+        # Blocks promoted from the host tier are among the new ones.
         num_needed = cdiv(num_tokens, self.block_size) - len(blocks) - len(cached_blocks)
         # Cached blocks nobody owns sit in the free queue; taking them shrinks what is free.
         num_reclaimed = sum(1 for block in cached_blocks if block.ref_count == 0)
         if num_needed > self.pool.num_free_blocks - num_reclaimed:
             return False
+        slots = self._claim(cached.host_hashes)
         self.pool.touch(cached_blocks)
-        new_blocks = cached_blocks + (self.pool.allocate(num_needed) if num_needed > 0 else [])
+        taken = self.pool.allocate(num_needed) if num_needed > 0 else []
+        self._promote(cached.host_hashes, slots, taken)
+        new_blocks = cached_blocks + taken
         blocks = self.blocks_of.setdefault(request.request_id, blocks)
         blocks.extend(new_blocks)
         self.block_ids_of.setdefault(request.request_id, []).extend(block.block_id for block in new_blocks)
         if cache_full:
             self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
         return True
+
+    def _claim(self, host_hashes: list[int]) -> list[int]:
+        """Take the host hits out of the tier before any block is allocated: an allocation evicts
+        device blocks into the tier, which must not push the hits out first."""
+        tier = self.pool.host_tier
+        return [tier.claim(block_hash) for block_hash in host_hashes] if tier is not None else []
+
+    def _promote(self, host_hashes: list[int], slots: list[int], blocks: list[Block]) -> None:
+        """Queue each host hit's copy into its new device block, cached under its hash at once: the
+        copies run before the step, so no read comes before the KV is there."""
+        tier = self.pool.host_tier
+        for block_hash, slot, block in zip(host_hashes, slots, blocks[:len(host_hashes)], strict=True):
+            assert tier is not None
+            tier.load(slot, block.block_id)
+            self.pool.cache(block, block_hash)
+
+    def take_host_copies(self) -> HostCopies:
+        """The copies to and from the host tier queued since the last call (none without a tier): the
+        runner must make them before it next writes or reads any block."""
+        tier = self.pool.host_tier
+        return tier.take_copies() if tier is not None else HostCopies()
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Whether `allocate_slots(request, num_new_tokens)` (no cached prefix) would fit, changing nothing."""

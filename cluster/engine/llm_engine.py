@@ -24,6 +24,7 @@ from cluster.common.loads import BucketCounts
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.block_pool import BlockPool
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
+from cluster.engine.host_tier import HostTier
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
@@ -105,6 +106,17 @@ class EngineStats:
     num_swapped: int = 0  # requests whose KV is swapped out to host memory
     histograms: dict[str, BucketCounts] = field(default_factory=dict)  # copies of `RequestStats`'
     spec_decode: SpecDecodeStats | None = None  # drafts verified and accepted; None: speculation is off
+    host_kv: HostTierStats | None = None  # the host KV tier's; None: it is off
+
+
+@dataclass(slots=True)
+class HostTierStats:
+    num_blocks: int
+    num_used: int
+    queries: int  # prompt tokens looked up in the host tier (past the device pool's hits)
+    hits: int  # of those, found there
+    offloaded: int  # blocks copied out of the device pool
+    promoted: int  # blocks copied back in
 
 
 def served_model_name(model: str) -> str:
@@ -161,10 +173,14 @@ class LLMEngine:
             self.num_blocks = self._num_blocks(total)
             self.max_model_len = self._max_model_len()
             self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)
+            self.num_host_kv_blocks = self._num_host_kv_blocks()
+            if self.num_host_kv_blocks:
+                self.runner.allocate_host_kv(self.num_host_kv_blocks)
         except BaseException:
             self.close()
             raise
-        pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
+        host_tier = HostTier(self.num_host_kv_blocks) if self.num_host_kv_blocks else None
+        pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, host_tier)
         # Hashes chain from the served model name, so every worker of a cluster (and the routers that
         # match prompts against the blocks workers publish) compute the same ones, whatever the path.
         self.kv_cache = KVCacheManager(pool, config.cache.block_size, model_name=self.model_name)
@@ -249,6 +265,14 @@ class LLMEngine:
         log.info("%s", self.memory_profile.describe())
         return max(1, self.memory_profile.kv_cache_bytes // block_bytes)
 
+    def _num_host_kv_blocks(self) -> int:
+        """The host tier's blocks: 0 where it is off."""
+        cache = self.config.cache
+        if cache.num_host_kv_blocks or not cache.host_kv_cache_gb:
+            return cache.num_host_kv_blocks
+        block_bytes = kv_block_bytes(self.arch, cache.block_size, DTYPES[self.kv_cache_dtype])
+        return max(1, int(cache.host_kv_cache_gb * 2**30) // block_bytes)
+
     def _context_limit(self) -> int:
         """The context asked for (the model's own unless set); more than the model's is refused."""
         limit = self.config.model.max_model_len or self.arch.max_position_embeddings
@@ -308,6 +332,8 @@ class LLMEngine:
         """Decode side: reserve blocks for a prompt whose KV another worker computes; None if full."""
         request = self._new_request(list(prompt_token_ids), sampling_params, request_id)
         block_ids = self.scheduler.reserve_remote(request, lease_s)
+        # The blocks it took may have held cached KV bound for the host tier: out before the KV lands.
+        self.runner.copy_host_blocks(self.kv_cache.take_host_copies())
         if block_ids is not None:
             self.detokenizers[request_id] = self._detokenizer(request.prompt_token_ids, sampling_params)
         return block_ids
@@ -580,6 +606,8 @@ class LLMEngine:
         finally:
             self.kv_cache.pool.reset_prefix_cache()
             self.kv_cache.prefix_queries = self.kv_cache.prefix_hits = 0
+            if self.kv_cache.pool.host_tier is not None:
+                self.kv_cache.pool.host_tier = HostTier(self.num_host_kv_blocks)  # its counters too
             self.scheduler.seconds_per_request = 0.0  # three tokens: not a client's request
             self.scheduler.request_stats = RequestStats(self.max_model_len)
             self.scheduler.spec_stats = SpecDecodeStats()
@@ -593,4 +621,11 @@ class LLMEngine:
             prefix_cache_hits=self.kv_cache.prefix_hits, num_recomputes=self.scheduler.num_recomputes,
             seconds_per_request=self.scheduler.seconds_per_request, num_swapped=len(self.scheduler.swapped),
             histograms=self.scheduler.request_stats.snapshot(),
-            spec_decode=self.scheduler.spec_stats.copy() if self.proposer is not None else None)
+            spec_decode=self.scheduler.spec_stats.copy() if self.proposer is not None else None,
+            host_kv=self._host_tier_stats())
+
+    def _host_tier_stats(self) -> HostTierStats | None:
+        tier = self.kv_cache.pool.host_tier
+        if tier is None:
+            return None
+        return HostTierStats(tier.num_slots, tier.num_used, tier.queries, tier.hits, tier.offloaded, tier.promoted)

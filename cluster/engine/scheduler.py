@@ -244,6 +244,7 @@ class Scheduler:
         if not output.preempted:
             budget = self._schedule_waiting(output, budget)
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        output.host_copies = self.kv_cache.take_host_copies()
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -378,7 +379,7 @@ class Scheduler:
         swapped_blocks = self.swapped.get(request.request_id)
         # A request still owed prompt logprobs needs the logits of every prompt position: no cache hit (as vLLM).
         skip_cache = swapped_blocks or request.num_prompt_logprobs_due > 0
-        cached, num_cached = ([], 0) if skip_cache else self.kv_cache.find_cached_prefix(request)
+        cached, num_cached = (None, 0) if skip_cache else self.kv_cache.find_cached_prefix(request)
         remaining = request.num_tokens - request.num_computed_tokens - num_cached
         if self.config.batching == "static":
             num_new, num_reserved = min(remaining, budget), remaining

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.engine.host_tier import HostCopies
 from cluster.engine.request import Request
+
+__all__ = ["HostCopies", "ScheduledRequest", "SchedulerOutput", "SwapOrder"]  # HostCopies: for the runner
 
 
 @dataclass(slots=True)
@@ -33,8 +36,10 @@ class SchedulerOutput:
     # Copies the runner makes before the forward pass: out of freed blocks, into new ones.
     swap_out: list[SwapOrder] = field(default_factory=list)
     swap_in: list[SwapOrder] = field(default_factory=list)
+    # Copies between the pool and the host tier, made first: blocks evicted or promoted this step.
+    host_copies: HostCopies = field(default_factory=HostCopies)
 
     @property
     def empty(self) -> bool:
-        return not self.scheduled and not self.swap_out
+        return not self.scheduled and not self.swap_out and not self.host_copies
 

@@ -1,7 +1,7 @@
 """Turns a `SchedulerOutput` into one flat forward pass and samples the next tokens.
 
-It owns the model, the paged KV cache tensors (one per layer) and the host copies of swapped-out
-blocks. Batch tensors are built per request with numpy, never per token in Python.
+It owns the model, the paged KV cache tensors (one per layer), the host copies of swapped-out
+blocks and the host KV tier's memory. Batch tensors are built per request with numpy, never per token in Python.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import numpy as np
 import torch
 
 from cluster.common.events import TokenLogprobs
-from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
+from cluster.engine.scheduler_output import HostCopies, ScheduledRequest, SchedulerOutput, SwapOrder
 from cluster.model import batch_invariant
 from cluster.model.architecture import ArchitectureConfig
 from cluster.model.attention.backend import AttentionBackend, AttentionMetadata
 from cluster.model.attention.registry import get_attention_backend
 from cluster.model.cuda_graphs import DecodeGraphs
 from cluster.model.grammar_masks import GrammarMasker
+from cluster.model.host_kv import HostKVCache, as_bytes
 from cluster.model.memory import DeviceMemory, profile_metadata
 from cluster.model.models.llama import LlamaForCausalLM
 from cluster.model.quantized import quantize_modules
@@ -149,11 +150,6 @@ def kv_block_bytes(arch: ArchitectureConfig, block_size: int, dtype: torch.dtype
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * element
 
 
-def as_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """An fp8 cache's memory as uint8 (same shape): torch's index_copy_ and index_put_ take no fp8 on CPUs."""
-    return cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
-
-
 class ModelRunner:
     def __init__(self, arch: ArchitectureConfig, weights: Iterable[tuple[str, torch.Tensor]], *,  # noqa: PLR0913
                  dtype: str, device: str, attention_backend: str, max_model_len: int,
@@ -186,6 +182,7 @@ class ModelRunner:
         self.model = model.eval()
         self.backend_name = backend.name
         self.swap_store: dict[str, list[torch.Tensor]] = {}
+        self.host_kv: HostKVCache | None = None  # the host tier's slots (`allocate_host_kv`)
         self.sampler = Sampler(arch.vocab_size)
         self.grammar_masker = GrammarMasker()
         self.kv_caches: list[torch.Tensor] = []
@@ -226,6 +223,18 @@ class ModelRunner:
         if self.device.type == "cuda" and self.backend_name == "triton" and arch.moe is None and self.group is None:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
                                               max_model_len)
+
+    def allocate_host_kv(self, num_slots: int) -> None:
+        """Host memory for the host KV tier's `num_slots` blocks (after `allocate_kv_cache`). One rank's
+        engines only: the tier's copies are not sent to other ranks."""
+        if self.group is not None:
+            raise ValueError("the host KV tier does not support tensor parallelism")
+        self.host_kv = HostKVCache(num_slots, self.kv_caches)
+
+    def copy_host_blocks(self, copies: HostCopies) -> None:
+        """The host tier's copies queued outside a step (blocks a reservation evicted): before any
+        write into those blocks."""
+        self._swap([], [], copies)
 
     def weights_bytes(self) -> int:
         """The device memory the model holds: parameters and buffers, a shared tensor once."""
@@ -273,7 +282,7 @@ class ModelRunner:
         batch = self.build_batch(output.scheduled) if output.scheduled else None
         if self.leads:
             self._send_step(output, batch)
-        self._swap(output.swap_out, output.swap_in)
+        self._swap(output.swap_out, output.swap_in, output.host_copies)
         if batch is None:
             return ModelRunnerOutput()
         sampling = [batch.rows[row] for row in batch.sample_rows]
@@ -322,9 +331,18 @@ class ModelRunner:
                 entries += token_logprobs(logits[:, : self.arch.vocab_size].float().log_softmax(dim=-1), targets, k)
         return result
 
-    def _swap(self, swap_out: list[SwapOrder], swap_in: list[SwapOrder]) -> None:
+    def _swap(self, swap_out: list[SwapOrder], swap_in: list[SwapOrder], host_copies: HostCopies | None = None) -> None:
+        """Every read of a block's old KV (offloads to the host tier, swap-outs of preempted requests)
+        before any write into the blocks this step took (promotions, swap-ins)."""
+        host_kv = self.host_kv if host_copies else None
+        if host_kv is not None:
+            assert host_copies is not None
+            host_kv.offload(self.kv_caches, host_copies.offload_blocks, host_copies.offload_slots)
         for order in swap_out:
             self._swap_out(order)
+        if host_kv is not None:
+            assert host_copies is not None
+            host_kv.load(self.kv_caches, host_copies.load_slots, host_copies.load_blocks)
         for order in swap_in:
             self._swap_in(order)
 

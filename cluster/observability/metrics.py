@@ -136,6 +136,23 @@ SPEC_DECODE_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
 }
 
 
+HOST_KV_GAUGES: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
+    "pdserve:host_kv_cache_usage_perc": ("Fraction of the worker's host KV tier blocks holding KV (0-1).",
+                                         lambda w: w.host_kv_used_blocks / max(w.num_host_kv_blocks, 1)),
+    "pdserve:host_kv_cache_blocks": ("Blocks of the worker's host KV tier.", lambda w: w.num_host_kv_blocks),
+}
+HOST_KV_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
+    "pdserve:host_kv_cache_queries": ("Prompt tokens looked up in the host KV tier (past the device pool's hits).",
+                                      lambda w: w.host_kv_queries),
+    "pdserve:host_kv_cache_hits": ("Prompt tokens found in the host KV tier (also in vllm:prefix_cache_hits).",
+                                   lambda w: w.host_kv_hits),
+    "pdserve:host_kv_blocks_offloaded": ("KV blocks evicted from the device pool into the host tier.",
+                                         lambda w: w.host_kv_offloaded),
+    "pdserve:host_kv_blocks_promoted": ("KV blocks copied back from the host tier on a prefix hit.",
+                                        lambda w: w.host_kv_promoted),
+}
+
+
 WORKER_HISTOGRAMS: dict[str, str] = {
     "vllm:request_queue_time_seconds": "Time a request waited here before it was first scheduled.",
     "vllm:request_prefill_time_seconds": "Time from first scheduled to first token (prefill and colocated workers).",
@@ -221,6 +238,7 @@ class _Snapshot(Collector):
                     histogram.add_metric(self._labels(load), _buckets(counts), counts.total)
             yield histogram
         yield from self._spec_decode_families()
+        yield from self._host_kv_families()
         swapped = GaugeMetricFamily("vllm:num_requests_swapped", "Requests whose KV is swapped out to host memory "
                                     "(workers with preemption by swap only).", labels=LABELS)
         for load in self.loads:
@@ -232,6 +250,16 @@ class _Snapshot(Collector):
         for role in sorted({load.role for load in self.loads}):
             workers.add_metric([role], sum(load.role == role for load in self.loads))
         yield workers
+
+    def _host_kv_families(self) -> Iterator[Metric]:
+        """The host KV tier's series, for the workers that have one only."""
+        tiered = [load for load in self.loads if load.num_host_kv_blocks > 0]
+        for families, kind in ((HOST_KV_GAUGES, GaugeMetricFamily), (HOST_KV_COUNTERS, CounterMetricFamily)):
+            for name, (help_text, value) in families.items():
+                family = kind(name, help_text, labels=LABELS)
+                for load in tiered:
+                    family.add_metric(self._labels(load), value(load))
+                yield family
 
     def _spec_decode_families(self) -> Iterator[Metric]:
         """vLLM's speculative decoding counters, for the workers that speculate only (a worker without

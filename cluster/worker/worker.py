@@ -73,6 +73,16 @@ def spec_decode_fields(stats: EngineStats, config: SpeculativeConfig) -> dict[st
             "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
             "spec_decode_accepted_per_pos": list(spec.accepted_per_position)}
 
+def host_kv_fields(stats: EngineStats) -> dict[str, Any]:
+    """A worker load's host KV tier counters, from its engine's; none where it has no tier."""
+    tier = stats.host_kv
+    if tier is None:
+        return {}
+    return {"num_host_kv_blocks": tier.num_blocks, "host_kv_used_blocks": tier.num_used,
+            "host_kv_queries": tier.queries, "host_kv_hits": tier.hits, "host_kv_offloaded": tier.offloaded,
+            "host_kv_promoted": tier.promoted}
+
+
 class Worker:
     """One engine on its own thread, in a role, with the KV connector of that role.
 
@@ -214,13 +224,14 @@ class Worker:
                 await self.state.publish_blocks(self.worker_id, events.stored, events.evicted)
 
     async def _publish_cache(self) -> None:
-        """Replace this worker's entry in the prefix index by every block its cache holds now."""
+        """Replace this worker's entry in the prefix index by every block its caches hold now (the
+        host tier's too: a prefix there is served from there)."""
         assert self.state is not None
         pool = self.engine.kv_cache.pool
 
         def cached_now() -> list[int]:
             pool.take_events()  # what they would add is in the snapshot already
-            return list(pool.cached)
+            return pool.held_hashes()
 
         snapshot = await self._call(cached_now)
         await self.state.forget_worker(self.worker_id)
@@ -481,7 +492,8 @@ class Worker:
                           {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
                           dtype=self.engine.dtype, kv_cache_dtype=self.engine.kv_cache_dtype, threads=self.threads,
                           num_held=len(self.streams),
-                          draining=self.draining, **spec_decode_fields(stats, self.engine.config.speculative))
+                          draining=self.draining, **spec_decode_fields(stats, self.engine.config.speculative),
+                          **host_kv_fields(stats))
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""

@@ -93,3 +93,25 @@ def test_swapped_requests_only_where_swap_is_on() -> None:
     assert value(scraped, "vllm:num_requests_swapped", worker="decode-0", role="decode") == 2
     assert [labels for name, labels in scraped if name == "vllm:num_requests_swapped"] == \
         [(("model_name", "tiny"), ("role", "decode"), ("worker", "decode-0"))]
+
+
+def test_the_host_kv_tier_series_come_from_the_engine_where_it_has_one(checkpoint: Path) -> None:
+    """A worker whose engine has a host tier shows its hits, queries, moves and usage; one without has
+    no series (rather than constant zeros)."""
+    from cluster.worker.worker import host_kv_fields
+    from tests.engine.test_host_kv_tier import WORKLOAD, run_in_turn, tier_engine
+
+    engine = tier_engine(checkpoint, num_blocks=16, num_host_kv_blocks=64)
+    run_in_turn(engine)
+    tiered = WorkerLoad("decode-1", "decode", 0, 0, 16, 16, 0.0, **host_kv_fields(engine.stats()))
+    text = asyncio.run(gateway_metrics("tiny", ClusterConfig()).exposition([*loads(), tiered])).decode()
+    scraped = samples(text)
+    hits = value(scraped, "pdserve:host_kv_cache_hits_total", worker="decode-1")
+    assert hits == 8 * 5 * 4 and value(scraped, "pdserve:host_kv_blocks_promoted_total", worker="decode-1") == 8 * 5
+    assert value(scraped, "pdserve:host_kv_cache_queries_total", worker="decode-1") >= hits
+    assert value(scraped, "pdserve:host_kv_blocks_offloaded_total", worker="decode-1") >= 8 * 5
+    assert value(scraped, "pdserve:host_kv_cache_blocks", worker="decode-1") == 64
+    assert 0 < value(scraped, "pdserve:host_kv_cache_usage_perc", worker="decode-1") <= 1
+    assert {labels for name, labels in scraped if name.startswith("pdserve:host_kv")} == \
+        {(("model_name", "tiny"), ("role", "decode"), ("worker", "decode-1"))}
+    assert len(WORKLOAD) == 16

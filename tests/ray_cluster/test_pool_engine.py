@@ -94,3 +94,17 @@ def test_speculation_is_an_engine_key_a_pool_may_set_alone() -> None:
         cluster_config_from({"engine": {"speculative_config": {"method": "ngram"}}})
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "medusa"}'])
+
+
+def test_the_host_kv_tier_reaches_each_pools_engines_from_the_flags_and_the_yaml() -> None:
+    from cluster.cli import build_parser, cluster_overrides, engine_config
+
+    args = build_parser().parse_args(["serve", "--host-kv-cache-gb", "2"])
+    config = load_cluster_config(None, {**cluster_overrides(args), "decode": {"engine": {"num_host_kv_blocks": 64}}})
+    assert config.engine_for("prefill").cache.host_kv_cache_gb == 2.0
+    assert config.engine_for("decode").cache.num_host_kv_blocks == 64
+    assert not load_cluster_config(None, {}).engine.cache.host_kv_enabled  # off unless asked
+    generate = build_parser().parse_args(["generate", "hi", "--num-host-kv-blocks", "32"])
+    assert engine_config(generate).cache.num_host_kv_blocks == 32
+    with pytest.raises(ValueError, match="host_kv_cache_gb must be > 0"):
+        cluster_config_from({"engine": {"host_kv_cache_gb": -1}})

@@ -137,3 +137,32 @@ def test_a_new_request_goes_to_no_decode_worker_it_would_wait_on_too_long() -> N
     router.in_flight[id(slow)] = 5
     assert router._decode_admitting() == [slow]  # 2 / 4 * 3 s = 1.5 s
     assert Router([], [("decode-0", "a", fast)], RouterConfig(max_decode_wait_s=0))._decode_admitting() == [fast]
+
+
+def test_a_prefix_in_a_workers_host_tier_stays_in_the_prefix_index_until_the_tier_drops_it(tmp_path: Path) -> None:
+    """Routers send a prefix to the worker that holds it, in its pool or its host KV tier: the pool's
+    eviction into the tier withdraws nothing; the tier's own eviction does."""
+    from cluster.state.in_process import InProcessState
+
+    engine = LLMEngine(EngineConfig(model=fp32_model(build_tiny_llama_checkpoint(tmp_path)),
+                                    cache=CacheConfig(block_size=4, num_blocks=8, num_host_kv_blocks=4)))
+    pool, state = engine.kv_cache.pool, InProcessState()
+    pool.record_events()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    prompt = list(range(10, 19))  # 2 full blocks of 4
+    hashes = prefix_hashes(prompt, 4, engine.model_name)
+
+    def run(prompt: list[int]) -> int:
+        engine.generate([prompt], params)
+        events = pool.take_events()
+        asyncio.run(state.publish_blocks("w", events.stored, events.evicted))
+        return asyncio.run(state.match(hashes, ["w"]))["w"]
+
+    assert run(prompt) == 2
+    others = iter(list(range(start, start + 9)) for start in range(30, 300, 20))
+    while any(block_hash in pool.cached for block_hash in hashes):
+        assert run(next(others)) == 2  # still in the pool, or already in the tier: held
+    assert all(block_hash in pool.host_tier for block_hash in hashes)  # type: ignore[operator]
+    while any(block_hash in pool.host_tier for block_hash in hashes):  # type: ignore[operator]
+        run(next(others))
+    assert run(next(others)) == 0 and not set(hashes) & set(pool.held_hashes())  # the tier's LRU dropped them
