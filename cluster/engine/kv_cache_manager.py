@@ -43,6 +43,16 @@ class KVCacheManager:
         """
         if not self.pool.enable_prefix_caching:
             return [], 0
+        hits = self.cached_prefix_blocks(request)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def cached_prefix_blocks(self, request: Request) -> list[Block]:
+        """`find_cached_prefix`'s blocks, uncounted (a decode worker looks before it decides where the
+        prompt computes); the blocks stay free until `allocate_slots` takes them."""
+        if not self.pool.enable_prefix_caching:
+            return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
         for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
@@ -50,9 +60,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[Block] | None = None,
                        cache_full: bool = True) -> bool:
