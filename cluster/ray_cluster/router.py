@@ -1,7 +1,9 @@
 """The router: a Ray actor that picks workers for each request and moves it through them.
 
 One request's path in disaggregated mode (see docs/ray_cluster.md):
-1. the router orders decode workers by load and asks each in turn to reserve the prompt's blocks;
+1. the router orders decode workers by the prefix of the prompt they hold cached, then by load, and
+   asks each in turn to reserve the prompt's blocks (keeping those it holds: only the rest is sent,
+   or, when that rest is short, it computes the prompt itself and no prefill worker is asked);
 2. it picks the prefill worker with the least prompt work ahead (its queue, less the prefix it
    likely caches: `cluster.ray_cluster.routing_policy`), which computes the prompt, sends its KV over UCX to the
    decode worker's receiver chunk by chunk as it computes, and streams back the first token;
