@@ -344,7 +344,8 @@ class LLMEngine:
         request = self._new_request(list(prompt_token_ids), sampling_params, request_id)
         cached = self.kv_cache.cached_prefix_blocks(request) if reuse_prefix else []
         num_reused = len(cached) * self.kv_cache.block_size
-        if request.num_prompt_tokens - num_reused < local_prefill_below:
+        # A request owed prompt logprobs computes its whole prompt wherever it runs: the prefill worker's.
+        if request.num_prompt_tokens - num_reused < local_prefill_below and not request.num_prompt_logprobs_due:
             self.scheduler.add_request(request)  # its admission takes the cached blocks again
             self.detokenizers[request_id] = self._detokenizer(request.prompt_token_ids, sampling_params)
             self.num_local_prefills += 1

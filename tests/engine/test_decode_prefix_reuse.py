@@ -4,6 +4,7 @@ decode engine itself. Tokens equal the engine alone's; every block comes back.""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,12 @@ def test_a_reservation_on_reused_blocks_ending_early_gives_every_block_back(chec
         drain(decode)
     assert_pool_whole(decode)
     assert len(decode.kv_cache.pool.cached) >= 16  # the conversation's blocks are still cached, free
+
+
+def test_a_request_owed_prompt_logprobs_is_never_prefilled_on_the_decode_engine(checkpoint: Path) -> None:
+    decode = make_engine(checkpoint)
+    params = replace(GREEDY, prompt_logprobs=1)  # the prefill worker computes every prompt position's
+    reservation = decode.reserve_prompt([5, 6, 7], params, request_id="short", local_prefill_below=8)
+    assert reservation is not None and not reservation.local
+    decode.abort("short")
+    assert_pool_whole(decode)
