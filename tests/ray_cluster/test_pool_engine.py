@@ -94,3 +94,18 @@ def test_speculation_is_an_engine_key_a_pool_may_set_alone() -> None:
         cluster_config_from({"engine": {"speculative_config": {"method": "ngram"}}})
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "medusa"}'])
+
+
+def test_the_prefix_reuse_flags_reach_the_cluster_config(tmp_path: Path) -> None:
+    from cluster.cli import build_parser, cluster_overrides
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text("local_prefill_threshold: 32\n")
+    assert load_cluster_config(path, {}).local_prefill_threshold == 32
+    args = build_parser().parse_args(["serve", "--local-prefill-threshold", "64", "--no-decode-prefix-reuse"])
+    config = load_cluster_config(path, cluster_overrides(args))
+    assert (config.local_prefill_threshold, config.decode_prefix_reuse) == (64, False)
+    defaults = load_cluster_config(None, cluster_overrides(build_parser().parse_args(["serve"])))
+    assert (defaults.local_prefill_threshold, defaults.decode_prefix_reuse) == (0, True)
+    with pytest.raises(ValueError, match="local_prefill_threshold must be >= 0"):
+        cluster_config_from({"local_prefill_threshold": -1})
