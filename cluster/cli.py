@@ -261,6 +261,7 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
         overrides["routers"] = args.routers
     if getattr(args, "reserved_cpus", None) is not None:
         overrides["reserved_cpus"] = args.reserved_cpus
+    overrides.update(prefix_reuse_overrides(args))
     for pool in ("prefill", "decode"):
         if pool_overrides := pool_flags(args, pool):
             overrides[pool] = pool_overrides
@@ -274,6 +275,16 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
               if getattr(args, key) is not None}
     if engine:
         overrides["engine"] = engine
+    return overrides
+
+
+def prefix_reuse_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """--local-prefill-threshold and --no-decode-prefix-reuse, when given."""
+    overrides: dict[str, object] = {}
+    if getattr(args, "local_prefill_threshold", None) is not None:
+        overrides["local_prefill_threshold"] = args.local_prefill_threshold
+    if getattr(args, "no_decode_prefix_reuse", False):
+        overrides["decode_prefix_reuse"] = False
     return overrides
 
 
@@ -534,6 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reserved-cpus", type=int, default=None,
                        help="cores of each host kept for the gateway, router and Ray: the engines compute on the rest "
                        "(0: no binding; docs/performance.md says when it pays)")
+    serve.add_argument("--local-prefill-threshold", type=int, default=None, metavar="TOKENS",
+                       help="a prompt whose part the decode worker does not hold cached is shorter than this is "
+                       "computed on the decode worker, no prefill worker asked (default 0: never; docs/ray_cluster.md)")
+    serve.add_argument("--no-decode-prefix-reuse", action="store_true",
+                       help="ship every prompt's KV whole, even the blocks the decode worker holds already")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "
                        "listed in --redis-url's registry (a second gateway; needs --ray-address and --redis-url)")
     serve.add_argument("--name", default="", help="name the cluster: its workers outlive this process, and a "

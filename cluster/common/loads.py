@@ -22,9 +22,28 @@ class KVTicket:
     # The name of the receiver's shared-memory segment for the transfer ("" if none): random, not a
     # secret (anyone on its host can list it), and never the token or anything made from it.
     landing: str = ""
+    # The prompt's leading blocks the receiver holds already (its prefix cache): the sender sends the
+    # blocks after them, numbered from there.
+    reused_blocks: int = 0
+    # The receiver computes the prompt itself (its uncached part is short): nothing is to be sent.
+    local: bool = False
 
     def __str__(self) -> str:
         return self.address
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixReuse:
+    """How a decode worker takes a prompt whose beginning its prefix cache may hold (the router's
+    choice, passed with each reservation): `enabled`, it keeps the cached blocks and receives only
+    the KV after them; with fewer than `local_prefill_threshold` tokens left uncached it computes
+    them itself and no prefill worker is asked (0: never)."""
+
+    enabled: bool = False
+    local_prefill_threshold: int = 0
+
+
+NO_REUSE = PrefixReuse()  # every prompt's KV travels whole
 
 
 @dataclass(slots=True)
@@ -136,3 +155,8 @@ class WorkerLoad:
     host_kv_hits: int = 0
     host_kv_offloaded: int = 0
     host_kv_promoted: int = 0
+    kv_transfer_blocks: int = 0  # KV blocks sent (prefill workers)
+    # Decode workers: prompt tokens whose KV their prefix cache held when the prompt came (never sent),
+    # and prompts they computed themselves because the part not cached was short (no prefill worker).
+    decode_reused_prompt_tokens: int = 0
+    local_prefills: int = 0

@@ -62,18 +62,13 @@ class KVCacheManager:
 
         At least one token is always left to compute, since the model must produce logits for it.
         """
-        found = CachedPrefix()
         if not self.pool.enable_prefix_caching:
-            return found, 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request, max_blocks)[:max_blocks]
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            found.blocks.append(block)
+            return CachedPrefix(), 0
+        found = CachedPrefix(blocks=self.cached_prefix_blocks(request))
         tier = self.pool.host_tier
         if tier is not None:
+            max_blocks = (request.num_tokens - 1) // self.block_size
+            hashes = self._block_hashes(request, max_blocks)[:max_blocks]
             for block_hash in hashes[len(found.blocks):]:
                 if block_hash not in tier:
                     break
@@ -84,6 +79,21 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += num_tokens
         return found, num_tokens
+
+    def cached_prefix_blocks(self, request: Request) -> list[Block]:
+        """The prompt's leading blocks in the device pool, uncounted (a decode worker looks before it
+        decides where the prompt computes); they stay free until `allocate_slots` takes them. The host
+        tier is not searched: the blocks a prefill worker would otherwise send are the device pool's."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None,
                        cache_full: bool = True) -> bool:

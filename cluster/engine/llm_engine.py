@@ -91,6 +91,22 @@ class KVExport:
         return self.first_token_id is not None
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Where a decode worker takes a prompt (`LLMEngine.reserve_prompt`): its blocks, of which the
+    leading `num_reused_blocks` came from this engine's prefix cache and the KV of the rest is to
+    arrive; or, `local`, the prompt is computed here (no blocks reserved: it queues as any request)."""
+
+    block_ids: list[int]
+    num_reused_blocks: int = 0
+    local: bool = False
+
+    @property
+    def num_to_receive(self) -> int:
+        """Blocks whose KV a prefill worker sends: the landing buffer's size."""
+        return len(self.block_ids) - self.num_reused_blocks
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -107,6 +123,10 @@ class EngineStats:
     histograms: dict[str, BucketCounts] = field(default_factory=dict)  # copies of `RequestStats`'
     spec_decode: SpecDecodeStats | None = None  # drafts verified and accepted; None: speculation is off
     host_kv: HostTierStats | None = None  # the host KV tier's; None: it is off
+    # Decode side: prompt tokens whose KV this engine's prefix cache already held when the prompt came
+    # (not sent by a prefill worker), and prompts computed here because their uncached part was short.
+    num_reused_prompt_tokens: int = 0
+    num_local_prefills: int = 0
 
 
 @dataclass(slots=True)
@@ -189,6 +209,8 @@ class LLMEngine:
         self.proposer = self._proposer()  # drafts for speculative decoding; None: off
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_tokens = 0  # tokens the last step computed
+        self.num_reused_prompt_tokens = 0  # see `EngineStats`
+        self.num_local_prefills = 0
         self.ids = itertools.count()
 
     def _proposer(self) -> Proposer | None:
@@ -338,11 +360,36 @@ class LLMEngine:
             self.detokenizers[request_id] = self._detokenizer(request.prompt_token_ids, sampling_params)
         return block_ids
 
+    def reserve_prompt(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,  # noqa: PLR0913
+                       request_id: str, lease_s: float = 30.0, reuse_prefix: bool = True,
+                       local_prefill_below: int = 0) -> Reservation | None:
+        """Decode side, reusing this engine's prefix cache: the prompt's leading blocks found cached are
+        taken as they are, and only the rest is reserved for the prefill worker's KV. When fewer than
+        `local_prefill_below` prompt tokens are not cached, the prompt is computed here instead (a
+        prefill worker would ship more than it saves; 0: never). None if the blocks don't fit."""
+        request = self._new_request(list(prompt_token_ids), sampling_params, request_id)
+        cached = self.kv_cache.cached_prefix_blocks(request) if reuse_prefix else []
+        num_reused = len(cached) * self.kv_cache.block_size
+        # A request owed prompt logprobs computes its whole prompt wherever it runs: the prefill worker's.
+        if request.num_prompt_tokens - num_reused < local_prefill_below and not request.num_prompt_logprobs_due:
+            self.scheduler.add_request(request)  # its admission takes the cached blocks again
+            self.detokenizers[request_id] = self._detokenizer(request.prompt_token_ids, sampling_params)
+            self.num_local_prefills += 1
+            self.num_reused_prompt_tokens += num_reused
+            return Reservation([], len(cached), local=True)
+        block_ids = self.scheduler.reserve_remote(request, lease_s, cached)
+        if block_ids is None:
+            return None
+        self.detokenizers[request_id] = self._detokenizer(request.prompt_token_ids, sampling_params)
+        self.num_reused_prompt_tokens += num_reused
+        return Reservation(list(block_ids), len(cached))
+
     def import_kv(self, request_id: str, data: torch.Tensor) -> None:
-        """Write received KV into the blocks reserved for `request_id`."""
-        if request_id not in self.scheduler.reserved:
+        """Write received KV into the blocks reserved for `request_id`, after those it reused."""
+        entry = self.scheduler.reserved.get(request_id)
+        if entry is None:
             raise ValueError(f"no reservation for request {request_id!r}")
-        self.runner.write_blocks(self.kv_cache.block_ids(request_id), data)
+        self.runner.write_blocks(self.kv_cache.block_ids(request_id)[entry[0].num_reused_blocks:], data)
 
     def admit_remote(self, request_id: str, first_token_id: int) -> RequestOutput:
         """The KV is in place: the request joins the batch at the next step, after `first_token_id`."""
@@ -622,6 +669,7 @@ class LLMEngine:
             seconds_per_request=self.scheduler.seconds_per_request, num_swapped=len(self.scheduler.swapped),
             histograms=self.scheduler.request_stats.snapshot(),
             spec_decode=self.scheduler.spec_stats.copy() if self.proposer is not None else None,
+            num_reused_prompt_tokens=self.num_reused_prompt_tokens, num_local_prefills=self.num_local_prefills,
             host_kv=self._host_tier_stats())
 
     def _host_tier_stats(self) -> HostTierStats | None:

@@ -70,6 +70,9 @@ class Request:
     first_token_time: float | None = None
     running_since: float | None = None  # when it first ran here (its time running, not waiting, is measured)
     remote_kv_time: float | None = None  # decode side: when its prompt's KV landed from a prefill worker
+    # Decode side: leading prompt blocks found in this engine's prefix cache when its KV was reserved;
+    # only the KV of the blocks after them comes from the prefill worker.
+    num_reused_blocks: int = 0
     # Prefill side of the cluster: keep the blocks when the request ends, until they are exported.
     hold_kv: bool = False
     # Where the output stands in its grammar (`sampling_params.structured`); None: unconstrained.

@@ -15,8 +15,9 @@ import itertools
 import time
 
 from cluster.common.errors import QueueFullError
+from cluster.engine.block_pool import Block
 from cluster.engine.config import SchedulerConfig
-from cluster.engine.kv_cache_manager import KVCacheManager, cdiv
+from cluster.engine.kv_cache_manager import CachedPrefix, KVCacheManager, cdiv
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SwapOrder
@@ -139,17 +140,22 @@ class Scheduler:
             self.kv_cache.free(request)
         return request
 
-    def reserve_remote(self, request: Request, lease_s: float) -> list[int] | None:
+    def reserve_remote(self, request: Request, lease_s: float, cached: list[Block] | None = None) -> list[int] | None:
         """Decode side: blocks for the whole prompt, to receive its KV; None when they don't fit.
+        `cached`: the prompt's leading blocks found in this engine's prefix cache, taken as they are
+        (the request owns them too); only the KV of the blocks after them is to arrive.
 
         If the KV has not arrived `lease_s` seconds from now, `expire_reservations` falls back to
         computing the prompt here.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        # Not entered in the prefix cache yet: the blocks hold nothing until the KV arrives.
-        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens, cache_full=False):
+        cached = cached or []
+        num_new = request.num_prompt_tokens - len(cached) * self.kv_cache.block_size
+        # Not entered in the prefix cache yet: the new blocks hold nothing until the KV arrives.
+        if not self.kv_cache.allocate_slots(request, num_new, CachedPrefix(blocks=cached), cache_full=False):
             return None
+        request.num_reused_blocks = len(cached)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.order[request.request_id] = next(self.counter)
@@ -161,7 +167,7 @@ class Scheduler:
         may end the request already (EOS, a stop token, max_tokens 1): then it finishes here."""
         request, _ = self.reserved[request_id]
         request.num_computed_tokens = request.num_prompt_tokens
-        request.num_cached_tokens = 0
+        request.num_cached_tokens = request.num_reused_blocks * self.kv_cache.block_size
         request.remote_kv_time = time.monotonic()
         self.kv_cache.cache_blocks(request, request.num_prompt_tokens)
         request.append_output_token(first_token_id)

@@ -120,6 +120,12 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
     "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda w: w.prefix_cache_hits),
     "pdserve:kv_transfers": ("KV transfers sent (prefill workers).", lambda w: w.kv_transfers),
     "pdserve:kv_transfer_bytes": ("Bytes of KV sent.", lambda w: w.kv_transfer_bytes),
+    "pdserve:kv_transfer_blocks": ("KV blocks sent (prefill workers).", lambda w: w.kv_transfer_blocks),
+    "pdserve:decode_prefix_reused_tokens": ("Prompt tokens whose KV a decode worker's prefix cache held when the "
+                                            "prompt came: neither computed nor sent again.",
+                                            lambda w: w.decode_reused_prompt_tokens),
+    "pdserve:local_prefills": ("Prompts a decode worker computed itself because their uncached part was below "
+                               "local_prefill_threshold (no prefill worker asked).", lambda w: w.local_prefills),
     "pdserve:kv_transfer_seconds": ("Seconds spent sending KV (on the wire).", lambda w: w.kv_transfer_seconds),
     "pdserve:kv_transfer_failures": ("KV sends that failed (the decode worker recomputed).",
                                      lambda w: w.kv_transfer_failures),

@@ -18,6 +18,8 @@ worker_max_restarts: 3     # Ray restarts a dead worker this often (-1: always);
 worker_wait_s: 60          # with no live worker of a role, a request waits this long for one to restart
 max_prefill_wait_s: 10     # refuse new prompts (429) past this many seconds of prompts queued per prefill worker
 max_decode_wait_s: 10      # and new requests that every decode worker would keep waiting this long for a slot
+decode_prefix_reuse: true  # a decode worker keeps the blocks it holds of a prompt: only the rest is prefilled and sent
+local_prefill_threshold: 0 # a decode worker computes an uncached rest shorter than this itself (0: never)
 tracing: {endpoint: "", sample_ratio: 1.0}  # OTLP/gRPC collector for traces (docs/observability.md, Traces); "": off
 scaling:                   # the live controller (docs/deploy.md, Scaling live); off unless enabled
   enabled: false
@@ -203,6 +205,14 @@ class ClusterConfig:
     # Admission on the decode side: a new request is refused (429) when every decode worker has more
     # than this many seconds of requests queued for its running slots (by its measured request time).
     max_decode_wait_s: float = 10.0
+    # Decode-side prefix reuse: a request goes to the decode worker holding the longest beginning of its
+    # prompt (a conversation's earlier turns), which keeps those blocks; only the rest is prefilled and
+    # sent. false: every prompt's KV travels whole.
+    decode_prefix_reuse: bool = True
+    # Conditional disaggregation: a prompt whose part the decode worker does not hold is shorter than
+    # this many tokens is computed on the decode worker, no prefill worker asked. 0: never (the default:
+    # a local prefill shares the decode worker's steps with its running batch; docs/performance.md).
+    local_prefill_threshold: int = 0
     attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
     # The cluster's name. With it the workers are detached Ray actors named after it: they outlive the
     # gateway, and a gateway started again with the same name (and engine config) takes them over
@@ -218,7 +228,8 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         for key, choices in (("mode", tuple(map(str, Mode))), ("transport", TRANSPORTS),
-                             ("routing", tuple(map(str, RoutingPolicy))), ("kv_shared_memory", (True, False))):
+                             ("routing", tuple(map(str, RoutingPolicy))), ("kv_shared_memory", (True, False)),
+                             ("decode_prefix_reuse", (True, False))):
             if getattr(self, key) not in choices:
                 raise ValueError(f"{key} must be one of {choices}, got {getattr(self, key)!r}")
         if self.routers < 1:
@@ -230,7 +241,7 @@ class ClusterConfig:
         if not 0 <= self.max_prefill_wait_s < self.kv_lease_s:
             raise ValueError(f"max_prefill_wait_s must be >= 0 and below kv_lease_s ({self.kv_lease_s:g}): a prompt "
                              f"admitted must be computed before its lease ends, got {self.max_prefill_wait_s}")
-        for key in ("max_decode_wait_s", "worker_wait_s"):
+        for key in ("max_decode_wait_s", "worker_wait_s", "local_prefill_threshold"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.name:

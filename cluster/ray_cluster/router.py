@@ -1,7 +1,9 @@
 """The router: a Ray actor that picks workers for each request and moves it through them.
 
 One request's path in disaggregated mode (see docs/ray_cluster.md):
-1. the router orders decode workers by load and asks each in turn to reserve the prompt's blocks;
+1. the router orders decode workers by the prefix of the prompt they hold cached, then by load, and
+   asks each in turn to reserve the prompt's blocks (keeping those it holds: only the rest is sent,
+   or, when that rest is short, it computes the prompt itself and no prefill worker is asked);
 2. it picks the prefill worker with the least prompt work ahead (its queue, less the prefix it
    likely caches: `cluster.ray_cluster.routing_policy`), which computes the prompt, sends its KV over UCX to the
    decode worker's receiver chunk by chunk as it computes, and streams back the first token;
@@ -28,7 +30,7 @@ from ray.exceptions import RayActorError
 from cluster.common.block_hashes import prefix_hashes
 from cluster.common.errors import NoCapacityError, QueueFullError, ServiceUnavailable
 from cluster.common.events import TokenEvent
-from cluster.common.loads import KVTicket, WorkerLoad
+from cluster.common.loads import KVTicket, PrefixReuse, WorkerLoad
 from cluster.common.roles import Mode, Role, RoutingPolicy
 from cluster.common.sampling_params import SamplingParams
 from cluster.observability import tracing
@@ -114,6 +116,17 @@ class RouterConfig:
     # every one would, it is refused (429). 0: no limit.
     max_decode_wait_s: float = 10.0
     traces: tracing.TracingConfig = field(default_factory=tracing.TracingConfig)  # where this router's spans go
+    # Decode-side prefix reuse: a request goes to the decode worker holding the longest beginning of
+    # its prompt, which keeps those blocks; only the rest is prefilled and sent, or computed there
+    # when shorter than `local_prefill_threshold` tokens (`PrefixReuse`).
+    decode_prefix_reuse: bool = True
+    local_prefill_threshold: int = 0
+
+    @property
+    def reuse(self) -> PrefixReuse:
+        return PrefixReuse(self.decode_prefix_reuse, self.local_prefill_threshold)
+
+
 
 
 class Router(ChannelHost):
@@ -153,7 +166,8 @@ class Router(ChannelHost):
         # router's own record of where it sent which prompts.
         self.state = connect_state(config.redis_url)
         self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0, "resumed": 0,
-                          "rejoined": 0, "refused_overloaded": 0, "splice_refused": 0}
+                          "rejoined": 0, "refused_overloaded": 0, "splice_refused": 0,
+                          "decode_prefix_hits": 0, "local_prefills": 0}
         self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
         self.ahead: dict[str, int] = {}  # admitted requests whose prefill has not ended -> prompt tokens
         # Requests aborted while in flight: a run between two attempts (resuming) must not start again.
@@ -488,15 +502,18 @@ class Router(ChannelHost):
                      resumed: bool) -> AsyncIterator[TokenEvent]:
         """The disaggregated run: the first decode worker with room reserves, a prefill worker computes."""
         seen = RepeatFilter()
-        for decode in self._decode_order() if resumed else self._decode_admitting():
+        order = self._decode_order() if resumed else self._decode_admitting()
+        for decode in await self._by_decode_prefix(order, prompt, params.cache_domain):
             try:
                 with self._holding(decode):  # counted from the reservation on, so a burst spreads out
                     ticket = await decode.reserve.remote(request_id, prompt, params, self.config.lease_s,
-                                                         self._route(request_id).traceparent)
+                                                         self._route(request_id).traceparent, self.config.reuse)
                     if ticket is None:
                         self.decisions["reserve_refused"] += 1
                         continue
-                    self._route(request_id).chose(decode_worker=self.ids.get(id(decode)))
+                    self._route(request_id).chose(decode_worker=self.ids.get(id(decode)),
+                                                  decode_reused_blocks=ticket.reused_blocks)
+                    await self._note_decode_prefix(decode, ticket, prompt, params.cache_domain)
                     async for event in self._disaggregated(decode, ticket, request_id, prompt, params):
                         news = self._news(seen, event)
                         if news is not None:
@@ -510,6 +527,26 @@ class Router(ChannelHost):
                 log.warning("decode worker lost before admitting %s: sending it elsewhere", request_id)
                 self.decisions["rerouted"] += 1
         raise _NoRoom(f"no decode worker has room for a {len(prompt)}-token prompt now")
+
+    async def _by_decode_prefix(self, order: list[Any], prompt: list[int], cache_domain: str) -> list[Any]:
+        """With decode-side reuse, the decode workers holding the longest beginning of the prompt first
+        (those blocks need not travel again); the others, and ties, in `order`."""
+        if not self.config.decode_prefix_reuse or len(order) < 2:
+            return order
+        hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name, cache_domain)
+        held = await self.state.match(hashes, [self.ids[id(h)] for h in order]) if hashes else {}
+        return sorted(order, key=lambda handle: -held.get(self.ids[id(handle)], 0))
+
+    async def _note_decode_prefix(self, decode: Any, ticket: KVTicket, prompt: list[int], cache_domain: str) -> None:
+        """Count a reservation on blocks the decode worker held; without Redis (no worker publishes)
+        record that it will hold this prompt, as `_pick_prefill` does for prefill workers."""
+        if ticket.reused_blocks:
+            self.decisions["decode_prefix_hits"] += 1
+        if ticket.local:
+            self.decisions["local_prefills"] += 1
+        if self.config.decode_prefix_reuse and not self.config.redis_url:
+            hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name, cache_domain)
+            await self.state.publish_blocks(self.ids[id(decode)], hashes, [])
 
     def _news(self, seen: RepeatFilter, event: TokenEvent) -> TokenEvent | None:
         try:
@@ -552,6 +589,12 @@ class Router(ChannelHost):
     async def _disaggregated(self, decode: Any, ticket: KVTicket, request_id: str, prompt: list[int],
                              params: SamplingParams) -> AsyncIterator[TokenEvent]:
         route = self._route(request_id)
+        if ticket.local:  # the decode worker computes the prompt's short uncached rest itself
+            self.ahead.pop(request_id, None)
+            route.chose(prefill_worker="none (local prefill)")
+            async for event in self.channels.stream(decode, "stream", request_id, None, route.traceparent):
+                yield event
+            return
         prefill = await self._pick_prefill(prompt, route, params.cache_domain)
         route.chose(prefill_worker=self.ids.get(id(prefill)) if prefill is not None else "none")
         first_token_id: int | None = None  # the prefill's, once relayed: the client has it

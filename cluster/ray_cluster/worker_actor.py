@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from cluster.common.events import TokenEvent
-from cluster.common.loads import KVTicket, TransferStats, WorkerLoad
+from cluster.common.loads import NO_REUSE, KVTicket, PrefixReuse, TransferStats, WorkerLoad
 from cluster.common.roles import Role
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import EngineConfig
@@ -229,8 +229,8 @@ class WorkerActor(ChannelHost):
             yield item if isinstance(item, TransferStats) else event_of(item, worker.worker_id)
 
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      lease_s: float, trace: str = "") -> KVTicket | None:
-        return await (await self._ready()).reserve(request_id, prompt, params, lease_s, trace)
+                      lease_s: float, trace: str = "", reuse: PrefixReuse = NO_REUSE) -> KVTicket | None:
+        return await (await self._ready()).reserve(request_id, prompt, params, lease_s, trace, reuse)
 
     async def recompute(self, request_id: str, first_token_id: int | None = None) -> None:
         await (await self._ready()).recompute(request_id, first_token_id)

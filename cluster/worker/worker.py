@@ -29,8 +29,10 @@ from cluster.common.events import FinishReason, TokenEvent
 from cluster.common.loads import (
     KV_TRANSFER_BUCKETS,
     KV_TRANSFER_EXPOSED,
+    NO_REUSE,
     BucketCounts,
     KVTicket,
+    PrefixReuse,
     TransferStats,
     WorkerLoad,
 )
@@ -128,6 +130,7 @@ class Worker:
         self.transfers: collections.deque[TransferStats] = collections.deque(maxlen=RECENT_TRANSFERS)
         # Since start, for the metrics: transfers sent, their bytes and seconds on the wire, failures.
         self.transfer_count, self.transfer_bytes, self.transfer_seconds, self.transfer_failures = 0, 0, 0.0, 0
+        self.transfer_blocks = 0
         self.frame_count = 0
         self.transfer_exposed = BucketCounts(KV_TRANSFER_BUCKETS)  # each transfer's part after its prefill
         # Prefills whose KV goes out while they compute: runs of blocks queued by the engine thread,
@@ -180,8 +183,9 @@ class Worker:
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
         if self.state is not None:
-            if self.role in (Role.PREFILL, Role.COLOCATED):  # their prefix caches steer the routers
-                self.engine.kv_cache.pool.record_events()
+            # Every role's prefix cache steers the routers: prefill workers' by the prompt work they
+            # save, decode workers' by the blocks a conversation's next turn need not ship.
+            self.engine.kv_cache.pool.record_events()
             self.publisher = asyncio.create_task(self._publish())
 
     async def _prefault_landing(self) -> None:
@@ -492,8 +496,10 @@ class Worker:
                           {key: str(value) for key, value in asdict(self.engine.config.cache).items()},
                           dtype=self.engine.dtype, kv_cache_dtype=self.engine.kv_cache_dtype, threads=self.threads,
                           num_held=len(self.streams),
-                          draining=self.draining, **spec_decode_fields(stats, self.engine.config.speculative),
-                          **host_kv_fields(stats))
+                          draining=self.draining, kv_transfer_blocks=self.transfer_blocks,
+                          decode_reused_prompt_tokens=stats.num_reused_prompt_tokens,
+                          local_prefills=stats.num_local_prefills,
+                          **spec_decode_fields(stats, self.engine.config.speculative), **host_kv_fields(stats))
 
     def _claim(self, request_id: str) -> None:
         """Refuse an id already streaming here: its stream (and its abort on exit) would be the other's."""
@@ -534,7 +540,8 @@ class Worker:
         self._claim(request_id)
         stream = OutputStream()
         self.streams[request_id] = stream
-        outbox = self.outboxes[request_id] = _Outbox()
+        # The decode worker holds the prompt's first `reused_blocks` blocks already: they stay here.
+        outbox = self.outboxes[request_id] = _Outbox(queued=ticket.reused_blocks)
         sending: asyncio.Task[TransferStats] | None = None
         self.traces.begin(request_id, trace, "pdserve.prefill", len(prompt_token_ids), watch_prompt=True)
         try:
@@ -562,11 +569,14 @@ class Worker:
         while True:
             export = await outbox.runs.get()
             data = export.data if not ticket.dtype else export.data.to(getattr(torch, ticket.dtype))  # same: no copy
-            header = KVHeader(request_id=request_id, num_tokens=export.num_tokens, num_blocks=data.shape[0],
-                              block_size=data.shape[3], num_layers=data.shape[1], num_kv_heads=data.shape[4],
-                              head_dim=data.shape[5], dtype=str(data.dtype).removeprefix("torch."),
-                              first_token_id=export.first_token_id or 0, nbytes=data.numel() * data.element_size(),
-                              first_block=export.first_block, last=export.last, token=ticket.token)
+            # Numbered from the first block the receiver lacks: the transfer holds the prompt's tokens from there.
+            skipped = ticket.reused_blocks
+            header = KVHeader(request_id=request_id, num_tokens=export.num_tokens - skipped * data.shape[3],
+                              num_blocks=data.shape[0], block_size=data.shape[3], num_layers=data.shape[1],
+                              num_kv_heads=data.shape[4], head_dim=data.shape[5],
+                              dtype=str(data.dtype).removeprefix("torch."), first_token_id=export.first_token_id or 0,
+                              nbytes=data.numel() * data.element_size(), first_block=export.first_block - skipped,
+                              last=export.last, token=ticket.token)
             transport = self.sender.transport_to(ticket.address, ticket.landing)
             started = time.perf_counter()
             try:
@@ -584,6 +594,7 @@ class Worker:
             self.frame_count += 1
             stats.nbytes, stats.seconds, stats.frames = stats.nbytes + header.nbytes, stats.seconds + seconds, \
                 stats.frames + 1
+            self.transfer_blocks += header.num_blocks
             if export.last:
                 stats.exposed_s = seconds
                 self.transfer_exposed.observe(seconds)
@@ -595,10 +606,12 @@ class Worker:
 
     # ---- decode role ---------------------------------------------------------------------------
 
-    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      lease_s: float = 30.0, trace: str = "") -> KVTicket | None:
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,  # noqa: PLR0913
+                      lease_s: float = 30.0, trace: str = "", reuse: PrefixReuse = NO_REUSE) -> KVTicket | None:
         """Reserve blocks for the prompt and await its KV; the ticket a prefill worker sends it with (the
-        receiver's address and a one-time token), or None if full.
+        receiver's address, a one-time token, the leading blocks this worker holds already), or None if
+        full. With `reuse` the prompt's cached beginning is taken from this worker's prefix cache, and
+        a short enough rest is computed here at once (the ticket says `local`: nothing is to be sent).
 
         When the KV lands it is written into the blocks and the request joins the batch; when the
         transfer fails or the lease ends first, the prompt is computed here instead.
@@ -611,7 +624,7 @@ class Worker:
         self.traces.begin(request_id, trace, "pdserve.decode_admission")
         self.reserving[request_id] = False
         try:
-            ticket = await self._reserve(request_id, prompt_token_ids, params, lease_s)
+            ticket = await self._reserve(request_id, prompt_token_ids, params, lease_s, reuse)
         finally:
             aborted = self.reserving.pop(request_id, False)
         if ticket is not None and aborted:  # while the blocks or the landing buffer were on their way
@@ -619,23 +632,28 @@ class Worker:
         return ticket
 
     async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       lease_s: float) -> KVTicket | None:
+                       lease_s: float, reuse: PrefixReuse) -> KVTicket | None:
         assert self.receiver is not None
         try:
-            block_ids = await self._call(lambda: self.engine.reserve_remote(
-                prompt_token_ids, params, request_id=request_id, lease_s=lease_s))
+            reservation = await self._call(lambda: self.engine.reserve_prompt(
+                prompt_token_ids, params, request_id=request_id, lease_s=lease_s, reuse_prefix=reuse.enabled,
+                local_prefill_below=reuse.local_prefill_threshold if reuse.enabled else 0))
         except BaseException as error:  # refused (a prompt the model cannot take): nothing of it stays here
             self.streams.pop(request_id, None)
             self.traces.finish(request_id, error)
             raise
-        if block_ids is None:
+        if reservation is None:
             self.streams.pop(request_id, None)
             self.traces.finish(request_id)
             return None
+        if reservation.local:
+            self.traces.end(request_id, "pdserve.decode_admission", outcome="local")
+            return KVTicket(self.receiver.address, "", reused_blocks=reservation.num_reused_blocks, local=True)
         runner = self.engine.runner
         direct = self._direct(self.receiver)
-        ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.kv_cache_dtype)
-        shape = self._landing_shape(len(block_ids))
+        ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.kv_cache_dtype,
+                          reused_blocks=reservation.num_reused_blocks)
+        shape = self._landing_shape(reservation.num_to_receive)
         # Awaited: a new shared-memory segment is faulted in on a thread, not on this loop.
         shared = await self.receiver.landing_memory(ticket.token, math.prod(shape) * runner.kv_dtype.itemsize) \
             if runner.device.type == "cpu" else None

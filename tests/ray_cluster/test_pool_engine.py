@@ -108,3 +108,18 @@ def test_the_host_kv_tier_reaches_each_pools_engines_from_the_flags_and_the_yaml
     assert engine_config(generate).cache.num_host_kv_blocks == 32
     with pytest.raises(ValueError, match="host_kv_cache_gb must be > 0"):
         cluster_config_from({"engine": {"host_kv_cache_gb": -1}})
+
+
+def test_the_prefix_reuse_flags_reach_the_cluster_config(tmp_path: Path) -> None:
+    from cluster.cli import build_parser, cluster_overrides
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text("local_prefill_threshold: 32\n")
+    assert load_cluster_config(path, {}).local_prefill_threshold == 32
+    args = build_parser().parse_args(["serve", "--local-prefill-threshold", "64", "--no-decode-prefix-reuse"])
+    config = load_cluster_config(path, cluster_overrides(args))
+    assert (config.local_prefill_threshold, config.decode_prefix_reuse) == (64, False)
+    defaults = load_cluster_config(None, cluster_overrides(build_parser().parse_args(["serve"])))
+    assert (defaults.local_prefill_threshold, defaults.decode_prefix_reuse) == (0, True)
+    with pytest.raises(ValueError, match="local_prefill_threshold must be >= 0"):
+        cluster_config_from({"local_prefill_threshold": -1})
