@@ -5,6 +5,7 @@ norms and lm_head stay as stored (llm-compressor's usual `ignore: ["lm_head"]`).
 
 - `int8-channel`: compressed-tensors int-quantized, symmetric int8, a scale per output row (W8A16);
 - `int8-packed`: the same values pack-quantized, four to an int32 (`weight_packed`, `weight_shape`);
+- `int8-group`: compressed-tensors int-quantized, a scale per row and group of `block[1]` columns;
 - `fp8-tensor`: compressed-tensors float-quantized, float8_e4m3fn with one scale per tensor;
 - `fp8-block`: quant_method fp8, e4m3 with a float32 `weight_scale_inv` per `block` of rows and columns.
 
@@ -25,7 +26,7 @@ import torch
 
 from cluster.weights.loader import iterate_safetensors, load_hf_config
 
-SCHEMES = ("int8-channel", "int8-packed", "fp8-tensor", "fp8-block")
+SCHEMES = ("int8-channel", "int8-packed", "int8-group", "fp8-tensor", "fp8-block")
 LINEAR = re.compile(r"\.\w+_proj\.weight$")
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
@@ -60,8 +61,10 @@ def _quantized(prefix: str, weight: torch.Tensor, scheme: str, block: tuple[int,
         scale = (weight.abs().amax() / FP8_MAX).clamp(min=1e-12).to(torch.bfloat16).reshape(1)
         values = (weight / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return {f"{prefix}.weight": values, f"{prefix}.weight_scale": scale}
-    scale = (weight.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12).to(torch.bfloat16)
-    values = (weight / scale.float()).round().clamp(-128, 127).to(torch.int8)
+    group = block[1] if scheme == "int8-group" else weight.shape[1]
+    groups = weight.reshape(weight.shape[0], -1, group)
+    scale = (groups.abs().amax(dim=2) / 127).clamp(min=1e-12).to(torch.bfloat16)
+    values = (groups / scale.float()[..., None]).round().clamp(-128, 127).to(torch.int8).reshape(weight.shape)
     if scheme == "int8-packed":
         return {f"{prefix}.weight_packed": pack_int8(values), f"{prefix}.weight_scale": scale,
                 f"{prefix}.weight_shape": torch.tensor(values.shape, dtype=torch.int64)}
@@ -96,9 +99,11 @@ def quantization_config(scheme: str, block: tuple[int, int]) -> dict[str, Any]:
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                 "weight_block_size": list(block)}
     int8 = scheme.startswith("int8")
-    weights = {"num_bits": 8, "type": "int" if int8 else "float", "strategy": "channel" if int8 else "tensor",
-               "symmetric": True, "dynamic": False, "group_size": None, "block_structure": None, "actorder": None}
-    fmt = {"int8-channel": "int-quantized", "int8-packed": "pack-quantized"}.get(scheme, "float-quantized")
+    strategy = {"int8-channel": "channel", "int8-packed": "channel", "int8-group": "group"}.get(scheme, "tensor")
+    weights = {"num_bits": 8, "type": "int" if int8 else "float", "strategy": strategy, "symmetric": True,
+               "dynamic": False, "group_size": block[1] if strategy == "group" else None, "block_structure": None,
+               "actorder": None}
+    fmt = {"int8-packed": "pack-quantized"}.get(scheme, "int-quantized" if int8 else "float-quantized")
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None}},

@@ -30,6 +30,7 @@ from cluster.weights.synthetic import build_tiny_llama_checkpoint
 SCHEMES: dict[str, tuple[str, tuple[int, int] | None, torch.dtype]] = {
     "int8-channel": ("int8-channel", None, torch.int8),
     "int8-packed": ("int8-packed", None, torch.int8),
+    "int8-group": ("int8-group", (1, 128), torch.int8),
     "fp8-tensor": ("fp8-tensor", None, torch.float8_e4m3fn),
     "fp8-block": ("fp8-block", (128, 128), torch.float8_e4m3fn),
     "fp8-block-ragged": ("fp8-block", (48, 80), torch.float8_e4m3fn),  # blocks cut short at every edge
@@ -60,7 +61,8 @@ def block_shape(config: dict[str, Any], values: torch.Tensor, scale: torch.Tenso
         return rows, columns
     if config.get("weight_block_size"):
         return tuple(config["weight_block_size"])  # type: ignore[return-value]
-    return 1, columns  # per channel: a scale per output row
+    group_size = config.get("config_groups", {}).get("group_0", {}).get("weights", {}).get("group_size")
+    return 1, group_size or columns  # per group of columns in a row, or per channel: per row
 
 
 def unpack_int32(packed: torch.Tensor, columns: int) -> torch.Tensor:
@@ -151,6 +153,22 @@ def test_logits_and_tokens_equal_the_dequantized_fp32_models(quantized: Path, tm
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     kept_out, oracle_out = kept.generate(PROMPTS, params), oracle.generate(PROMPTS, params)
     assert [o.token_ids for o in kept_out] == [o.token_ids for o in oracle_out]
+
+
+@pytest.mark.parametrize("qtype", ["int8", "fp8", "int8/64", "fp8/48"])
+def test_bf16_activations_stay_within_bf16_rounding_of_the_fp32_product(qtype: str) -> None:
+    from cluster.model.scaled import STORAGE
+
+    generator = torch.Generator().manual_seed(0)
+    layer = ScaledLinear(160, 96, qtype, bias=True, dtype=torch.bfloat16)
+    storage = STORAGE[qtype.partition("/")[0]]
+    layer.weight.copy_((torch.randn(96, 160, generator=generator) * 40).clamp(-127, 127).to(storage))
+    layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=generator) / 100)
+    layer.bias.copy_(torch.randn(96, generator=generator))  # type: ignore[union-attr]
+    x = torch.randn(3, 160, generator=generator)
+    widened = layer.weight.float() * layer.weight_scale.repeat_interleave(layer.group, dim=1)[:, :160]
+    expected = torch.nn.functional.linear(x, widened, layer.bias.float())  # type: ignore[union-attr]
+    torch.testing.assert_close(layer(x.bfloat16()).float(), expected, atol=0.05, rtol=0.02)
 
 
 def test_the_quantization_flag_names_what_config_json_declares(source: Path, tmp_path: Path) -> None:
