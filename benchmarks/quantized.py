@@ -83,7 +83,7 @@ def run_arm(name: str, model: str) -> dict[str, Any]:
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
                                     cache=CacheConfig(kv_cache_memory_gb=0.25)))
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = peak_rss_mb()
     prompts = [engine.chat_prompt([{"role": "user", "content": text}]) for text in PROMPTS]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
@@ -217,6 +217,15 @@ def _wait_ready(url: str, timeout_s: float = 300) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError("llama-server did not become ready")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS since it started: VmHWM, not getrusage's ru_maxrss, which Linux carries
+    over from the parent a process was forked from (here one that loaded the model to quantize it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _rss_mb(pid: int) -> float:
