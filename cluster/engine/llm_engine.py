@@ -41,6 +41,7 @@ from cluster.weights.default_model import DEFAULT_MODEL_NAME, gguf_source, resol
 from cluster.weights.detokenizer import IncrementalDetokenizer
 from cluster.weights.gguf_packed import packed_checkpoint
 from cluster.weights.loader import Checkpoint, load_checkpoint
+from cluster.weights.scaled_safetensors import quantization_method, scaled_checkpoint
 from cluster.weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -174,12 +175,15 @@ class LLMEngine:
             checkpoint = load_checkpoint(self.model_dir)
             if config.model.quantization == "gguf":
                 checkpoint = packed_checkpoint(checkpoint, gguf_source(config.model.model))
+            else:
+                checkpoint = scaled_checkpoint(checkpoint, self.model_dir, config.model.quantization)
         self.model_name = served_model_name(config.model.model)
         self.arch = architecture_config(checkpoint.hf_config)
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.memory = memory if memory is not None or self.device.type != "cuda" else CudaMemory(self.device)
         self.memory_profile: MemoryProfile | None = None  # where the KV cache is sized by utilization
-        check_tensor_parallel(self.arch, config.model.tensor_parallel_size, config.model.quantization)
+        check_tensor_parallel(self.arch, config.model.tensor_parallel_size,
+                              quantization_method(checkpoint.hf_config) or config.model.quantization)
         total = self._check_free_memory()
         options: dict[str, Any] = dict(
             dtype=self.dtype, device=str(self.device), attention_backend=config.attention_backend,

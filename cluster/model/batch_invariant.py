@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from cluster.model.scaled import ScaledLinear
+
 # Rows per matmul call: a multiple of the kernels' row blocks (so no row takes a tail path); one
 # decode row padded to it costs little, the weights' reads dominate there.
 TILE_ROWS = 32
@@ -45,8 +47,19 @@ class TiledLinear(nn.Linear):
         return tiled_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
 
 
+class TiledScaledLinear(ScaledLinear):
+    """A `ScaledLinear` computed by `tiled_linear` over its widened weight, whatever its scales: its
+    one-scale-a-row matmul scales the output after the sums, which would round otherwise than here."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        return tiled_linear(rows, self.widened(x.dtype), self.bias).view(*x.shape[:-1], -1)
+
+
 def tile_linear_layers(model: nn.Module) -> None:
-    """Every plain `nn.Linear` of `model` computes by tiles from now on."""
+    """Every plain `nn.Linear` and 8-bit `ScaledLinear` of `model` computes by tiles from now on."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = TiledLinear
+        elif type(module) is ScaledLinear:
+            module.__class__ = TiledScaledLinear

@@ -10,7 +10,8 @@ and widens them only when it computes.
 
 The packed rows are a uint8 `weight` parameter of shape [rows, row bytes], so a checkpoint loader
 copies them (fused shards included: rows are independent) as it copies float weights, and
-`Module.to(dtype)` leaves them alone. `quantize_modules` swaps a built model's layers for these.
+`Module.to(dtype)` leaves them alone. `quantize_modules` swaps a built model's layers for these, and
+for the 8-bit layers of safetensors checkpoints (`cluster.model.scaled`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cluster.model.scaled import ScaledLinear, is_scaled
 from pdserve_kernels import cpu_quant
 
 BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256}
@@ -78,12 +80,13 @@ def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 class QuantizedLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
         self.weight = nn.Parameter(torch.zeros(out_features, row_bytes(in_features, qtype), dtype=torch.uint8),
                                    requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -116,23 +119,36 @@ class QuantizedEmbedding(nn.Module):
 
 def quantize_modules(model: nn.Module, qtypes: dict[str, str], dtype: torch.dtype) -> None:
     """Swap each `nn.Linear` / `nn.Embedding` whose weight is named in `qtypes` (parameter name ->
-    qtype) for its quantized counterpart, in place; weights tied to one parameter stay tied."""
+    qtype: a GGUF quantization, or `cluster.model.scaled`'s int8/fp8) for its quantized counterpart,
+    in place, its float parameters (biases) in `dtype`; weights tied to one parameter stay tied."""
     swapped: dict[str, nn.Parameter] = {}
     for name, module in list(model.named_modules()):
         qtype = qtypes.get(f"{name}.weight")
         if qtype is None:
             continue
-        replacement: nn.Module
-        if isinstance(module, nn.Linear):
-            replacement = QuantizedLinear(module.in_features, module.out_features, qtype, module.bias is not None)
-        elif isinstance(module, nn.Embedding):
-            replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, qtype, dtype)
-        else:
+        replacement = _quantized(name, module, qtype, dtype)
+        if replacement is None:
             continue
         parent_name, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attribute, replacement)
-        swapped[f"{name}.weight"] = replacement.weight
+        swapped[f"{name}.weight"] = replacement.get_parameter("weight")
     _retie(model, swapped)
+
+
+def _quantized(name: str, module: nn.Module, qtype: str,
+               dtype: torch.dtype) -> QuantizedLinear | QuantizedEmbedding | ScaledLinear | None:
+    """The quantized counterpart of `module`, None for a module with none."""
+    if is_scaled(qtype):
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{name} is a {type(module).__name__}: 8-bit {qtype} weights are kept for linear "
+                             "layers only")
+        return ScaledLinear(module.in_features, module.out_features, qtype, bias=module.bias is not None,
+                            dtype=dtype)
+    if isinstance(module, nn.Linear):
+        return QuantizedLinear(module.in_features, module.out_features, qtype, module.bias is not None, dtype)
+    if isinstance(module, nn.Embedding):
+        return QuantizedEmbedding(module.num_embeddings, module.embedding_dim, qtype, dtype)
+    return None
 
 
 def _retie(model: nn.Module, swapped: dict[str, nn.Parameter]) -> None:

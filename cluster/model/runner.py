@@ -109,10 +109,10 @@ def build_model(arch: ArchitectureConfig, backend: AttentionBackend, max_positio
     (the process-wide default dtype is not), so engines may load on several threads at once.
     """
     with torch.device("meta"), skip_weight_init():
-        model = model_class_for(arch.architecture)(arch, backend, max_positions=max_positions)
-        if quantized:  # packed layers in place of the float ones before anything is allocated
+        model = model_class_for(arch.architecture)(arch, backend, max_positions=max_positions).to(dtype)
+        if quantized:  # after the cast, which would widen fp8 weights and round float32 scales
             quantize_modules(model, dict(quantized), dtype)
-    materialize(model.to(dtype), device)
+    materialize(model, device)
     model.rotary.fill(dtype)  # the one buffer the checkpoint does not hold
     return model
 
@@ -156,7 +156,8 @@ class ModelRunner:
                  block_size: int, num_blocks: int, kv_cache_dtype: str | None = None,
                  deterministic: bool = False, quantized: Mapping[str, str] | None = None,
                  group: TensorParallelGroup | None = None) -> None:
-        """`quantized`: the parameters whose weights arrive packed (name -> GGUF quantization), kept so.
+        """`quantized`: the parameters whose weights arrive quantized (name -> GGUF quantization, or 8-bit
+        qtype of `cluster.model.scaled`), kept so.
         `group`: this runner is one rank of a tensor-parallel engine (`cluster.model.tensor_parallel`):
         it builds and loads its shard of `arch` from the whole checkpoint's `weights`; rank 0 sends the
         weights, and every step, to the other ranks, which run the same calls (`cluster.model.ranks`)."""

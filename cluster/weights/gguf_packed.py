@@ -71,11 +71,11 @@ def read_packed(path: Path) -> PackedGGUF:
     kept = {name: qtype for name, qtype in types.items() if qtype in KEPT}
     qtypes: dict[str, str] = {}
     for name in sorted(kept):
-        fused = _fused_name(name)
+        fused = fused_name(name)
         if fused is None:
             qtypes[name] = types[name]
             continue
-        parts = _parts(fused)
+        parts = fused_parts(fused)
         if len({types.get(part) for part in parts}) == 1:
             qtypes[fused] = types[name]
         else:  # mixed quantizations cannot share one packed matmul: widen them all
@@ -84,7 +84,7 @@ def read_packed(path: Path) -> PackedGGUF:
     return PackedGGUF(Path(path), qtypes, kept)
 
 
-def _fused_name(name: str) -> str | None:
+def fused_name(name: str) -> str | None:
     for fused, parts in FUSED.items():
         for part in parts:
             if part in name:
@@ -92,6 +92,6 @@ def _fused_name(name: str) -> str | None:
     return None
 
 
-def _parts(fused_name: str) -> list[str]:
-    fused = next(key for key in FUSED if key in fused_name)
-    return [fused_name.replace(fused, part) for part in FUSED[fused]]
+def fused_parts(name: str) -> list[str]:
+    fused = next(key for key in FUSED if key in name)
+    return [name.replace(fused, part) for part in FUSED[fused]]

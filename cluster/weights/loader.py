@@ -79,7 +79,8 @@ class Checkpoint:
     hf_config: dict[str, Any]
     tokenizer: Tokenizer
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-    # Parameters whose weights arrive packed (name -> GGUF quantization): the model keeps them so.
+    # Parameters whose weights arrive quantized (name -> GGUF quantization, or `cluster.model.scaled`'s int8
+    # or fp8 qtype): the model keeps them so.
     quantized: dict[str, str] = field(default_factory=dict)
 
 

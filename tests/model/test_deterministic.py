@@ -14,6 +14,7 @@ import pytest
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.engine.llm_engine import LLMEngine
+from cluster.weights.quantize import quantize_checkpoint
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=1)
@@ -63,6 +64,14 @@ def disagreements(checkpoint: Path, dtype: str, deterministic: bool) -> dict[str
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_deterministic_mode_gives_one_answer_however_the_request_runs(checkpoint: Path, dtype: str) -> None:
     assert disagreements(checkpoint, dtype, deterministic=True) == {"batch of 32": 0, "chunked": 0, "resumed": 0}
+
+
+def test_deterministic_mode_covers_8_bit_checkpoints(checkpoint: Path, tmp_path: Path) -> None:
+    """int8 rows, whose scale multiplies after the sums outside this mode, widened and tiled in it."""
+    for scheme in ("int8-channel",):
+        quantized = quantize_checkpoint(checkpoint, tmp_path / scheme, scheme, block=(32, 64))
+        assert disagreements(quantized, "bfloat16", deterministic=True) == \
+            {"batch of 32": 0, "chunked": 0, "resumed": 0}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
