@@ -1,6 +1,6 @@
-"""GGUF-quantized weights kept packed in memory (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K), as llama.cpp keeps them: a
-linear layer or an embedding holds its rows as their blocks (of 32 weights, Q4_K's of 256) as uint8,
-and widens them only when it computes.
+"""GGUF-quantized weights kept packed in memory (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), as llama.cpp
+keeps them: a linear layer or an embedding holds its rows as their blocks (of 32 weights, the K-quants'
+super-blocks of 256) as uint8, and widens them only when it computes.
 
 - `QuantizedLinear`: a decode step's few rows go through the C kernel that dots each block with the
   activations as it widens it (`pdserve_kernels.cpu_quant`); more rows (a prefill) widen the layer's
@@ -22,8 +22,8 @@ from torch import nn
 from cluster.model.scaled import ScaledLinear, is_scaled
 from pdserve_kernels import cpu_quant
 
-BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256}
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144}
+BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # Where a 32-weight block keeps its fp16 min (after the scale) and its 4-bit q (its 5th bits, Q5's, before them).
 HAS_MIN = frozenset({"Q4_1", "Q5_1"})
 KERNEL_ROWS = 16  # up to this many rows the C kernel beats widening the weight for torch's matmul
@@ -40,8 +40,10 @@ def dequantize(packed: torch.Tensor, qtype: str, dtype: torch.dtype = torch.floa
     """Packed rows [rows, row bytes] (uint8) widened to [rows, columns] in `dtype`."""
     rows = packed.shape[0]
     blocks = packed.reshape(rows, -1, BLOCK_BYTES[qtype])
-    if qtype == "Q4_K":
-        return _dequantize_q4_k(blocks).reshape(rows, -1).to(dtype)
+    if qtype in ("Q4_K", "Q5_K"):
+        return _dequantize_q4_k_q5_k(blocks, qtype == "Q5_K").reshape(rows, -1).to(dtype)
+    if qtype == "Q6_K":
+        return _dequantize_q6_k(blocks).reshape(rows, -1).to(dtype)
     scale = blocks[..., 0:2].contiguous().view(torch.float16).float()
     if qtype == "Q8_0":
         values = blocks[..., 2:].contiguous().view(torch.int8).float() * scale
@@ -66,17 +68,37 @@ def _four_bit_values(blocks: torch.Tensor, start: int, fifth_bit: bool) -> torch
     return q.float()
 
 
-def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K super-blocks [rows, n, 144] to [rows, n, 256]: eight sub-blocks of 32, each d * scale_i * q
-    - dmin * min_i with 6-bit scales and mins packed as llama.cpp packs them in 12 bytes."""
+def _dequantize_q4_k_q5_k(blocks: torch.Tensor, fifth_bit: bool) -> torch.Tensor:
+    """Q4_K super-blocks [rows, n, 144] (Q5_K's [rows, n, 176]) to [rows, n, 256]: eight sub-blocks of 32,
+    each d * scale_i * q - dmin * min_i with 6-bit scales and mins packed as llama.cpp packs them in 12
+    bytes after fp16 d and dmin. Q5_K's 32 bytes qh come next: sub-block i's 5th bits are bit i of them."""
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
     packed = blocks[..., 4:16].to(torch.int32)
     low = torch.cat([packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], dim=-1)
     mins = torch.cat([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], dim=-1)
-    q = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)  # 4 runs of 32 bytes: sub-blocks 2i (low), 2i+1 (high)
-    nibbles = torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(*blocks.shape[:-1], 8, 32).float()
-    return (nibbles * (d * low.float()).unsqueeze(-1) - (dmin * mins.float()).unsqueeze(-1)).flatten(-2)
+    start = 48 if fifth_bit else 16
+    q = blocks[..., start:].reshape(*blocks.shape[:-1], 4, 32)  # 4 runs of 32 bytes: sub-blocks 2i (low), 2i+1 (high)
+    nibbles = torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(*blocks.shape[:-1], 8, 32)
+    if fifth_bit:
+        qh = blocks[..., 16:48].unsqueeze(-2)  # [..., 1, 32]
+        nibbles = nibbles | (((qh >> torch.arange(8, dtype=torch.uint8).unsqueeze(-1)) & 1) << 4)
+    return (nibbles.float() * (d * low.float()).unsqueeze(-1) - (dmin * mins.float()).unsqueeze(-1)).flatten(-2)
+
+
+def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks [rows, n, 210] to [rows, n, 256]: 128 bytes ql (low 4 bits), 64 bytes qh (high 2
+    bits), 16 int8 scales (one per 16 weights), fp16 d; w = d * scale_i * (q - 32). Each half of 128
+    weights takes 64 bytes of ql and 32 of qh: its 32-weight run r is ql's bytes 32 * (r % 2) on, their
+    low nibbles for r < 2, high ones after, and bits 2r, 2r + 1 of qh's 32 bytes."""
+    shape = blocks.shape[:-1]
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    ql = blocks[..., 0:128].reshape(*shape, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(2, 1)
+    ql = (ql & 0x0F).reshape(*shape, 2, 4, 32)
+    qh = blocks[..., 128:192].reshape(*shape, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
+    q = (ql | ((qh & 3) << 4)).to(torch.int32) - 32
+    return (q.reshape(*shape, 16, 16).float() * (d * scales).unsqueeze(-1)).flatten(-2)
 
 
 class QuantizedLinear(nn.Module):

@@ -1,4 +1,4 @@
-/* Matmuls over GGUF-quantized weights kept packed (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K):
+/* Matmuls over GGUF-quantized weights kept packed (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
  * y[m, n] = sum_k x[m, k] * w[n, k].
  *
  * Each row of w is its blocks of 32 weights, as llama.cpp lays them out:
@@ -11,7 +11,13 @@
  * a Q5 weight j's 5th bit is bit j of qh read as a little-endian 32-bit word;
  *   Q4_K: a super-block of 256: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of
  *         4-bit q; sub-block i of 32 is w = d * scale_i * q - dmin * min_i, its q in the low nibbles of
- *         32 bytes (even i) or their high nibbles (odd i), two sub-blocks per 32 bytes.
+ *         32 bytes (even i) or their high nibbles (odd i), two sub-blocks per 32 bytes;
+ *   Q5_K: as Q4_K with 32 bytes qh between the scales and the 4-bit q: weight l of sub-block i has its
+ *         5th bit in bit i of qh[l] (176 bytes);
+ *   Q6_K: a super-block of 256: 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales,
+ *         fp16 d (210 bytes); w = d * scale_i * (q - 32), scale_i for each 16 weights. Each half of 128
+ *         weights takes 64 bytes of ql and 32 of qh: its run r of 32 is ql's bytes 32 * (r % 2) on, low
+ *         nibbles for r < 2, high ones after, with bits 2r and 2r + 1 of qh's bytes on top.
  * A row of w is widened to floats once and dotted with every row of x: the packed weights are read
  * once per call, which is what bounds a decode step (a 4-bit weight is 5 bits of memory, not 16).
  * x and y are fp32; rows of w are split between threads. `quant_widen` widens whole rows for a
@@ -21,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_0 = 4, Q5_1 = 5 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_0 = 4, Q5_1 = 5, Q6_K = 6, Q5_K = 7 };
 
 static inline float f16_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
@@ -51,11 +57,13 @@ static int block_bytes(int qtype) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
     default: return 0;
     }
 }
 
-static int block_weights(int qtype) { return qtype == Q4_K ? 256 : 32; }
+static int block_weights(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32; }
 
 /* Q4_K's 6-bit scale and min of sub-block j, as llama.cpp packs them into 12 bytes. */
 static void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
@@ -68,24 +76,46 @@ static void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
     }
 }
 
-static void widen_q4_k(const uint8_t *block, float *out) {
+/* Q4_K, or Q5_K (`qh` not NULL: its 5th bits, bit j of qh[l] for weight l of sub-block j). */
+static void widen_q4_k_q5_k(const uint8_t *block, const uint8_t *qh, float *out) {
     const float d = f16_to_float(read_u16(block)), dmin = f16_to_float(read_u16(block + 2));
-    const uint8_t *scales = block + 4, *q = block + 16;
+    const uint8_t *scales = block + 4, *q = block + (qh != NULL ? 48 : 16);
     for (int j = 0; j < 8; j += 2, q += 32, out += 64) {
         int sc0, m0, sc1, m1;
         scale_min_k4(j, scales, &sc0, &m0);
         scale_min_k4(j + 1, scales, &sc1, &m1);
         const float d0 = d * (float)sc0, d1 = d * (float)sc1, min0 = dmin * (float)m0, min1 = dmin * (float)m1;
         for (int l = 0; l < 32; l++) {
-            out[l] = d0 * (float)(q[l] & 0x0F) - min0;
-            out[l + 32] = d1 * (float)(q[l] >> 4) - min1;
+            const int high0 = qh != NULL ? ((qh[l] >> j) & 1) << 4 : 0;
+            const int high1 = qh != NULL ? ((qh[l] >> (j + 1)) & 1) << 4 : 0;
+            out[l] = d0 * (float)((q[l] & 0x0F) | high0) - min0;
+            out[l + 32] = d1 * (float)((q[l] >> 4) | high1) - min1;
+        }
+    }
+}
+
+static void widen_q6_k(const uint8_t *block, float *out) {
+    const float d = f16_to_float(read_u16(block + 208));
+    const int8_t *scales = (const int8_t *)(block + 192);
+    const uint8_t *ql = block, *qh = block + 128;
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, scales += 8, out += 128) {
+        for (int l = 0; l < 32; l++) {
+            const int q[4] = {(ql[l] & 0x0F) | ((qh[l] & 3) << 4), (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                              (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | ((qh[l] >> 6) << 4)};
+            for (int r = 0; r < 4; r++) {  /* run r of 32 weights: scales 2r (its first 16) and 2r + 1 */
+                out[32 * r + l] = d * (float)scales[2 * r + l / 16] * (float)(q[r] - 32);
+            }
         }
     }
 }
 
 static void widen_block(const uint8_t *block, int qtype, float *out) {
-    if (qtype == Q4_K) {
-        widen_q4_k(block, out);
+    if (qtype == Q4_K || qtype == Q5_K) {
+        widen_q4_k_q5_k(block, qtype == Q5_K ? block + 16 : NULL, out);
+        return;
+    }
+    if (qtype == Q6_K) {
+        widen_q6_k(block, out);
         return;
     }
     const float d = f16_to_float(read_u16(block));

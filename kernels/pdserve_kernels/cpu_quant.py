@@ -16,7 +16,7 @@ import torch
 from pdserve_kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
-QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_0": 4, "Q5_1": 5}
+QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_0": 4, "Q5_1": 5, "Q6_K": 6, "Q5_K": 7}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 

@@ -10,7 +10,9 @@ import torch
 from cluster.model.quantized import QuantizedEmbedding, QuantizedLinear, dequantize, quantize_modules
 from pdserve_kernels import cpu_quant
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K", "Q5_K"]
+# gguf's Python cannot quantize to K-quants: their super-blocks' bytes, and where their fp16 d (and dmin) sit.
+SUPER_BLOCKS = {"Q4_K": (144, 0), "Q5_K": (176, 0), "Q6_K": (210, 208)}
 
 
 def packed(rows: int, columns: int, qtype: str, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -20,9 +22,12 @@ def packed(rows: int, columns: int, qtype: str, seed: int = 0) -> tuple[torch.Te
 
     kind = GGMLQuantizationType[qtype]
     generator = np.random.default_rng(seed)
-    if qtype == "Q4_K":  # gguf's Python cannot quantize to it: random super-blocks, its d and dmin kept finite
-        data = generator.integers(0, 256, (rows, columns // 256, 144), dtype=np.uint8)
-        data[..., 0:4] = np.frombuffer(np.array([0.002, 0.001], dtype=np.float16).tobytes(), dtype=np.uint8)
+    if qtype in SUPER_BLOCKS:  # random super-blocks, their d and dmin kept finite and small
+        size, at = SUPER_BLOCKS[qtype]
+        data = generator.integers(0, 256, (rows, columns // 256, size), dtype=np.uint8)
+        # Q6_K has a d only, after its quants: its int8 scales and 6-bit q reach 4x Q4_K's, so d is a quarter
+        scales = [0.002, 0.001] if at == 0 else [0.0005]
+        data[..., at:at + 2 * len(scales)] = np.frombuffer(np.array(scales, dtype=np.float16).tobytes(), dtype=np.uint8)
         data = data.reshape(rows, -1)
     else:
         data = gguf.quants.quantize(generator.standard_normal((rows, columns)).astype(np.float32), kind)
