@@ -47,7 +47,7 @@ def write_tiny_gguf(checkpoint_dir: Path, gguf_path: Path, *, float_type: str = 
 
     Llama q/k rows are permuted for llama.cpp's RoPE layout (Qwen2's are not); 2-D weights are stored
     as `float_type` ("F32" or "F16"), norms and biases as F32; `quantize` maps GGUF tensor names to a
-    quantization ("Q8_0", "Q4_1", ...) for those tensors. The tokenizer goes into tokenizer.ggml.*
+    quantization ("Q8_0", "Q4_1", "Q6_K", ...) for those tensors. The tokenizer goes into tokenizer.ggml.*
     metadata, padded with unused "[PAD<i>]" tokens up to the model's vocabulary, as llama.cpp pads.
     """
     import gguf
@@ -72,7 +72,9 @@ def write_tiny_gguf(checkpoint_dir: Path, gguf_path: Path, *, float_type: str = 
             values = permute_for_gguf(values, config["num_key_value_heads"])
         if name in quantize:
             qtype = gguf.GGMLQuantizationType[quantize[name]]
-            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+            quantizer = K_QUANTIZERS.get(quantize[name])
+            data = quantizer(values.astype(np.float32)) if quantizer else gguf.quants.quantize(values, qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
         else:
             dtype = np.float16 if float_type == "F16" and values.ndim == 2 else np.float32
             writer.add_tensor(name, np.ascontiguousarray(values, dtype=dtype))
@@ -81,6 +83,56 @@ def write_tiny_gguf(checkpoint_dir: Path, gguf_path: Path, *, float_type: str = 
     writer.write_tensors_to_file()
     writer.close()
     return gguf_path
+
+
+def quantize_q6_k(values: Any) -> Any:
+    """[rows, columns] float32 as Q6_K super-blocks [rows, columns / 256 * 210] (uint8), which gguf's Python
+    cannot make: ql (low 4 bits), qh (high 2 bits), 16 int8 scales, fp16 d, as llama.cpp lays them out;
+    each 16 weights' scale is their largest magnitude over 31, d the block's largest scale over 127."""
+    import numpy as np
+
+    blocks = values.reshape(-1, 16, 16)
+    scale = np.abs(blocks).max(axis=-1) / 31
+    d = (scale.max(axis=-1, keepdims=True) / 127).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scales = np.nan_to_num(np.round(scale / d.astype(np.float32))).astype(np.int8)
+        step = (d.astype(np.float32) * scales)[..., None]
+        q = np.clip(np.nan_to_num(np.round(blocks / step)) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # two halves of four 32-weight runs
+    low, high = q & 0x0F, q >> 4
+    ql = (low[:, :, 0:2] | (low[:, :, 2:4] << 4)).reshape(-1, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    packed = np.concatenate([ql, qh, scales.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=-1)
+    return packed.reshape(values.shape[0], -1)
+
+
+def quantize_q5_k(values: Any) -> Any:
+    """[rows, columns] float32 as Q5_K super-blocks [rows, columns / 256 * 176] (uint8), which gguf's Python
+    cannot make: fp16 d and dmin, eight 6-bit scales and mins in 12 bytes (as Q4_K's), 32 bytes of 5th bits,
+    128 bytes of 4-bit q; each 32 weights are w = d * scale * q - dmin * min with q in 0..31."""
+    import numpy as np
+
+    blocks = values.reshape(-1, 8, 32)
+    low = np.maximum(-blocks.min(axis=-1), 0)
+    scale = (blocks.max(axis=-1) + low) / 31
+    d = (scale.max(axis=-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (low.max(axis=-1, keepdims=True) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.round(scale / d.astype(np.float32))), 0, 63).astype(np.uint8)
+        mn = np.clip(np.nan_to_num(np.round(low / dmin.astype(np.float32))), 0, 63).astype(np.uint8)
+        offset = (dmin.astype(np.float32) * mn)[..., None]
+        q = np.nan_to_num(np.round((blocks + offset) / (d.astype(np.float32) * sc)[..., None]))
+    q = np.clip(q, 0, 31).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=-1)
+    qh = np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=1)  # bit j: sub-block j
+    qs = ((q[:, 0::2] & 0x0F) | ((q[:, 1::2] & 0x0F) << 4)).reshape(-1, 128)
+    packed = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qh, qs],
+                            axis=-1)
+    return packed.reshape(values.shape[0], -1)
+
+
+K_QUANTIZERS: dict[str, Callable[[Any], Any]] = {"Q6_K": quantize_q6_k, "Q5_K": quantize_q5_k}
 
 
 def _write_gguf_model_metadata(writer: Any, config: dict) -> None:

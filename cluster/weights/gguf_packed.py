@@ -1,6 +1,6 @@
 """A GGUF file's weights for a model that keeps them quantized (`cluster.model.quantized`): each 2-D
-weight stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K comes out as its packed rows (uint8, [rows, row bytes]), every
-other tensor widened to float32, all under Hugging Face names, as `read_gguf` names them.
+weight stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K comes out as its packed rows (uint8, [rows, row
+bytes]), every other tensor widened to float32, all under Hugging Face names, as `read_gguf` names them.
 
 The model fuses q/k/v and gate/up into one matmul each, so those stay packed only when all their
 parts share one kept quantization; otherwise the group is widened (a Q4_K_M file's mixed types).
@@ -19,7 +19,7 @@ import torch
 from cluster.weights import loader
 from cluster.weights.loader import Checkpoint
 
-KEPT = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"})
+KEPT = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 # The model's fused parameters and the checkpoint tensors that load into them.
 FUSED = {".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
          ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj.")}

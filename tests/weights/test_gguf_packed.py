@@ -136,3 +136,43 @@ def test_five_bit_weights_stay_packed_and_give_the_widened_engines_tokens(tmp_pa
     prompts = [[5, 17, 33, 9, 81, 120], [200, 3, 77]]
     assert [o.token_ids for o in packed.generate(prompts, params)] == \
         [o.token_ids for o in widened.generate(prompts, params)]
+
+
+def test_k_quant_weights_stay_packed_and_give_the_widened_engines_tokens(tmp_path: Path) -> None:
+    """Q6_K embeddings (tied to the head), Q5_K and Q6_K layers, as a Q4_K_M file mixes them; layer 0's v is
+    Q6_K beside Q5_K q/k, as that file's, so its q/k/v are widened. K-quants need rows of 256 weights."""
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from cluster.engine.llm_engine import LLMEngine
+
+    checkpoint = build_tiny_llama_checkpoint(tmp_path / "hf", hidden=256, heads=4, kv_heads=2, tie=True)
+    names = {name: "Q6_K" if "attn_output" in name or "ffn_down" in name else "Q5_K"
+             for name in quantized_names(2, mixed=False)}
+    names |= {"token_embd.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K"}
+    path = write_tiny_gguf(checkpoint, tmp_path / "model.gguf", quantize=names)
+    packed_file = read_packed(path)
+    assert packed_file.qtypes["model.layers.1.self_attn.qkv_proj.weight"] == "Q5_K"
+    assert packed_file.qtypes["model.layers.0.mlp.down_proj.weight"] == "Q6_K"
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in packed_file.qtypes
+
+    def engine(quantization: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32", quantization=quantization),
+                                      cache=CacheConfig(block_size=4, num_blocks=64)))
+
+    packed, widened = engine("gguf"), engine("none")
+    model = packed.runner.model
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding) and model.model.embed_tokens.qtype == "Q6_K"
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.weight is model.model.embed_tokens.weight
+    layer = model.model.layers[1]
+    assert (layer.self_attn.qkv_proj.qtype, layer.self_attn.o_proj.qtype) == ("Q5_K", "Q6_K")
+    assert (layer.mlp.gate_up_proj.qtype, layer.mlp.down_proj.qtype) == ("Q5_K", "Q6_K")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 33, 9, 81, 120], [200, 3, 77]]
+    assert [o.token_ids for o in packed.generate(prompts, params)] == \
+        [o.token_ids for o in widened.generate(prompts, params)]
+    hidden = torch.randn(20, 256)
+    for rows in (hidden[:1], hidden):  # the C kernel's rows, then a widened weight's matmul
+        torch.testing.assert_close(model.compute_logits(rows), widened.runner.model.compute_logits(rows),
+                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.mlp(rows), widened.runner.model.model.layers[1].mlp(rows),
+                                   atol=1e-4, rtol=1e-4)
