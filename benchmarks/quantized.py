@@ -9,7 +9,7 @@ on the same file and workload: memory, accuracy and speed.
 Arms, each in a process of its own (so its RSS is its own):
 - `pdserve widened bf16`: `quantization: none`, weights widened to bf16 at load (the baseline);
 - `pdserve widened fp32`: widened to fp32: the accuracy reference (the file's own numbers, exactly);
-- `pdserve packed`: `quantization: gguf`, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K weights packed (`cluster.model.quantized`);
+- `pdserve packed`: `quantization: gguf`, Q8_0/Q4_*/Q5_*/Q4_K/Q5_K/Q6_K weights packed (`cluster.model.quantized`);
 - `pdserve packed, Q5_0 table` (`--token-table Q5_0`): the same file with its token embeddings (tied to the
   output head) requantized from their own values, every other tensor as it was, as llama.cpp's
   `llama-quantize --token-embedding-type` makes it: the default model's 8-bit table is a fifth of its

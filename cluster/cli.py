@@ -66,9 +66,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--deterministic", action="store_true",
                        help="every token's result independent of its batch, of chunking and of resumes (slower)")
     group.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
-                       help="gguf: a .gguf model's Q8_0/Q4_*/Q5_*/Q4_K weights stay packed (about a third of bf16's "
-                       "memory at 4 bits); none: widened to --dtype at load, except an int8/fp8 safetensors "
-                       "checkpoint (config.json's quantization_config), kept 8-bit as compressed-tensors or fp8 do")
+                       help="gguf: a .gguf model's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights stay packed "
+                       "(about a third of bf16's memory at 4 bits); none: widened to --dtype at load, except an "
+                       "int8/fp8 safetensors checkpoint (config.json's quantization_config), kept 8-bit as "
+                       "compressed-tensors or fp8 do")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="ranks the model is split across, each in a process of its own (a GPU each on GPUs); "
                        "it must divide the model's attention heads and KV heads")
@@ -583,9 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "from a prefill, a decode or a resume: a stream resumed after a worker died keeps the text "
                        "of an undisturbed run, in any dtype (slower; CPUs only)")
     serve.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
-                       help="default none; gguf: a .gguf model's Q8_0/Q4_*/Q5_*/Q4_K weights stay packed in each "
-                       "worker; an int8/fp8 safetensors checkpoint stays 8-bit whatever it says (compressed-tensors, "
-                       "fp8: what its config.json must declare)")
+                       help="default none; gguf: a .gguf model's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights "
+                       "stay packed in each worker; an int8/fp8 safetensors checkpoint stays 8-bit whatever it says "
+                       "(compressed-tensors, fp8: what its config.json must declare)")
     serve.add_argument("--tensor-parallel-size", type=int, default=None,
                        help="default 1: ranks per worker of every pool, each a process on the worker's node (a GPU "
                        "each on GPUs); it must divide the model's attention heads and KV heads")

@@ -42,7 +42,7 @@ class ModelConfig:
     # prefill, a decode or a recompute (`cluster.model.batch_invariant`): a resumed stream, a request
     # alone or among others, give the same text in any dtype. Slower; the torch backend only.
     deterministic: bool = False
-    # "gguf": a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K weights stay packed in memory and are widened as each layer
+    # "gguf": a .gguf model's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights stay packed, widened as each layer
     # computes (`cluster.model.quantized`); "none": every weight widened to `dtype` at load, except that a
     # safetensors checkpoint whose config.json declares an 8-bit quantization_config keeps its int8/fp8
     # weights (`cluster.weights.scaled_safetensors`), as "compressed-tensors" or "fp8" (its method) asks.

@@ -49,7 +49,7 @@ engine:
   max_num_batched_tokens: 2048
   max_num_seqs: 256
   deterministic: false      # every token independent of its batch, chunking and resumes (slower; CPUs)
-  quantization: none        # gguf: a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K weights stay packed; int8/fp8
+  quantization: none        # gguf: a .gguf model's Q8_0/Q4_*/Q5_*/Q6_K weights stay packed; int8/fp8
                             # safetensors (compressed-tensors, fp8) stay 8-bit as config.json declares
   tensor_parallel_size: 1   # ranks per worker (a pool may set its own: KV moves between sizes whole)
   speculative_config: null  # vLLM's: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2,
