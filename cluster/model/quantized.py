@@ -63,7 +63,8 @@ def _four_bit_values(blocks: torch.Tensor, start: int, fifth_bit: bool) -> torch
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).to(torch.int32)
     if fifth_bit:
         high = blocks[..., start:start + 4].to(torch.int32)
-        bits = (high.unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)) & 1  # [..., 4 bytes, 8 bits]
+        # [..., 4 bytes, 8 bits]
+        bits = (high.unsqueeze(-1) >> torch.arange(8, dtype=torch.int32, device=high.device)) & 1
         q = q | (bits.flatten(-2) << 4)
     return q.float()
 
@@ -82,7 +83,7 @@ def _dequantize_q4_k_q5_k(blocks: torch.Tensor, fifth_bit: bool) -> torch.Tensor
     nibbles = torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(*blocks.shape[:-1], 8, 32)
     if fifth_bit:
         qh = blocks[..., 16:48].unsqueeze(-2)  # [..., 1, 32]
-        nibbles = nibbles | (((qh >> torch.arange(8, dtype=torch.uint8).unsqueeze(-1)) & 1) << 4)
+        nibbles = nibbles | (((qh >> _shifts(list(range(8)), qh.device)) & 1) << 4)
     return (nibbles.float() * (d * low.float()).unsqueeze(-1) - (dmin * mins.float()).unsqueeze(-1)).flatten(-2)
 
 
@@ -94,11 +95,16 @@ def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     shape = blocks.shape[:-1]
     d = blocks[..., 208:210].contiguous().view(torch.float16).float()
     scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    ql = blocks[..., 0:128].reshape(*shape, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(2, 1)
+    ql = blocks[..., 0:128].reshape(*shape, 2, 1, 64) >> _shifts([0, 4], blocks.device)
     ql = (ql & 0x0F).reshape(*shape, 2, 4, 32)
-    qh = blocks[..., 128:192].reshape(*shape, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
+    qh = blocks[..., 128:192].reshape(*shape, 2, 1, 32) >> _shifts([0, 2, 4, 6], blocks.device)
     q = (ql | ((qh & 3) << 4)).to(torch.int32) - 32
     return (q.reshape(*shape, 16, 16).float() * (d * scales).unsqueeze(-1)).flatten(-2)
+
+
+def _shifts(bits: list[int], device: torch.device) -> torch.Tensor:
+    """A column of shifts [len(bits), 1] on the packed bytes' device: each one's run of bytes shifted by each."""
+    return torch.tensor(bits, dtype=torch.uint8, device=device).unsqueeze(-1)
 
 
 class QuantizedLinear(nn.Module):
