@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cluster.common.events import FinishReason, TokenLogprobs
+from cluster.common.block_hashes import prefix_hashes
 from cluster.common.loads import BucketCounts
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.block_pool import BlockPool
 from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from cluster.engine.host_tier import HostTier
 from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.prefix_pins import PrefixPins
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.request_stats import RequestStats
 from cluster.engine.scheduler import Scheduler
@@ -128,6 +130,9 @@ class EngineStats:
     # (not sent by a prefill worker), and prompts computed here because their uncached part was short.
     num_reused_prompt_tokens: int = 0
     num_local_prefills: int = 0
+    # Prefix blocks this engine sent to peer workers, and received from them (`cluster.engine.prefix_pins`).
+    num_prefix_blocks_offered: int = 0
+    num_prefix_blocks_fetched: int = 0
 
 
 @dataclass(slots=True)
@@ -208,6 +213,7 @@ class LLMEngine:
         # Hashes chain from the served model name, so every worker of a cluster (and the routers that
         # match prompts against the blocks workers publish) compute the same ones, whatever the path.
         self.kv_cache = KVCacheManager(pool, config.cache.block_size, model_name=self.model_name)
+        self.prefix_pins = PrefixPins(pool)  # blocks held for prefixes fetched from or by peer workers
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    num_swap_blocks=config.cache.num_swap_blocks or self.num_blocks)
         self.proposer = self._proposer()  # drafts for speculative decoding; None: off
@@ -420,6 +426,53 @@ class LLMEngine:
         request = self.scheduler.kv_lost(request_id)
         return self._news(request) if request is not None else None
 
+    # ---- prefixes fetched from peers (`cluster.engine.prefix_pins`) --------------------------------
+
+    def _chain(self, prompt_token_ids: Sequence[int], cache_domain: str, num_blocks: int) -> list[int]:
+        """The hashes of the prompt's first `num_blocks` blocks in `cache_domain`, as the prefix cache keys them."""
+        size = self.kv_cache.block_size
+        return prefix_hashes(list(prompt_token_ids[:num_blocks * size]), size, self.model_name, cache_domain)
+
+    def offer_prefix(self, fetch_id: str, prompt_token_ids: Sequence[int], cache_domain: str,  # noqa: PLR0913
+                     first_block: int, stop_block: int, lease_s: float = 30.0) -> int:
+        """Donor side: pin the prompt's blocks [first_block, stop_block) this engine caches, up to the
+        first it does not; how many (0: none). They stay until `export_offer` or `release_prefix`."""
+        if not self.kv_cache.pool.enable_prefix_caching:
+            return 0
+        return self.prefix_pins.offer(fetch_id, self._chain(prompt_token_ids, cache_domain, stop_block),
+                                      first_block, lease_s)
+
+    def export_offer(self, fetch_id: str) -> torch.Tensor:
+        """The offered blocks' KV, laid out as `export_kv`'s; the offer ends (its blocks unpinned)."""
+        try:
+            return self.runner.read_blocks(self.prefix_pins.take_offer(fetch_id))
+        finally:
+            self.prefix_pins.release(fetch_id, sent=True)
+
+    def reserve_fetch(self, fetch_id: str, prompt_token_ids: Sequence[int], cache_domain: str,  # noqa: PLR0913
+                      first_block: int, num_blocks: int, lease_s: float = 30.0) -> list[int] | None:
+        """Fetcher side: blocks for the prompt's blocks [first_block, first_block + num_blocks) to land
+        in, this engine's own cached blocks before them pinned; None when it does not hold those (or
+        has no room). Once the KV is written (`land_fetch`) they are cached; `release_prefix` ends it."""
+        if not self.kv_cache.pool.enable_prefix_caching:
+            return None
+        chain = self._chain(prompt_token_ids, cache_domain, first_block + num_blocks)
+        if len(chain) < first_block + num_blocks:
+            raise ValueError(f"the prompt has {len(chain)} full blocks, fewer than {first_block + num_blocks}")
+        block_ids = self.prefix_pins.reserve(fetch_id, chain, first_block, num_blocks, lease_s)
+        # The blocks taken may have held cached KV bound for the host tier: out before the KV lands.
+        self.runner.copy_host_blocks(self.kv_cache.take_host_copies())
+        return block_ids
+
+    def land_fetch(self, fetch_id: str, data: torch.Tensor) -> None:
+        """Write a peer's KV into the blocks `reserve_fetch` took and cache them under their hashes."""
+        self.runner.write_blocks([block.block_id for block in self.prefix_pins.pins[fetch_id].landing], data)
+        self.prefix_pins.landed(fetch_id)
+
+    def release_prefix(self, fetch_id: str) -> None:
+        """End a fetch or an offer: its pinned blocks go back to the pool (cached ones stay cached)."""
+        self.prefix_pins.release(fetch_id)
+
     def _news(self, request: Request) -> RequestOutput | None:
         """A decode-side request's output after its KV was given up: aborted (parked, unclaimed), or
         going on after the client's first token; None if there is nothing to tell yet."""
@@ -509,6 +562,8 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.prefix_pins.pins:
+            self.prefix_pins.expire()
         outputs = [output for request in self.scheduler.expire_reservations()
                    if (output := self._news(request)) is not None]
         scheduler_output = self.scheduler.schedule()
@@ -674,7 +729,8 @@ class LLMEngine:
             histograms=self.scheduler.request_stats.snapshot(),
             spec_decode=self.scheduler.spec_stats.copy() if self.proposer is not None else None,
             num_reused_prompt_tokens=self.num_reused_prompt_tokens, num_local_prefills=self.num_local_prefills,
-            host_kv=self._host_tier_stats())
+            num_prefix_blocks_offered=self.prefix_pins.blocks_offered,
+            num_prefix_blocks_fetched=self.prefix_pins.blocks_landed, host_kv=self._host_tier_stats())
 
     def _host_tier_stats(self) -> HostTierStats | None:
         tier = self.kv_cache.pool.host_tier
