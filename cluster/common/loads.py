@@ -160,3 +160,6 @@ class WorkerLoad:
     # and prompts they computed themselves because the part not cached was short (no prefill worker).
     decode_reused_prompt_tokens: int = 0
     local_prefills: int = 0
+    # Prefix blocks fetched from peers instead of computed (prefill workers), and sent to peers fetching them.
+    prefix_blocks_fetched: int = 0
+    prefix_blocks_offered: int = 0

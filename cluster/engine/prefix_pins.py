@@ -112,5 +112,6 @@ class PrefixPins:
             self.release(fetch_id)
 
     def _check_new(self, fetch_id: str) -> None:
+        self.expire()  # an idle engine steps no more: its stale pins end here
         if fetch_id in self.pins:
             raise ValueError(f"fetch id {fetch_id!r} is already in use")

@@ -126,6 +126,10 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
                                             lambda w: w.decode_reused_prompt_tokens),
     "pdserve:local_prefills": ("Prompts a decode worker computed itself because their uncached part was below "
                                "local_prefill_threshold (no prefill worker asked).", lambda w: w.local_prefills),
+    "pdserve:prefix_blocks_fetched": ("KV blocks of a prompt's prefix a prefill worker fetched from a peer worker "
+                                      "that cached them, instead of computing them.", lambda w: w.prefix_blocks_fetched),
+    "pdserve:prefix_blocks_offered": ("KV blocks of its prefix cache a worker sent to a peer fetching them.",
+                                      lambda w: w.prefix_blocks_offered),
     "pdserve:kv_transfer_seconds": ("Seconds spent sending KV (on the wire).", lambda w: w.kv_transfer_seconds),
     "pdserve:kv_transfer_failures": ("KV sends that failed (the decode worker recomputed).",
                                      lambda w: w.kv_transfer_failures),

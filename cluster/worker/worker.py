@@ -55,6 +55,7 @@ IDLE_WAIT_S = 0.05
 PUBLISH_S = 0.1  # how often the prefix cache's events go to the shared state
 HEARTBEAT_TTL_S = 10.0
 RECENT_TRANSFERS = 1024  # per-transfer stats kept (the totals count them all)
+FETCH_WAIT_S = 5.0  # a prefill waits this long at most for a prefix fetched from a peer, then computes it
 
 
 def event_of(output: RequestOutput, worker_id: str) -> TokenEvent:
@@ -150,6 +151,8 @@ class Worker:
         self.draining = False  # being removed: no new reservations, out of the registry (`drain`)
         # Reservations between their blocks and their `expect` (awaits on the way): aborted meanwhile?
         self.reserving: dict[str, bool] = {}
+        # Prefixes fetched from peers (`expect_prefix`), by fetch id: whether their KV landed, once known.
+        self.fetches: dict[str, asyncio.Future[bool]] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -179,7 +182,8 @@ class Worker:
         if self.receiver is not None:
             await self.receiver.start()
             log.info("%s listens for KV at %s", self.worker_id, self.receiver.address)
-            await self._prefault_landing()
+            if self.role != Role.PREFILL:  # a prefill worker's receiver takes fetched prefixes only
+                await self._prefault_landing()
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.worker_id}", daemon=True)
         self.thread.start()
         if self.state is not None:
@@ -499,6 +503,8 @@ class Worker:
                           draining=self.draining, kv_transfer_blocks=self.transfer_blocks,
                           decode_reused_prompt_tokens=stats.num_reused_prompt_tokens,
                           local_prefills=stats.num_local_prefills,
+                          prefix_blocks_fetched=stats.num_prefix_blocks_fetched,
+                          prefix_blocks_offered=stats.num_prefix_blocks_offered,
                           **spec_decode_fields(stats, self.engine.config.speculative), **host_kv_fields(stats))
 
     def _claim(self, request_id: str) -> None:
@@ -525,10 +531,12 @@ class Worker:
 
     # ---- prefill role --------------------------------------------------------------------------
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      ticket: KVTicket, trace: str = "") -> AsyncIterator[RequestOutput | TransferStats]:
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,  # noqa: PLR0913
+                      ticket: KVTicket, trace: str = "", fetch_id: str = "") -> AsyncIterator[
+                          RequestOutput | TransferStats]:
         """Compute the prompt, sending its KV to the decode worker's `ticket` chunk by chunk as it computes;
-        yield the first token at once, then the transfer's stats once the last block landed.
+        yield the first token at once, then the transfer's stats once the last block landed. `fetch_id`:
+        a prefix of the prompt fetched from a peer (`expect_prefix`), awaited first and released after.
 
         A failed send raises TransferError (the decode worker then recomputes) and stops the
         prefill; the blocks are released whatever happens.
@@ -545,6 +553,8 @@ class Worker:
         sending: asyncio.Task[TransferStats] | None = None
         self.traces.begin(request_id, trace, "pdserve.prefill", len(prompt_token_ids), watch_prompt=True)
         try:
+            if fetch_id:
+                await self._await_prefix(fetch_id)
             await self._call(lambda: self.engine.add_prefill(prompt_token_ids, first_params, request_id=request_id))
             sending = asyncio.create_task(self._send_runs(request_id, ticket, outbox))
             # A send that fails mid-prompt ends the prefill at once, not after the prompt computed.
@@ -561,6 +571,8 @@ class Worker:
             if sending is not None and not sending.done():
                 sending.cancel()
             await self._call(lambda: self.engine.abort(request_id))  # a prefill cut short frees its blocks
+            if fetch_id:  # the prompt holds the fetched blocks itself now, or never will
+                await self.release_prefix(fetch_id)
 
     async def _send_runs(self, request_id: str, ticket: KVTicket, outbox: _Outbox) -> TransferStats:
         """Send the runs of blocks the engine thread queues, in order, until the last one."""
@@ -571,12 +583,9 @@ class Worker:
             data = export.data if not ticket.dtype else export.data.to(getattr(torch, ticket.dtype))  # same: no copy
             # Numbered from the first block the receiver lacks: the transfer holds the prompt's tokens from there.
             skipped = ticket.reused_blocks
-            header = KVHeader(request_id=request_id, num_tokens=export.num_tokens - skipped * data.shape[3],
-                              num_blocks=data.shape[0], block_size=data.shape[3], num_layers=data.shape[1],
-                              num_kv_heads=data.shape[4], head_dim=data.shape[5],
-                              dtype=str(data.dtype).removeprefix("torch."), first_token_id=export.first_token_id or 0,
-                              nbytes=data.numel() * data.element_size(), first_block=export.first_block - skipped,
-                              last=export.last, token=ticket.token)
+            header = _frame_header(request_id, data, export.num_tokens - skipped * data.shape[3], ticket.token,
+                                   first_block=export.first_block - skipped, last=export.last,
+                                   first_token_id=export.first_token_id or 0)
             transport = self.sender.transport_to(ticket.address, ticket.landing)
             started = time.perf_counter()
             try:
@@ -603,6 +612,98 @@ class Worker:
                 self.transfer_bytes += stats.nbytes
                 self.transfer_seconds += stats.seconds
                 return stats
+
+    # ---- prefixes fetched from peers (`cluster.engine.prefix_pins`) ------------------------------
+
+    async def offer_prefix(self, fetch_id: str, prompt_token_ids: list[int], cache_domain: str,  # noqa: PLR0913
+                           first_block: int, stop_block: int, lease_s: float = 30.0) -> int:
+        """Donor side (any worker with a KV sender): pin the prompt's blocks [first_block, stop_block)
+        this worker caches, up to the first it lacks, for `send_prefix`; how many (0: none)."""
+        if self.sender is None:
+            return 0
+        return await self._call(lambda: self.engine.offer_prefix(fetch_id, prompt_token_ids, cache_domain,
+                                                                 first_block, stop_block, lease_s))
+
+    async def send_prefix(self, fetch_id: str, ticket: KVTicket) -> TransferStats:
+        """Send the blocks `offer_prefix` pinned to the fetcher's `ticket` in one frame; the offer ends
+        whatever happens. Raises TransferError (the fetcher then computes the prefix itself)."""
+        assert self.sender is not None, "a donor needs a KV sender"
+        try:
+            data = await self._call(lambda: self.engine.export_offer(fetch_id))
+        except KeyError:
+            raise TransferError(f"{self.worker_id}: the offer {fetch_id!r} ended (its lease ran out)") from None
+        data = data if not ticket.dtype else data.to(getattr(torch, ticket.dtype))
+        header = _frame_header(fetch_id, data, data.shape[0] * data.shape[3], ticket.token)
+        started = time.perf_counter()
+        transport = await self.sender.send(ticket.address, header, wire_bytes(data, self._direct(self.sender)),
+                                           landing=ticket.landing)
+        return TransferStats(fetch_id, header.nbytes, time.perf_counter() - started,
+                             transport=transport or _transport_of(self.sender))
+
+    async def expect_prefix(self, fetch_id: str, prompt_token_ids: list[int], cache_domain: str,  # noqa: PLR0913
+                            first_block: int, num_blocks: int, lease_s: float = 30.0) -> KVTicket | None:
+        """Fetcher side (a prefill worker with a KV receiver): blocks for a peer's KV of the prompt's
+        blocks [first_block, first_block + num_blocks), and the ticket the peer sends them with; None
+        when this worker cannot take them (no receiver, it lacks the blocks before them, no room).
+        The blocks are cached once the KV lands; `prefill(..., fetch_id=)` waits for that."""
+        if self.receiver is None or self.draining:
+            return None
+        block_ids = await self._call(lambda: self.engine.reserve_fetch(fetch_id, prompt_token_ids, cache_domain,
+                                                                       first_block, num_blocks, lease_s))
+        if block_ids is None:
+            return None
+        runner, direct = self.engine.runner, self._direct(self.receiver)
+        ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.kv_cache_dtype)
+        shape = self._landing_shape(num_blocks)
+        shared = await self.receiver.landing_memory(ticket.token, math.prod(shape) * runner.kv_dtype.itemsize) \
+            if runner.device.type == "cpu" else None
+        staging = landing_buffer(shape, runner.kv_dtype, runner.device, direct, lambda nbytes: shared)
+        arrived = self.receiver.expect(fetch_id, wire_bytes(staging, direct), ticket.token)
+        if shared is not None:
+            ticket = replace(ticket, landing=self.receiver.landing_name(ticket.token))
+        landed = self.fetches[fetch_id] = asyncio.get_running_loop().create_future()
+        arrived.add_done_callback(lambda future: asyncio.ensure_future(self._land_prefix(fetch_id, future, staging,
+                                                                                         landed)))
+        return ticket
+
+    async def _land_prefix(self, fetch_id: str, arrived: asyncio.Future[KVHeader], staging: torch.Tensor,
+                           landed: asyncio.Future[bool]) -> None:
+        """Write a fetched prefix into its blocks and cache them (on the engine thread); `landed` says
+        whether it did. A failed or cancelled transfer lands nothing: the prompt computes the prefix."""
+        ok = not arrived.cancelled() and arrived.exception() is None
+
+        def land() -> bool:
+            if not ok or fetch_id not in self.engine.prefix_pins.pins:  # failed, released or expired meanwhile
+                return False
+            self.engine.land_fetch(fetch_id, staging)
+            return True
+
+        try:
+            _set_result(landed, await self._call(land))
+        except Exception as error:
+            log.warning("%s: the prefix %s fetched could not be landed (%r)", self.worker_id, fetch_id, error)
+            _set_result(landed, False)
+
+    async def _await_prefix(self, fetch_id: str) -> None:
+        """Wait (FETCH_WAIT_S at most) for a fetched prefix to be in place before the prompt looks up its cache."""
+        landed = self.fetches.get(fetch_id)
+        if landed is None:
+            return
+        try:
+            if not await asyncio.wait_for(asyncio.shield(landed), FETCH_WAIT_S):
+                log.warning("%s: the prefix %s did not arrive: computing it", self.worker_id, fetch_id)
+        except TimeoutError:
+            log.warning("%s: the prefix %s took over %.0f s: computing it", self.worker_id, fetch_id, FETCH_WAIT_S)
+
+    async def release_prefix(self, fetch_id: str) -> None:
+        """End a fetch or an offer here (its transfer stops, its blocks go back; cached ones stay
+        cached): whatever happened to it, nothing of it stays. Nothing if it is gone already."""
+        if self.receiver is not None:
+            self.receiver.cancel(fetch_id)
+        landed = self.fetches.pop(fetch_id, None)
+        if landed is not None:
+            _set_result(landed, False)
+        await self._call(lambda: self.engine.release_prefix(fetch_id))
 
     # ---- decode role ---------------------------------------------------------------------------
 
@@ -740,6 +841,15 @@ class _Outbox:
 
     queued: int = 0  # blocks handed to `runs` so far
     runs: asyncio.Queue[KVExport] = field(default_factory=asyncio.Queue)
+
+
+def _frame_header(request_id: str, data: torch.Tensor, num_tokens: int, token: str, *,  # noqa: PLR0913
+                  first_block: int = 0, last: bool = True, first_token_id: int = 0) -> KVHeader:
+    """The header of a frame of KV blocks laid out as `LLMEngine.export_kv` gives them."""
+    return KVHeader(request_id=request_id, num_tokens=num_tokens, num_blocks=data.shape[0], block_size=data.shape[3],
+                    num_layers=data.shape[1], num_kv_heads=data.shape[4], head_dim=data.shape[5],
+                    dtype=str(data.dtype).removeprefix("torch."), first_token_id=first_token_id,
+                    nbytes=data.numel() * data.element_size(), first_block=first_block, last=last, token=token)
 
 
 def _transport_of(connector: KVSender) -> str:
