@@ -281,12 +281,14 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def prefix_reuse_overrides(args: argparse.Namespace) -> dict[str, object]:
-    """--local-prefill-threshold and --no-decode-prefix-reuse, when given."""
+    """--local-prefill-threshold, --no-decode-prefix-reuse and --prefix-fetch, when given."""
     overrides: dict[str, object] = {}
     if getattr(args, "local_prefill_threshold", None) is not None:
         overrides["local_prefill_threshold"] = args.local_prefill_threshold
     if getattr(args, "no_decode_prefix_reuse", False):
         overrides["decode_prefix_reuse"] = False
+    if getattr(args, "prefix_fetch", False):
+        overrides["prefix_fetch"] = True
     return overrides
 
 
@@ -552,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "computed on the decode worker, no prefill worker asked (default 0: never; docs/ray_cluster.md)")
     serve.add_argument("--no-decode-prefix-reuse", action="store_true",
                        help="ship every prompt's KV whole, even the blocks the decode worker holds already")
+    serve.add_argument("--prefix-fetch", action="store_true",
+                       help="a prefill worker takes a prompt's prefix that another worker caches from that worker over "
+                       "the KV transfer instead of computing it (docs/ray_cluster.md)")
     serve.add_argument("--attach", action="store_true", help="start no workers: serve those another pdserve serve "
                        "listed in --redis-url's registry (a second gateway; needs --ray-address and --redis-url)")
     serve.add_argument("--name", default="", help="name the cluster: its workers outlive this process, and a "

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cluster.common.events import FinishReason, TokenLogprobs
 from cluster.common.block_hashes import prefix_hashes
+from cluster.common.events import FinishReason, TokenLogprobs
 from cluster.common.loads import BucketCounts
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.block_pool import BlockPool

@@ -127,7 +127,8 @@ WORKER_COUNTERS: dict[str, tuple[str, Callable[[WorkerLoad], float]]] = {
     "pdserve:local_prefills": ("Prompts a decode worker computed itself because their uncached part was below "
                                "local_prefill_threshold (no prefill worker asked).", lambda w: w.local_prefills),
     "pdserve:prefix_blocks_fetched": ("KV blocks of a prompt's prefix a prefill worker fetched from a peer worker "
-                                      "that cached them, instead of computing them.", lambda w: w.prefix_blocks_fetched),
+                                      "that cached them, instead of computing them.",
+                                      lambda w: w.prefix_blocks_fetched),
     "pdserve:prefix_blocks_offered": ("KV blocks of its prefix cache a worker sent to a peer fetching them.",
                                       lambda w: w.prefix_blocks_offered),
     "pdserve:kv_transfer_seconds": ("Seconds spent sending KV (on the wire).", lambda w: w.kv_transfer_seconds),

@@ -20,6 +20,7 @@ max_prefill_wait_s: 10     # refuse new prompts (429) past this many seconds of 
 max_decode_wait_s: 10      # and new requests that every decode worker would keep waiting this long for a slot
 decode_prefix_reuse: true  # a decode worker keeps the blocks it holds of a prompt: only the rest is prefilled and sent
 local_prefill_threshold: 0 # a decode worker computes an uncached rest shorter than this itself (0: never)
+prefix_fetch: false        # a prefill worker takes a prompt's prefix cached on a peer worker over the KV transfer
 tracing: {endpoint: "", sample_ratio: 1.0}  # OTLP/gRPC collector for traces (docs/observability.md, Traces); "": off
 scaling:                   # the live controller (docs/deploy.md, Scaling live); off unless enabled
   enabled: false
@@ -214,6 +215,10 @@ class ClusterConfig:
     # this many tokens is computed on the decode worker, no prefill worker asked. 0: never (the default:
     # a local prefill shares the decode worker's steps with its running batch; docs/performance.md).
     local_prefill_threshold: int = 0
+    # A prefill worker fetches the beginning of a prompt that another worker (prefill or decode) caches
+    # over the KV transfer instead of computing it (`cluster.engine.prefix_pins`); every worker then
+    # both sends and receives KV. false: a prefill worker computes what its own cache lacks.
+    prefix_fetch: bool = False
     attach: bool = False  # start no workers; use those listed in the registry at redis_url (a second gateway)
     # The cluster's name. With it the workers are detached Ray actors named after it: they outlive the
     # gateway, and a gateway started again with the same name (and engine config) takes them over
@@ -230,7 +235,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         for key, choices in (("mode", tuple(map(str, Mode))), ("transport", TRANSPORTS),
                              ("routing", tuple(map(str, RoutingPolicy))), ("kv_shared_memory", (True, False)),
-                             ("decode_prefix_reuse", (True, False))):
+                             ("decode_prefix_reuse", (True, False)), ("prefix_fetch", (True, False))):
             if getattr(self, key) not in choices:
                 raise ValueError(f"{key} must be one of {choices}, got {getattr(self, key)!r}")
         if self.routers < 1:

@@ -173,7 +173,8 @@ class Cluster:
                                      self.model_name, self.config.redis_url, self.config.routing,
                                      self.config.worker_wait_s, self.config.max_prefill_wait_s,
                                      self.config.max_decode_wait_s, self.config.tracing,
-                                     self.config.decode_prefix_reuse, self.config.local_prefill_threshold)
+                                     self.config.decode_prefix_reuse, self.config.local_prefill_threshold,
+                                     self.config.prefix_fetch)
         self.routers = [router_class.remote(self._named(Role.PREFILL, self.prefill),
                                             self._named(Role.COLOCATED if colocated else Role.DECODE, self.decode),
                                             router_config)

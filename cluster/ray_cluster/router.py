@@ -6,7 +6,9 @@ One request's path in disaggregated mode (see docs/ray_cluster.md):
    or, when that rest is short, it computes the prompt itself and no prefill worker is asked);
 2. it picks the prefill worker with the least prompt work ahead (its queue, less the prefix it
    likely caches: `cluster.ray_cluster.routing_policy`), which computes the prompt, sends its KV over UCX to the
-   decode worker's receiver chunk by chunk as it computes, and streams back the first token;
+   decode worker's receiver chunk by chunk as it computes, and streams back the first token; with
+   `prefix_fetch`, a prefix that another worker caches and it does not is first sent to it by that
+   worker (`_fetch_prefix`) instead of computed;
 3. the decode worker lands the KV in the reserved blocks and admits the request; the router relays
    its tokens. A failed send or a lost prefill worker makes the decode worker recompute the prompt;
    a refusal or a decode worker lost before its first token sends the request to the next one.
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 
 WAIT_POLL_S = 0.1  # how often a request waiting for a restarted worker looks
+MIN_FETCH_BLOCKS = 2  # fewer blocks than this are computed rather than fetched from a peer (three round trips)
 RECOVERY_PHASES = ("total", "restart", "model_load", "init_rest", "warm_up", "rejoin")
 MAX_RESUMES = 3  # a request whose worker dies is run again elsewhere, at most this many times
 
@@ -51,6 +54,15 @@ def actor_id_of(handle: Any) -> str:
     """A Ray actor handle's actor id (hex); empty for what is not one."""
     actor_id = getattr(handle, "_actor_id", None)
     return actor_id.hex() if actor_id is not None else ""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSource:
+    """A worker caching a prompt's blocks [first_block, stop_block) that the prefill worker picked lacks."""
+
+    worker: Any
+    first_block: int
+    stop_block: int
 
 
 class _NoRoom(RuntimeError):
@@ -121,6 +133,9 @@ class RouterConfig:
     # when shorter than `local_prefill_threshold` tokens (`PrefixReuse`).
     decode_prefix_reuse: bool = True
     local_prefill_threshold: int = 0
+    # A prefill worker takes the prompt's blocks another worker caches (and it does not) from that worker
+    # over the KV transfer, instead of computing them (`_fetch_prefix`).
+    prefix_fetch: bool = False
 
     @property
     def reuse(self) -> PrefixReuse:
@@ -167,7 +182,8 @@ class Router(ChannelHost):
         self.state = connect_state(config.redis_url)
         self.decisions = {"reserve_refused": 0, "transfer_failed": 0, "rerouted": 0, "prefix_hits": 0, "resumed": 0,
                           "rejoined": 0, "refused_overloaded": 0, "splice_refused": 0,
-                          "decode_prefix_hits": 0, "local_prefills": 0}
+                          "decode_prefix_hits": 0, "local_prefills": 0, "prefix_fetches": 0,
+                          "prefix_fetch_failed": 0}
         self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
         self.ahead: dict[str, int] = {}  # admitted requests whose prefill has not ended -> prompt tokens
         # Requests aborted while in flight: a run between two attempts (resuming) must not start again.
@@ -219,31 +235,77 @@ class Router(ChannelHost):
         return admitting
 
     async def _pick_prefill(self, prompt: list[int], route: tracing.Route = tracing.UNTRACED,
-                            cache_domain: str = "") -> Any | None:
+                            cache_domain: str = "") -> tuple[Any | None, PrefixSource | None]:
         """The live prefill worker with the least prompt work before this one (its queue plus the
-        part of this prompt it does not hold cached in the request's cache domain)."""
+        part of this prompt it does not hold cached in the request's cache domain); with
+        `prefix_fetch`, a prefix another worker holds counts as held by each (it can be fetched), and
+        that worker is returned too where the one picked lacks at least `MIN_FETCH_BLOCKS` of it."""
         live = self._open(self.prefill)
         if not live:
-            return None
+            return None, None
         if self.config.policy == RoutingPolicy.ROUND_ROBIN:  # the baselines the benchmark compares against
             self.turn += 1
-            return live[self.turn % len(live)]
+            return live[self.turn % len(live)], None
         # Hashed in the request's domain, as the worker will: blocks of another domain are no hit there.
         hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name, cache_domain)
         kv_aware = self.config.policy == RoutingPolicy.KV_AWARE and hashes
-        cached = await self.state.match(hashes, [self.ids[id(h)] for h in live]) if kv_aware else {}
+        fetching = self.config.prefix_fetch and kv_aware
+        # Any live worker can send what it caches: a decode worker, a draining one (it takes no new prompts).
+        donors = [h for h in self._live(self.prefill + self.decode) if id(h) not in {id(o) for o in live}] \
+            if fetching else []
+        cached = await self.state.match(hashes, [self.ids[id(h)] for h in live + donors]) if kv_aware else {}
+        source = max(live + donors, key=lambda h: cached.get(self.ids[id(h)], 0)) if fetching else None
+        fetchable = cached.get(self.ids[id(source)], 0) if source is not None else 0
 
-        def cost(handle: Any) -> int:
+        def cost(handle: Any) -> tuple[int, int]:
             held = cached.get(self.ids[id(handle)], 0)
-            return prefill_cost(self.queued_tokens.get(id(handle), 0), len(prompt), held, self.config.block_size)
+            # Ties go to the worker holding more itself: a fetch costs a transfer.
+            return prefill_cost(self.queued_tokens.get(id(handle), 0), len(prompt), max(held, fetchable),
+                                self.config.block_size), -held
 
         best = min(live, key=cost)
-        if cached.get(self.ids[id(best)], 0):
+        held = cached.get(self.ids[id(best)], 0)
+        if held:
             self.decisions["prefix_hits"] += 1
-        route.chose(cached_blocks=cached.get(self.ids[id(best)], 0), cache_hit=bool(cached.get(self.ids[id(best)], 0)))
+        route.chose(cached_blocks=held, cache_hit=bool(held))
         if not self.config.redis_url and kv_aware:  # no worker publishes here: keep our own record
             await self.state.publish_blocks(self.ids[id(best)], hashes, [])
-        return best
+        if source is None or source is best or fetchable - held < MIN_FETCH_BLOCKS:
+            return best, None
+        return best, PrefixSource(source, held, fetchable)
+
+    async def _fetch_prefix(self, prefill: Any, source: PrefixSource, request_id: str, prompt: list[int],
+                            params: SamplingParams) -> str:
+        """Have `source.worker` send the prompt's blocks [first_block, stop_block) it caches to the
+        prefill worker, which caches them: its prefill then starts after them. The fetch id to pass to
+        the prefill, or "" where nothing was fetched (the donor holds less than its index said, the
+        prefill worker has no room, the send failed): the prefill computes those blocks, nothing else
+        is lost. Either way no block stays pinned on either worker."""
+        fetch_id, donor, domain = f"{request_id}:prefix", source.worker, params.cache_domain
+        route = self._route(request_id)
+        fetched, calling = False, donor
+        try:
+            offered = await donor.offer_prefix.remote(fetch_id, prompt, domain, source.first_block, source.stop_block)
+            calling = prefill
+            ticket = await prefill.expect_prefix.remote(fetch_id, prompt, domain, source.first_block, offered) \
+                if offered >= MIN_FETCH_BLOCKS else None
+            calling = donor
+            if ticket is not None:
+                await donor.send_prefix.remote(fetch_id, ticket)
+                fetched = True
+                self.decisions["prefix_fetches"] += 1
+                route.chose(prefix_donor=self.ids.get(id(donor)), prefix_fetched_blocks=offered)
+        except Exception as error:  # a donor lost or a send failed: the prefill computes the prefix
+            if isinstance(error, RayActorError):
+                self._mark_dead(calling)
+            self.decisions["prefix_fetch_failed"] += 1
+            log.warning("%s: fetching its prefix from %s failed (%r): the prefill computes it", request_id,
+                        self.ids.get(id(donor)), error)
+        finally:
+            if not fetched:  # release what either side pinned (the prefill releases its side once done)
+                for handle in (donor, prefill):
+                    control(handle.release_prefix).remote(fetch_id)
+        return fetch_id if fetched else ""
 
     async def _poll_loads(self) -> None:
         """In the background: add the workers the shared registry lists, and refresh every worker's
@@ -595,7 +657,7 @@ class Router(ChannelHost):
             async for event in self.channels.stream(decode, "stream", request_id, None, route.traceparent):
                 yield event
             return
-        prefill = await self._pick_prefill(prompt, route, params.cache_domain)
+        prefill, source = await self._pick_prefill(prompt, route, params.cache_domain)
         route.chose(prefill_worker=self.ids.get(id(prefill)) if prefill is not None else "none")
         first_token_id: int | None = None  # the prefill's, once relayed: the client has it
         if prefill is None:  # every prefill worker is gone: the decode worker runs the prompt itself
@@ -604,9 +666,11 @@ class Router(ChannelHost):
         else:
             key = id(prefill)
             self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
+            fetch_id = ""
             try:
+                fetch_id = await self._fetch_prefix(prefill, source, request_id, prompt, params) if source else ""
                 async for item in self.channels.stream(prefill, "prefill", request_id, prompt, params, ticket,
-                                                       route.traceparent):
+                                                       route.traceparent, fetch_id):
                     if isinstance(item, TokenEvent):  # the prefill ends here, the request goes on (decode)
                         if item.token_ids and first_token_id is None:
                             first_token_id = item.token_ids[0]
@@ -621,6 +685,8 @@ class Router(ChannelHost):
             finally:
                 self.queued_tokens[key] -= len(prompt)
                 self.ahead.pop(request_id, None)  # its prompt is computed (or will not be)
+                if fetch_id:  # a prefill that never started holds the fetched blocks pinned: let go
+                    control(prefill.release_prefix).remote(fetch_id)
         # The decode worker learns the client's first token, in case the KV is lost after all (its
         # lease ended, it arrived broken): it then recomputes after that token, never a splice.
         async for event in self.channels.stream(decode, "stream", request_id, first_token_id, route.traceparent):

@@ -114,7 +114,8 @@ class WorkerActor(ChannelHost):
     def __init__(self, worker_id: str, role: str, engine_config: EngineConfig, kv_interface: str = "",  # noqa: PLR0913
                  overlap_transfer: bool = True, redis_url: str = "", address: str = "",
                  ucx_transports: str = "", spec: Any = None, traces: tracing.TracingConfig | None = None,
-                 threads: int = 0, kv_shared_memory: bool = True, reserved_cpus: int = 0) -> None:
+                 threads: int = 0, kv_shared_memory: bool = True, reserved_cpus: int = 0,
+                 prefix_fetch: bool = False) -> None:
         # Wall-clock times (the router compares them with its own): when this process began to build
         # the worker, and how long each part of its start took (`startup`).
         self.timings: dict[str, float] = {"init_began": time.time()}
@@ -130,9 +131,11 @@ class WorkerActor(ChannelHost):
         transports = ucx_transports or None  # UCX_TLS for this worker; None: the environment's, or UCX's default
         host = kv_host(kv_interface)
         # With kv_shared_memory, a prefill and a decode worker on one host pass KV through /dev/shm.
-        sender = UCXSender(transports=transports, shared_memory=kv_shared_memory) if role == Role.PREFILL else None
+        # Fetching prefixes, prefill workers receive them too, and decode workers send the ones they hold.
+        sender = UCXSender(transports=transports, shared_memory=kv_shared_memory) \
+            if role == Role.PREFILL or (prefix_fetch and role == Role.DECODE) else None
         receiver = UCXReceiver(host=host, transports=transports, shared_memory=kv_shared_memory) \
-            if role == Role.DECODE else None
+            if role == Role.DECODE or (prefix_fetch and role == Role.PREFILL) else None
         state = connect_state(redis_url) if redis_url else None  # without Redis the router keeps its own
         # Loaded on a thread that ends: its OpenMP team must not outlive it (`cluster.worker.own_thread`).
         began = time.perf_counter()
@@ -222,15 +225,30 @@ class WorkerActor(ChannelHost):
         async for output in worker.generate(request_id, prompt, params, trace):
             yield event_of(output, worker.worker_id)
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      ticket: KVTicket, trace: str = "") -> AsyncIterator[TokenEvent | TransferStats]:
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,  # noqa: PLR0913
+                      ticket: KVTicket, trace: str = "",
+                      fetch_id: str = "") -> AsyncIterator[TokenEvent | TransferStats]:
         worker = await self._ready()
-        async for item in worker.prefill(request_id, prompt, params, ticket, trace):
+        async for item in worker.prefill(request_id, prompt, params, ticket, trace, fetch_id):
             yield item if isinstance(item, TransferStats) else event_of(item, worker.worker_id)
 
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
                       lease_s: float, trace: str = "", reuse: PrefixReuse = NO_REUSE) -> KVTicket | None:
         return await (await self._ready()).reserve(request_id, prompt, params, lease_s, trace, reuse)
+
+    async def offer_prefix(self, fetch_id: str, prompt: list[int], cache_domain: str, first_block: int,
+                           stop_block: int) -> int:
+        return await (await self._ready()).offer_prefix(fetch_id, prompt, cache_domain, first_block, stop_block)
+
+    async def expect_prefix(self, fetch_id: str, prompt: list[int], cache_domain: str, first_block: int,
+                            num_blocks: int) -> KVTicket | None:
+        return await (await self._ready()).expect_prefix(fetch_id, prompt, cache_domain, first_block, num_blocks)
+
+    async def send_prefix(self, fetch_id: str, ticket: KVTicket) -> TransferStats:
+        return await (await self._ready()).send_prefix(fetch_id, ticket)
+
+    async def release_prefix(self, fetch_id: str) -> None:
+        await self._at_home(lambda worker: worker.release_prefix(fetch_id))
 
     async def recompute(self, request_id: str, first_token_id: int | None = None) -> None:
         await (await self._ready()).recompute(request_id, first_token_id)

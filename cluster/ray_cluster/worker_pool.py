@@ -48,7 +48,7 @@ def worker_spec(config: ClusterConfig, role: str, pool: PoolConfig, num_gpus: fl
     """All that makes a worker what it is: a named worker left running with the same is taken over."""
     return (role, worker_engine(config, role, num_gpus), config.redis_url, config.kv_overlap, pool.kv_interface,
             config.ucx_transports, pool.num_cpus, num_gpus, pool.resources, pool.max_concurrency,
-            config.worker_max_restarts, pool.threads, config.kv_shared_memory)
+            config.worker_max_restarts, pool.threads, config.kv_shared_memory, config.prefix_fetch)
 
 
 def make_worker(config: ClusterConfig, uid: str, role: str, index: int, num_gpus: float,
@@ -80,4 +80,5 @@ def worker_arguments(config: ClusterConfig, uid: str, role: str, index: int, num
                 redis_url=config.redis_url, overlap_transfer=config.kv_overlap, address=actor_name(uid, role, index),
                 kv_interface=pool.kv_interface, ucx_transports=config.ucx_transports,
                 spec=worker_spec(config, role, pool, num_gpus), traces=config.tracing, threads=pool_threads(pool),
-                kv_shared_memory=config.kv_shared_memory, reserved_cpus=config.reserved_cpus)
+                kv_shared_memory=config.kv_shared_memory, reserved_cpus=config.reserved_cpus,
+                prefix_fetch=config.prefix_fetch and config.mode != "colocated")

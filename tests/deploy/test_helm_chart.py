@@ -50,7 +50,7 @@ EVERYTHING_ON = {
                 "connections": {"maxConnections": 1000, "requestReadTimeoutSeconds": 10,
                                 "streamWriteTimeoutSeconds": 20.5},
                 "tools": {"callParser": "llama3_json", "excludeWhenToolChoiceNone": True}},
-    "cluster": {"decodePrefixReuse": False, "localPrefillThreshold": 64},
+    "cluster": {"decodePrefixReuse": False, "localPrefillThreshold": 64, "prefixFetch": True},
     "apiKey": {"value": "a-key-from-values"},
     "apiKeys": {"existingSecret": "pdserve-tenants"},
     "redis": {"auth": {"existingSecret": "redis-credentials", "secretKey": "redis-password"}},
@@ -245,8 +245,8 @@ def test_the_pools_fit_the_worker_groups_that_hold_them(case: str) -> None:
             assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     model = CASES[case].get("model", {})
     reuse = CASES[case].get("cluster", {})
-    assert (config.decode_prefix_reuse, config.local_prefill_threshold) == \
-        (reuse.get("decodePrefixReuse", True), reuse.get("localPrefillThreshold", 0))
+    assert (config.decode_prefix_reuse, config.local_prefill_threshold, config.prefix_fetch) == \
+        (reuse.get("decodePrefixReuse", True), reuse.get("localPrefillThreshold", 0), reuse.get("prefixFetch", False))
     assert config.engine.model.model == model.get("name", "default")
     assert config.engine.model.device == model.get("device", "auto")  # the device reaches every worker
     gpus_per_pod = {group["groupName"]: int(group["template"]["spec"]["containers"][0]["resources"]["limits"]

@@ -116,10 +116,11 @@ def test_the_prefix_reuse_flags_reach_the_cluster_config(tmp_path: Path) -> None
     path = tmp_path / "cluster.yaml"
     path.write_text("local_prefill_threshold: 32\n")
     assert load_cluster_config(path, {}).local_prefill_threshold == 32
-    args = build_parser().parse_args(["serve", "--local-prefill-threshold", "64", "--no-decode-prefix-reuse"])
+    args = build_parser().parse_args(["serve", "--local-prefill-threshold", "64", "--no-decode-prefix-reuse",
+                                      "--prefix-fetch"])
     config = load_cluster_config(path, cluster_overrides(args))
-    assert (config.local_prefill_threshold, config.decode_prefix_reuse) == (64, False)
+    assert (config.local_prefill_threshold, config.decode_prefix_reuse, config.prefix_fetch) == (64, False, True)
     defaults = load_cluster_config(None, cluster_overrides(build_parser().parse_args(["serve"])))
-    assert (defaults.local_prefill_threshold, defaults.decode_prefix_reuse) == (0, True)
+    assert (defaults.local_prefill_threshold, defaults.decode_prefix_reuse, defaults.prefix_fetch) == (0, True, False)
     with pytest.raises(ValueError, match="local_prefill_threshold must be >= 0"):
         cluster_config_from({"local_prefill_threshold": -1})

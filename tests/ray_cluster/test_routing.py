@@ -46,14 +46,14 @@ def test_prefill_prefers_the_worker_with_the_prefix_unless_its_queue_outweighs_i
                     config=RouterConfig())
 
     async def main() -> None:
-        first = await router._pick_prefill(PROMPT)
-        again = await router._pick_prefill(PROMPT)
+        first, _ = await router._pick_prefill(PROMPT)
+        again, _ = await router._pick_prefill(PROMPT)
         assert again == first and router.decisions["prefix_hits"] == 1
         router.queued_tokens[id(first)] = 1000  # busy with long prompts: the cached prefix is not worth the wait
-        other = await router._pick_prefill(PROMPT)
-        assert other != first
+        other, source = await router._pick_prefill(PROMPT)
+        assert other != first and source is None  # prefix_fetch is off
         router.dead.update({id(other), id(first)})
-        assert await router._pick_prefill(PROMPT) is None  # none alive: the decode worker will recompute
+        assert await router._pick_prefill(PROMPT) == (None, None)  # none alive: the decode worker will recompute
 
     asyncio.run(main())
 
@@ -65,12 +65,49 @@ def test_a_prefix_cached_in_one_cache_domain_is_no_hit_for_another() -> None:
                     config=RouterConfig())
 
     async def main() -> None:
-        first = await router._pick_prefill(PROMPT, cache_domain="tenant-a")
+        first, _ = await router._pick_prefill(PROMPT, cache_domain="tenant-a")
         await router._pick_prefill(PROMPT, cache_domain="tenant-b")
         await router._pick_prefill(PROMPT)
         assert router.decisions["prefix_hits"] == 0
-        assert await router._pick_prefill(PROMPT, cache_domain="tenant-a") == first
+        assert (await router._pick_prefill(PROMPT, cache_domain="tenant-a"))[0] == first
         assert router.decisions["prefix_hits"] == 1
+
+    asyncio.run(main())
+
+
+def test_with_prefix_fetch_a_busy_holders_prefix_is_fetched_by_the_idle_worker() -> None:
+    """A prefix held elsewhere counts as held by every prefill worker: the one with the shorter queue
+    takes the prompt and fetches the blocks it lacks from the holder, a draining or decode worker
+    included; a worker holding the prefix itself wins a tie, and a block or less is not fetched."""
+    long_prompt = list(range(100, 164))  # 4 full blocks of 16
+    router = Router(prefill=[("p0", "actor-p0", "handle-0"), ("p1", "actor-p1", "handle-1")],
+                    decode=[("d0", "actor-d0", "handle-d")], config=RouterConfig(prefix_fetch=True))
+
+    async def main() -> None:
+        hashes = prefix_hashes(long_prompt, 16)
+        await router.state.publish_blocks("p0", hashes, [])
+        holder, source = await router._pick_prefill(long_prompt)
+        assert holder == "handle-0" and source is None  # a tie: the holder, nothing to fetch
+        router.queued_tokens[id("handle-0")] = 40
+        idle, source = await router._pick_prefill(long_prompt)
+        assert idle == "handle-1" and (source.worker, source.first_block, source.stop_block) == ("handle-0", 0, 4)
+        await router.state.forget_worker("p1")  # without Redis the router records p1 holding the prompt now
+        router.draining.add("p0")  # no new prompts, yet its cache can still be read
+        assert (await router._pick_prefill(long_prompt))[1].worker == "handle-0"
+        router.dead.add(id("handle-0"))  # gone: nothing to fetch from, the prompt computes
+        await router.state.forget_worker("p1")
+        assert await router._pick_prefill(long_prompt) == ("handle-1", None)
+        await router.state.forget_worker("p1")
+        await router.state.publish_blocks("d0", hashes, [])  # a decode worker holding a conversation
+        assert (await router._pick_prefill(long_prompt))[1].worker == "handle-d"
+        await router.state.forget_worker("p1")
+        await router.state.publish_blocks("p1", hashes[:3], [])
+        assert (await router._pick_prefill(long_prompt))[1] is None  # one block more: computed
+        off = Router(prefill=[("p0", "actor-p0", "handle-0"), ("p1", "actor-p1", "handle-1")], decode=[],
+                     config=RouterConfig())
+        await off.state.publish_blocks("p0", hashes, [])
+        off.queued_tokens[id("handle-0")] = 1000
+        assert await off._pick_prefill(long_prompt) == ("handle-1", None)
 
     asyncio.run(main())
 
