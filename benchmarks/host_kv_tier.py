@@ -3,6 +3,7 @@ an engine without the tier and one with it, alternated in one run.
 
     python -m benchmarks.host_kv_tier                       # the default model, dtype auto
     python -m benchmarks.host_kv_tier --prefixes 16 --prefix-tokens 256 --pool-fraction 0.25
+    python -m benchmarks.host_kv_tier --disk-dir /mnt/nvme/kv   # a third arm: the tier on local disk
 
 The workload: `--prefixes` shared prefixes (a system prompt or a document each) of `--prefix-tokens`
 tokens, each request one of them and a suffix of its own (`--suffix-tokens`), `--max-tokens` generated.
@@ -12,7 +13,8 @@ holds `--pool-fraction` of the prefixes' blocks (0.25: the working set is 4x the
 almost never finds a prefix again); the tier holds `--host-factor` times the pool. Per arm: the share of
 prompt tokens found in the device pool and in the host tier (exact: counted), time to first token p50
 and p90 (each request alone, so it is its prompt's prefill, less what the caches spared), and the tier's
-moves. The greedy tokens of the two arms are compared. Writes
+moves. With `--disk-dir`, a third arm holds the same tier in a memory-mapped file there
+(`host_kv_disk_dir`). The greedy tokens of the arms are compared. Writes
 benchmarks/results/host-kv-tier.<machine>.<date>.json.
 """
 
@@ -31,6 +33,7 @@ from cluster.engine.config import CacheConfig, EngineConfig, ModelConfig
 from cluster.engine.llm_engine import LLMEngine
 
 ARMS = ("pool only", "with host tier")
+DISK_ARM = "host tier on disk"
 
 
 def workload(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
@@ -48,12 +51,13 @@ def make_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     blocks_per_prefix = args.prefix_tokens // args.block_size
     num_blocks = max(int(args.prefixes * blocks_per_prefix * args.pool_fraction),
                      -(-(args.prefix_tokens + args.suffix_tokens + args.max_tokens) // args.block_size) + 1)
-    engines = {}
-    for arm, host_blocks in zip(ARMS, (0, int(num_blocks * args.host_factor)), strict=True):
-        engines[arm] = LLMEngine(EngineConfig(
-            model=ModelConfig(model=args.model, dtype=args.dtype),
-            cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks, num_host_kv_blocks=host_blocks)))
-    return engines
+    host_blocks = int(num_blocks * args.host_factor)
+    arms = {ARMS[0]: (0, ""), ARMS[1]: (host_blocks, "")} | ({DISK_ARM: (host_blocks, args.disk_dir)}
+                                                              if args.disk_dir else {})
+    return {arm: LLMEngine(EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks, num_host_kv_blocks=blocks,
+                          host_kv_disk_dir=disk_dir))) for arm, (blocks, disk_dir) in arms.items()}
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
@@ -114,11 +118,12 @@ def main() -> None:
     parser.add_argument("--host-factor", type=float, default=6.0, help="the host tier's blocks over the pool's")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disk-dir", default="", help="also run the tier on local disk, its file in this directory")
     args = parser.parse_args()
     engines = make_engines(args)
     prompts = workload(args, next(iter(engines.values())).arch.vocab_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in engines}
     for _ in range(args.repeats):
         for arm, engine in engines.items():  # alternated: load that comes and goes falls on both arms
             runs[arm].append(run(engine, prompts, params))

@@ -59,6 +59,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        "back on a prefix hit (default: off)")
     group.add_argument("--num-host-kv-blocks", type=int, default=0,
                        help="the host KV tier's size in blocks (0: from --host-kv-cache-gb)")
+    group.add_argument("--host-kv-disk-dir", default="",
+                       help="put the host KV tier on local disk: its blocks in a memory-mapped file in this directory "
+                       "(the page cache keeps recent ones in memory), so it can be larger than the host's memory")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
@@ -86,7 +89,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching,
-                          host_kv_cache_gb=args.host_kv_cache_gb, num_host_kv_blocks=args.num_host_kv_blocks),
+                          host_kv_cache_gb=args.host_kv_cache_gb, num_host_kv_blocks=args.num_host_kv_blocks,
+                          host_kv_disk_dir=args.host_kv_disk_dir),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, preemption_mode=args.preemption_mode),
         attention_backend=args.attention_backend,
@@ -271,7 +275,8 @@ def cluster_overrides(args: argparse.Namespace) -> dict[str, object]:
     if traces:
         overrides["tracing"] = traces
     engine = {key: getattr(args, key) for key in ("model", "dtype", "device", "kv_cache_memory_gb", "kv_cache_dtype",
-                                                 "host_kv_cache_gb", "num_host_kv_blocks", "gpu_memory_utilization",
+                                                 "host_kv_cache_gb", "num_host_kv_blocks", "host_kv_disk_dir",
+                                                 "gpu_memory_utilization",
                                                  "max_num_batched_tokens", "max_num_seqs", "deterministic",
                                                  "quantization", "tensor_parallel_size", "speculative_config")
               if getattr(args, key) is not None}
@@ -582,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: off)")
     serve.add_argument("--num-host-kv-blocks", type=int, default=None,
                        help="per worker: the host KV tier's size in blocks (default 0: from --host-kv-cache-gb)")
+    serve.add_argument("--host-kv-disk-dir", default=None,
+                       help="per worker: the host KV tier on local disk, in a memory-mapped file in this directory")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--deterministic", action="store_const", const=True, default=None,

@@ -88,6 +88,9 @@ class CacheConfig:
     # on a prefix hit (docs/engine.md). Its size: `num_host_kv_blocks`, else `host_kv_cache_gb`.
     host_kv_cache_gb: float | None = None
     num_host_kv_blocks: int = 0
+    # The tier on local disk: its slots live in a memory-mapped file in this directory (the page cache keeps
+    # the recently used ones in memory), so it can outgrow the host's memory. "": in host memory.
+    host_kv_disk_dir: str = ""
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -108,6 +111,9 @@ class CacheConfig:
                  f"num_host_kv_blocks must be >= 0 (0 = size from host_kv_cache_gb), got {self.num_host_kv_blocks}")
         _require(self.enable_prefix_caching or not self.host_kv_enabled,
                  "the host KV tier keeps evicted prefix blocks: it needs enable_prefix_caching")
+        _require(not self.host_kv_disk_dir or self.host_kv_enabled,
+                 "host_kv_disk_dir puts the host KV tier on disk: set its size (host_kv_cache_gb or "
+                 "num_host_kv_blocks)")
 
     @property
     def host_kv_enabled(self) -> bool:

@@ -204,7 +204,7 @@ class LLMEngine:
             self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)
             self.num_host_kv_blocks = self._num_host_kv_blocks()
             if self.num_host_kv_blocks:
-                self.runner.allocate_host_kv(self.num_host_kv_blocks)
+                self.runner.allocate_host_kv(self.num_host_kv_blocks, config.cache.host_kv_disk_dir)
         except BaseException:
             self.close()
             raise

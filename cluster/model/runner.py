@@ -225,12 +225,12 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_tables.table.shape[1],
                                               max_model_len)
 
-    def allocate_host_kv(self, num_slots: int) -> None:
-        """Host memory for the host KV tier's `num_slots` blocks (after `allocate_kv_cache`). One rank's
-        engines only: the tier's copies are not sent to other ranks."""
+    def allocate_host_kv(self, num_slots: int, disk_dir: str = "") -> None:
+        """Host memory for the host KV tier's `num_slots` blocks (after `allocate_kv_cache`), or a file
+        in `disk_dir`. One rank's engines only: the tier's copies are not sent to other ranks."""
         if self.group is not None:
             raise ValueError("the host KV tier does not support tensor parallelism")
-        self.host_kv = HostKVCache(num_slots, self.kv_caches)
+        self.host_kv = HostKVCache(num_slots, self.kv_caches, disk_dir)
 
     def copy_host_blocks(self, copies: HostCopies) -> None:
         """The host tier's copies queued outside a step (blocks a reservation evicted): before any

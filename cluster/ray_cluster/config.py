@@ -47,6 +47,7 @@ engine:
   kv_cache_dtype: auto      # fp8 (e4m3), fp8_e5m2: a byte per key and value (a pool may set its own)
   host_kv_cache_gb: null    # set: a host KV tier of this many GB per worker: evicted prefix blocks stay in
   num_host_kv_blocks: 0     # host memory and come back on a hit (or its size in blocks; a pool may set its own)
+  host_kv_disk_dir: ""      # set: the host KV tier in a memory-mapped file in this directory (local disk)
   max_num_batched_tokens: 2048
   max_num_seqs: 256
   deterministic: false      # every token independent of its batch, chunking and resumes (slower; CPUs)
@@ -319,6 +320,7 @@ ENGINE_KEYS = {
     "kv_cache_memory_gb": ("cache", "kv_cache_memory_gb"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "kv_cache_dtype": ("cache", "kv_cache_dtype"), "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "host_kv_cache_gb": ("cache", "host_kv_cache_gb"), "num_host_kv_blocks": ("cache", "num_host_kv_blocks"),
+    "host_kv_disk_dir": ("cache", "host_kv_disk_dir"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"), "max_num_seqs": ("scheduler", "max_num_seqs"),
     "preemption_mode": ("scheduler", "preemption_mode"),
     # vLLM's mapping as it is ({method: ngram, num_speculative_tokens: 4, ...}): the whole section.
@@ -330,7 +332,8 @@ ENGINE_KEYS = {
 # dtype and device, and the KV layout that transfers between the pools rely on). Tensor parallelism
 # is a pool's own: an engine exports and imports every KV head, whatever its ranks.
 POOL_ENGINE_KEYS = ("kv_cache_memory_gb", "gpu_memory_utilization", "kv_cache_dtype", "num_blocks",
-                    "enable_prefix_caching", "host_kv_cache_gb", "num_host_kv_blocks", "max_num_batched_tokens",
+                    "enable_prefix_caching", "host_kv_cache_gb", "num_host_kv_blocks", "host_kv_disk_dir",
+                    "max_num_batched_tokens",
                     "max_num_seqs", "preemption_mode",
                     "attention_backend", "tensor_parallel_size", "speculative_config")
 

@@ -209,10 +209,11 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 WORKLOAD = [[100 + 20 * prefix + i for i in range(5 * BLOCK_SIZE + 1)] for prefix in range(8)] * 2
 
 
-def tier_engine(path: Path, num_blocks: int, num_host_kv_blocks: int = 0) -> LLMEngine:
+def tier_engine(path: Path, num_blocks: int, num_host_kv_blocks: int = 0, disk_dir: str = "") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=fp32_model(path),
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, num_host_kv_blocks=num_host_kv_blocks),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, num_host_kv_blocks=num_host_kv_blocks,
+                          host_kv_disk_dir=disk_dir),
         scheduler=SchedulerConfig(max_num_seqs=2)))
 
 
@@ -239,3 +240,22 @@ def test_a_working_set_larger_than_the_pool_comes_back_from_host_memory_with_the
     assert stats is not None and stats.hits == 8 * 5 * BLOCK_SIZE and stats.promoted == 8 * 5
     pool = engine.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks and not engine.runner.swap_store
+
+
+def test_the_tier_on_disk_gives_the_same_tokens_from_a_file_that_leaves_nothing_behind(
+        checkpoint: Path, tmp_path: Path) -> None:  # noqa: F811
+    """`host_kv_disk_dir`: the tier's slots in a memory-mapped file there, unlinked at once (no file is
+    left behind, whichever way the process ends); the same hits and tokens as the tier in memory."""
+    import os
+
+    reference, _ = run_in_turn(tier_engine(checkpoint, num_blocks=256))
+    engine = tier_engine(checkpoint, num_blocks=16, num_host_kv_blocks=64, disk_dir=str(tmp_path / "kv"))
+    assert not os.listdir(tmp_path / "kv")
+    host = engine.runner.host_kv
+    assert host is not None
+    maps = Path("/proc/self/maps").read_text()
+    assert f"{tmp_path / 'kv'}/pdserve-host-kv-" in maps and "(deleted)" in maps  # the slots are the file's pages
+    tokens, cached = run_in_turn(engine)
+    assert tokens == reference and cached == [0] * 8 + [5 * BLOCK_SIZE] * 8
+    with pytest.raises(ValueError, match="host_kv_disk_dir puts the host KV tier on disk"):
+        CacheConfig(host_kv_disk_dir=str(tmp_path))
