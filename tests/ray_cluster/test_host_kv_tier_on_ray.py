@@ -26,10 +26,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                        kv_heads=2)
 
 
-def test_a_prefix_evicted_from_the_prefill_workers_pool_is_served_from_its_host_tier(checkpoint: Path) -> None:
+def test_a_prefix_evicted_from_the_prefill_workers_pool_is_served_from_its_host_tier(checkpoint: Path,
+                                                                                    tmp_path: Path) -> None:
+    """The tier on local disk (`host_kv_disk_dir`): the engine tests show it equals the tier in memory."""
     engine = fp32_engine(checkpoint, block_size=BLOCK_SIZE, num_blocks=256)
+    disk = tmp_path / "host-kv"
     config = ClusterConfig(
-        prefill=PoolConfig(replicas=1, num_cpus=0.1, engine={"num_blocks": 16, "num_host_kv_blocks": 64}),
+        prefill=PoolConfig(replicas=1, num_cpus=0.1, engine={"num_blocks": 16, "num_host_kv_blocks": 64,
+                                                             "host_kv_disk_dir": str(disk)}),
         decode=PoolConfig(replicas=1, num_cpus=0.1), engine=engine)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     expected = alone(engine, WORKLOAD, params)
@@ -43,6 +47,7 @@ def test_a_prefix_evicted_from_the_prefill_workers_pool_is_served_from_its_host_
         assert prefill.num_host_kv_blocks == 64 and loads["decode"].num_host_kv_blocks == 0
         assert prefill.host_kv_hits == 8 * 5 * BLOCK_SIZE and prefill.host_kv_promoted == 8 * 5
         assert prefill.prefix_cache_hits >= prefill.host_kv_hits
+        assert disk.is_dir() and not list(disk.iterdir())  # made there, unlinked once mapped
         assert_pools_whole(cluster)
     finally:
         cluster.stop()

@@ -100,9 +100,14 @@ def test_the_host_kv_tier_reaches_each_pools_engines_from_the_flags_and_the_yaml
     from cluster.cli import build_parser, cluster_overrides, engine_config
 
     args = build_parser().parse_args(["serve", "--host-kv-cache-gb", "2"])
-    config = load_cluster_config(None, {**cluster_overrides(args), "decode": {"engine": {"num_host_kv_blocks": 64}}})
+    config = load_cluster_config(None, {**cluster_overrides(args), "decode": {"engine": {
+        "num_host_kv_blocks": 64, "host_kv_disk_dir": "/mnt/kv"}}})
     assert config.engine_for("prefill").cache.host_kv_cache_gb == 2.0
     assert config.engine_for("decode").cache.num_host_kv_blocks == 64
+    assert (config.engine_for("prefill").cache.host_kv_disk_dir, config.engine_for("decode").cache.host_kv_disk_dir) \
+        == ("", "/mnt/kv")
+    on_disk = build_parser().parse_args(["serve", "--host-kv-cache-gb", "8", "--host-kv-disk-dir", "/mnt/kv"])
+    assert load_cluster_config(None, cluster_overrides(on_disk)).engine.cache.host_kv_disk_dir == "/mnt/kv"
     assert not load_cluster_config(None, {}).engine.cache.host_kv_enabled  # off unless asked
     generate = build_parser().parse_args(["generate", "hi", "--num-host-kv-blocks", "32"])
     assert engine_config(generate).cache.num_host_kv_blocks == 32
