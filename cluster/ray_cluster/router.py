@@ -597,7 +597,10 @@ class Router(ChannelHost):
             return order
         hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name, cache_domain)
         held = await self.state.match(hashes, [self.ids[id(h)] for h in order]) if hashes else {}
-        return sorted(order, key=lambda handle: -held.get(self.ids[id(handle)], 0))
+        # Ranked by load again after the lookup: requests that arrived together were counted in flight
+        # meanwhile (a Redis round trip), and would otherwise all go where the first one went.
+        return sorted(order, key=lambda handle: (-held.get(self.ids[id(handle)], 0), decode_rank(
+            self.in_flight.get(id(handle), 0), self.loads.get(id(handle)))))
 
     async def _note_decode_prefix(self, decode: Any, ticket: KVTicket, prompt: list[int], cache_domain: str) -> None:
         """Count a reservation on blocks the decode worker held; without Redis (no worker publishes)

@@ -2,7 +2,8 @@
 next turn goes to the decode worker that served its last one, which keeps the blocks it holds; the
 prefill worker sends only the blocks after them, and a turn whose uncached rest is shorter than
 `local_prefill_threshold` is computed on the decode worker with no prefill worker involved. Tokens
-are the engine alone's, nothing is recomputed, and every pool is whole at the end."""
+are the engine alone's, nothing is recomputed, and every pool is whole at the end. Routed by the
+router's own record of where it sent each prompt, and by the blocks the workers publish to Redis."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from cluster.serving.process import gateway_metrics
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.helpers import fp32_engine
 from tests.observability.scrape import samples, value
+from tests.ray_cluster.conftest import wait_for
 from tests.ray_cluster.test_ray_cluster import assert_pools_whole
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -58,10 +60,29 @@ def loads_of(cluster: Cluster) -> list[WorkerLoad]:
     return asyncio.run(cluster.workers())
 
 
-def test_a_conversations_later_turns_ship_only_their_new_blocks_or_none(checkpoint: Path) -> None:
+def wait_until_published(redis_url: str, cluster: Cluster, history: list[int], worker: str) -> None:
+    """Workers publish their caches every PUBLISH_S: wait until the index says `worker` holds the history."""
+    from cluster.common.block_hashes import prefix_hashes
+    from cluster.state.connect import connect_state
+
+    async def held() -> int:
+        state = connect_state(redis_url)
+        try:
+            hashes = prefix_hashes(history, 4, cluster.model_name)
+            return (await state.match(hashes, [worker])).get(worker, 0)
+        finally:
+            await state.close()
+
+    wait_for(lambda: asyncio.run(held()) >= (len(history) - 1) // 4, f"{worker} never published the history")
+
+
+@pytest.mark.parametrize("index", ["router", "redis"])
+def test_a_conversations_later_turns_ship_only_their_new_blocks_or_none(checkpoint: Path, index: str,
+                                                                         request: pytest.FixtureRequest) -> None:
+    redis_url = request.getfixturevalue("dedicated_redis").url if index == "redis" else ""
     engine = fp32_engine(checkpoint, block_size=4, num_blocks=256)
     config = ClusterConfig(prefill=PoolConfig(replicas=1, num_cpus=0.1), decode=PoolConfig(replicas=2, num_cpus=0.1),
-                           engine=engine, local_prefill_threshold=THRESHOLD)
+                           engine=engine, local_prefill_threshold=THRESHOLD, redis_url=redis_url)
     alone = LLMEngine(engine)  # the oracle: one engine, the turns in the same order
     cluster = Cluster(config).start()
     try:
@@ -74,6 +95,8 @@ def test_a_conversations_later_turns_ship_only_their_new_blocks_or_none(checkpoi
         for number, new_tokens in ((2, list(range(200, 200 + SECOND_USER_TOKENS))),
                                    (3, list(range(250, 250 + THIRD_USER_TOKENS)))):
             for name in histories:
+                if redis_url:  # routed by what the decode worker published of its cache
+                    wait_until_published(redis_url, cluster, histories[name], served_by[name])
                 prompt = histories[name] + new_tokens
                 tokens, worker = asyncio.run(turn(cluster, prompt, f"{name}-{number}"))
                 assert tokens == alone.generate([prompt], PARAMS)[0].token_ids, (name, number)

@@ -112,6 +112,29 @@ def test_with_prefix_fetch_a_busy_holders_prefix_is_fetched_by_the_idle_worker()
     asyncio.run(main())
 
 
+def test_requests_arriving_together_spread_over_decode_workers_whatever_the_prefix_lookup_costs() -> None:
+    """The decode workers are ranked by load after the prefix index answers (a Redis round trip), so
+    requests that arrived together see each other in flight instead of all taking the first worker."""
+    first, second = object(), object()
+    router = Router([], [("decode-0", "actor-a", first), ("decode-1", "actor-b", second)], RouterConfig())
+
+    async def slow_match(hashes: list[int], workers: list[str]) -> dict[str, int]:
+        await asyncio.sleep(0.01)
+        return {}
+
+    router.state.match = slow_match  # type: ignore[method-assign]
+
+    async def admit() -> object:
+        ranked = await router._by_decode_prefix(router._decode_admitting(), PROMPT, "")
+        router.in_flight[id(ranked[0])] = router.in_flight.get(id(ranked[0]), 0) + 1  # as `_holding` does
+        return ranked[0]
+
+    async def main() -> list[object]:
+        return list(await asyncio.gather(admit(), admit()))
+
+    assert set(asyncio.run(main())) == {first, second}
+
+
 def test_decode_workers_rank_by_requests_then_queue_then_free_blocks() -> None:
     def load(waiting: int, free: int) -> WorkerLoad:
         return WorkerLoad("d", "decode", 0, waiting, free, 100, 1 - free / 100)
