@@ -51,7 +51,7 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[list[
 def arm_config(arm: str, args: argparse.Namespace) -> ClusterConfig:
     engine = engine_config_from({"model": args.model, "kv_cache_memory_gb": args.kv_cache_gb,
                                  "max_num_batched_tokens": 2048})
-    # No admission limit: it counts a prompt's cached tokens as work too, and would refuse a burst of them.
+    # No admission limit: a burst's prompts count whole until their prefill worker is picked (cached tokens too).
     return ClusterConfig(prefill=PoolConfig(replicas=2, num_cpus=0.25), decode=PoolConfig(replicas=1, num_cpus=0.25),
                          engine=engine, prefix_fetch=arm == "fetch", max_prefill_wait_s=0)
 

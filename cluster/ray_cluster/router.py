@@ -57,6 +57,16 @@ def actor_id_of(handle: Any) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillPick:
+    """The prefill worker for a prompt (None: none alive), the worker to fetch a prefix from (None: no
+    fetch), and the prompt tokens it will compute: its queue grows by those, not by the cached ones."""
+
+    worker: Any
+    source: PrefixSource | None = None
+    work: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixSource:
     """A worker caching a prompt's blocks [first_block, stop_block) that the prefill worker picked lacks."""
 
@@ -185,7 +195,9 @@ class Router(ChannelHost):
                           "decode_prefix_hits": 0, "local_prefills": 0, "prefix_fetches": 0,
                           "prefix_fetch_failed": 0}
         self.attempts: dict[str, str] = {}  # request id -> the id its current run has (resumed runs differ)
-        self.ahead: dict[str, int] = {}  # admitted requests whose prefill has not ended -> prompt tokens
+        # Admitted requests whose prefill has not ended -> prompt tokens to compute (all of them until a
+        # prefill worker is picked, then those it does not hold cached or fetch).
+        self.ahead: dict[str, int] = {}
         # Requests aborted while in flight: a run between two attempts (resuming) must not start again.
         self.aborted: set[str] = set()
         self.dead: set[int] = set()  # workers found dead: skipped until a load poll answers (restarted)
@@ -235,17 +247,17 @@ class Router(ChannelHost):
         return admitting
 
     async def _pick_prefill(self, prompt: list[int], route: tracing.Route = tracing.UNTRACED,
-                            cache_domain: str = "") -> tuple[Any | None, PrefixSource | None]:
+                            cache_domain: str = "") -> PrefillPick:
         """The live prefill worker with the least prompt work before this one (its queue plus the
         part of this prompt it does not hold cached in the request's cache domain); with
         `prefix_fetch`, a prefix another worker holds counts as held by each (it can be fetched), and
         that worker is returned too where the one picked lacks at least `MIN_FETCH_BLOCKS` of it."""
         live = self._open(self.prefill)
         if not live:
-            return None, None
+            return PrefillPick(None)
         if self.config.policy == RoutingPolicy.ROUND_ROBIN:  # the baselines the benchmark compares against
             self.turn += 1
-            return live[self.turn % len(live)], None
+            return PrefillPick(live[self.turn % len(live)], work=len(prompt))
         # Hashed in the request's domain, as the worker will: blocks of another domain are no hit there.
         hashes = prefix_hashes(prompt, self.config.block_size, self.config.model_name, cache_domain)
         kv_aware = self.config.policy == RoutingPolicy.KV_AWARE and hashes
@@ -271,8 +283,9 @@ class Router(ChannelHost):
         if not self.config.redis_url and kv_aware:  # no worker publishes here: keep our own record
             await self.state.publish_blocks(self.ids[id(best)], hashes, [])
         if source is None or source is best or fetchable - held < MIN_FETCH_BLOCKS:
-            return best, None
-        return best, PrefixSource(source, held, fetchable)
+            return PrefillPick(best, None, prefill_cost(0, len(prompt), held, self.config.block_size))
+        return PrefillPick(best, PrefixSource(source, held, fetchable),
+                           prefill_cost(0, len(prompt), fetchable, self.config.block_size))
 
     async def _fetch_prefix(self, prefill: Any, source: PrefixSource, request_id: str, prompt: list[int],
                             params: SamplingParams) -> str:
@@ -660,7 +673,8 @@ class Router(ChannelHost):
             async for event in self.channels.stream(decode, "stream", request_id, None, route.traceparent):
                 yield event
             return
-        prefill, source = await self._pick_prefill(prompt, route, params.cache_domain)
+        pick = await self._pick_prefill(prompt, route, params.cache_domain)
+        prefill, source = pick.worker, pick.source
         route.chose(prefill_worker=self.ids.get(id(prefill)) if prefill is not None else "none")
         first_token_id: int | None = None  # the prefill's, once relayed: the client has it
         if prefill is None:  # every prefill worker is gone: the decode worker runs the prompt itself
@@ -668,7 +682,9 @@ class Router(ChannelHost):
             await decode.recompute.remote(request_id)
         else:
             key = id(prefill)
-            self.queued_tokens[key] = self.queued_tokens.get(key, 0) + len(prompt)
+            self.queued_tokens[key] = self.queued_tokens.get(key, 0) + pick.work
+            if request_id in self.ahead:  # admitted by its whole prompt: what remains is what it computes
+                self.ahead[request_id] = pick.work
             fetch_id = ""
             try:
                 fetch_id = await self._fetch_prefix(prefill, source, request_id, prompt, params) if source else ""
@@ -686,7 +702,7 @@ class Router(ChannelHost):
                 # After the token the client has, whatever the sampling: never a splice.
                 await decode.recompute.remote(request_id, first_token_id)
             finally:
-                self.queued_tokens[key] -= len(prompt)
+                self.queued_tokens[key] -= pick.work
                 self.ahead.pop(request_id, None)  # its prompt is computed (or will not be)
                 if fetch_id:  # a prefill that never started holds the fetched blocks pinned: let go
                     control(prefill.release_prefix).remote(fetch_id)

@@ -46,14 +46,15 @@ def test_prefill_prefers_the_worker_with_the_prefix_unless_its_queue_outweighs_i
                     config=RouterConfig())
 
     async def main() -> None:
-        first, _ = await router._pick_prefill(PROMPT)
-        again, _ = await router._pick_prefill(PROMPT)
+        first = (await router._pick_prefill(PROMPT)).worker
+        again = (await router._pick_prefill(PROMPT)).worker
         assert again == first and router.decisions["prefix_hits"] == 1
         router.queued_tokens[id(first)] = 1000  # busy with long prompts: the cached prefix is not worth the wait
-        other, source = await router._pick_prefill(PROMPT)
-        assert other != first and source is None  # prefix_fetch is off
+        pick = await router._pick_prefill(PROMPT)
+        assert pick.worker != first and pick.source is None  # prefix_fetch is off
+        other = pick.worker
         router.dead.update({id(other), id(first)})
-        assert await router._pick_prefill(PROMPT) == (None, None)  # none alive: the decode worker will recompute
+        assert (await router._pick_prefill(PROMPT)).worker is None  # none alive: the decode worker will recompute
 
     asyncio.run(main())
 
@@ -65,11 +66,11 @@ def test_a_prefix_cached_in_one_cache_domain_is_no_hit_for_another() -> None:
                     config=RouterConfig())
 
     async def main() -> None:
-        first, _ = await router._pick_prefill(PROMPT, cache_domain="tenant-a")
+        first = (await router._pick_prefill(PROMPT, cache_domain="tenant-a")).worker
         await router._pick_prefill(PROMPT, cache_domain="tenant-b")
         await router._pick_prefill(PROMPT)
         assert router.decisions["prefix_hits"] == 0
-        assert (await router._pick_prefill(PROMPT, cache_domain="tenant-a"))[0] == first
+        assert (await router._pick_prefill(PROMPT, cache_domain="tenant-a")).worker == first
         assert router.decisions["prefix_hits"] == 1
 
     asyncio.run(main())
@@ -86,28 +87,33 @@ def test_with_prefix_fetch_a_busy_holders_prefix_is_fetched_by_the_idle_worker()
     async def main() -> None:
         hashes = prefix_hashes(long_prompt, 16)
         await router.state.publish_blocks("p0", hashes, [])
-        holder, source = await router._pick_prefill(long_prompt)
-        assert holder == "handle-0" and source is None  # a tie: the holder, nothing to fetch
+        pick = await router._pick_prefill(long_prompt)
+        assert pick.worker == "handle-0" and pick.source is None  # a tie: the holder, nothing to fetch
+        assert pick.work == 0  # every block is cached there: nothing of this prompt adds to its queue
         router.queued_tokens[id("handle-0")] = 40
-        idle, source = await router._pick_prefill(long_prompt)
-        assert idle == "handle-1" and (source.worker, source.first_block, source.stop_block) == ("handle-0", 0, 4)
+        pick = await router._pick_prefill(long_prompt)
+        source = pick.source
+        assert pick.worker == "handle-1" and source is not None and pick.work == 0
+        assert (source.worker, source.first_block, source.stop_block) == ("handle-0", 0, 4)
         await router.state.forget_worker("p1")  # without Redis the router records p1 holding the prompt now
         router.draining.add("p0")  # no new prompts, yet its cache can still be read
-        assert (await router._pick_prefill(long_prompt))[1].worker == "handle-0"
+        assert (await router._pick_prefill(long_prompt)).source.worker == "handle-0"  # type: ignore[union-attr]
         router.dead.add(id("handle-0"))  # gone: nothing to fetch from, the prompt computes
         await router.state.forget_worker("p1")
-        assert await router._pick_prefill(long_prompt) == ("handle-1", None)
+        assert (await router._pick_prefill(long_prompt)).source is None
         await router.state.forget_worker("p1")
         await router.state.publish_blocks("d0", hashes, [])  # a decode worker holding a conversation
-        assert (await router._pick_prefill(long_prompt))[1].worker == "handle-d"
+        assert (await router._pick_prefill(long_prompt)).source.worker == "handle-d"  # type: ignore[union-attr]
         await router.state.forget_worker("p1")
         await router.state.publish_blocks("p1", hashes[:3], [])
-        assert (await router._pick_prefill(long_prompt))[1] is None  # one block more: computed
+        pick = await router._pick_prefill(long_prompt)
+        assert pick.source is None and pick.work == 64 - 3 * 16  # one block more: computed
         off = Router(prefill=[("p0", "actor-p0", "handle-0"), ("p1", "actor-p1", "handle-1")], decode=[],
                      config=RouterConfig())
         await off.state.publish_blocks("p0", hashes, [])
         off.queued_tokens[id("handle-0")] = 1000
-        assert await off._pick_prefill(long_prompt) == ("handle-1", None)
+        pick = await off._pick_prefill(long_prompt)
+        assert (pick.worker, pick.source, pick.work) == ("handle-1", None, 64)
 
     asyncio.run(main())
 
