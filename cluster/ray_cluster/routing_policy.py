@@ -3,10 +3,10 @@
 Decode workers are ranked by requests the router has in flight there, then their waiting queue and
 free KV blocks as last polled (`WorkerLoad`, every `LOAD_POLL_S`). A prefill worker is ranked by the
 prompt tokens it still has to compute: those of the prompts in flight there less their cached
-prefixes, plus this prompt less the prefix it has cached. Without Redis the router remembers which block-aligned prompt prefixes it sent to which
-worker (bounded, oldest forgotten first), as SGLang's cache-aware router does,
-without asking the workers; with Redis, the workers publish the blocks they cache and evict
-(`cluster.state.interface`), and every router replica matches prompts against that.
+prefixes, plus this prompt less the prefix it has cached. Without Redis the router remembers which
+block-aligned prompt prefixes it sent to which worker (bounded, oldest forgotten first), as SGLang's
+cache-aware router does, without asking the workers; with Redis, the workers publish the blocks they
+cache and evict (`cluster.state.interface`), and every router replica matches prompts against that.
 """
 
 from __future__ import annotations

@@ -141,6 +141,36 @@ def test_requests_arriving_together_spread_over_decode_workers_whatever_the_pref
     assert set(asyncio.run(main())) == {first, second}
 
 
+def test_a_prompt_queues_only_the_tokens_its_prefill_worker_computes() -> None:
+    """Admitted by its whole prompt, a request counts (for admission and for the prefill worker's
+    queue) only the part its prefill worker does not hold cached once the worker is picked, and
+    nothing once its prefill ended."""
+    from cluster.common.loads import KVTicket
+
+    long_prompt = list(range(100, 164))  # 4 full blocks of 16
+    router = Router([("p0", "actor-p0", "handle-0")], [("d0", "actor-d0", "handle-d")], RouterConfig())
+    seen: dict[str, object] = {}
+
+    async def stream(handle: object, method: str, *args: object):  # type: ignore[no-untyped-def]
+        if method == "prefill":
+            seen.update(ahead=dict(router.ahead), queued=router.queued_tokens.get(id(handle)))
+        return
+        yield
+
+    router.channels.stream = stream  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await router.state.publish_blocks("p0", prefix_hashes(long_prompt, 16)[:3], [])
+        router._admit("r", len(long_prompt))
+        async for _ in router._disaggregated("handle-d", KVTicket("address", "token"), "r", long_prompt,
+                                             SamplingParams()):
+            pass
+
+    asyncio.run(main())
+    assert seen == {"ahead": {"r": 16}, "queued": 16}
+    assert router.queued_tokens[id("handle-0")] == 0 and not router.ahead
+
+
 def test_decode_workers_rank_by_requests_then_queue_then_free_blocks() -> None:
     def load(waiting: int, free: int) -> WorkerLoad:
         return WorkerLoad("d", "decode", 0, waiting, free, 100, 1 - free / 100)
