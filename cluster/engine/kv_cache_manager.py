@@ -150,6 +150,32 @@ class KVCacheManager:
             tier.load(slot, block.block_id)
             self.pool.cache(block, block_hash)
 
+    def promote_run(self, hashes: list[int]) -> int:
+        """Bring into the pool the host tier's blocks that go on from the pool's leading run of `hashes`
+        (a chain), as many as there are free blocks for: cached and free, as if just freed, their
+        copies queued (`take_host_copies`: the caller makes them before anything reads them). The
+        blocks promoted (0 without a tier). For what is read outside a step: a prefix sent to a peer."""
+        tier = self.pool.host_tier
+        if tier is None:
+            return 0
+        run = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            run.append(block)
+        self.pool.touch(run)  # no allocation below may evict the run it continues
+        host_hashes: list[int] = []
+        for block_hash in hashes[len(run):]:
+            if block_hash not in tier or len(host_hashes) == self.pool.num_free_blocks:
+                break
+            host_hashes.append(block_hash)
+        slots = self._claim(host_hashes)
+        taken = self.pool.allocate(len(host_hashes))
+        self._promote(host_hashes, slots, taken)
+        self.pool.free(run + taken)
+        return len(taken)
+
     def take_host_copies(self) -> HostCopies:
         """The copies to and from the host tier queued since the last call (none without a tier): the
         runner must make them before it next writes or reads any block."""

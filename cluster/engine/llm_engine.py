@@ -439,8 +439,15 @@ class LLMEngine:
         first it does not; how many (0: none). They stay until `export_offer` or `release_prefix`."""
         if not self.kv_cache.pool.enable_prefix_caching:
             return 0
-        return self.prefix_pins.offer(fetch_id, self._chain(prompt_token_ids, cache_domain, stop_block),
-                                      first_block, lease_s)
+        chain = self._chain(prompt_token_ids, cache_domain, stop_block)
+        self._promote(chain[first_block:])
+        return self.prefix_pins.offer(fetch_id, chain, first_block, lease_s)
+
+    def _promote(self, chain: list[int]) -> None:
+        """The host tier's blocks that continue the pool's run of `chain`, into the pool now (a peer
+        reads them, or they lead a fetched prefix): a router's index lists both tiers' blocks."""
+        if self.kv_cache.promote_run(chain):
+            self.runner.copy_host_blocks(self.kv_cache.take_host_copies())
 
     def export_offer(self, fetch_id: str) -> torch.Tensor:
         """The offered blocks' KV, laid out as `export_kv`'s; the offer ends (its blocks unpinned)."""
@@ -459,6 +466,7 @@ class LLMEngine:
         chain = self._chain(prompt_token_ids, cache_domain, first_block + num_blocks)
         if len(chain) < first_block + num_blocks:
             raise ValueError(f"the prompt has {len(chain)} full blocks, fewer than {first_block + num_blocks}")
+        self._promote(chain[:first_block])
         block_ids = self.prefix_pins.reserve(fetch_id, chain, first_block, num_blocks, lease_s)
         # The blocks taken may have held cached KV bound for the host tier: out before the KV lands.
         self.runner.copy_host_blocks(self.kv_cache.take_host_copies())

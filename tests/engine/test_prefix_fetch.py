@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from cluster.common.sampling_params import SamplingParams
+from cluster.engine.config import CacheConfig, EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
 from tests.engine.test_disaggregation import drain, make_engine
 from tests.engine.test_engine_outputs import GREEDY, assert_pool_whole
+from tests.helpers import fp32_model
 
 DOCUMENT = list(range(100, 141))  # 41 tokens: ten full blocks of 4 and one token
 
@@ -122,3 +124,40 @@ def test_pins_whose_lease_ran_out_are_released_by_the_next_step(checkpoint: Path
         engine.step()
         assert not engine.prefix_pins.pins
         assert_pool_whole(engine)
+
+
+def test_blocks_in_the_host_tier_are_offered_and_lead_a_fetch_as_the_routers_index_says(checkpoint: Path) -> None:
+    """A worker's published blocks include its host tier's: a donor promotes those that continue its
+    pool's run before it offers, and a fetcher those that lead the fetched blocks."""
+    def tiered() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=fp32_model(checkpoint),
+                                      cache=CacheConfig(block_size=4, num_blocks=16, num_host_kv_blocks=64)))
+
+    alone, donor, fetcher = make_engine(checkpoint), tiered(), tiered()
+    run(donor, DOCUMENT, "donor")
+    run(fetcher, DOCUMENT[:17], "own")
+    for engine in (donor, fetcher):  # a prompt of every block of the pool: the earlier ones go to the tier
+        run(engine, list(range(200, 261)), "evicting", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert not donor.prefix_pins.cached_run(donor._chain(DOCUMENT, "", 10))  # none left in the pool
+    assert fetch(donor, fetcher, DOCUMENT, 4, 10) == 6
+    fetcher.release_prefix("fetch")
+    short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)  # 49 tokens fit the pool of 16 blocks
+    tokens, cached = run(fetcher, DOCUMENT, "request", short)
+    assert cached == 40 and tokens == alone.generate([DOCUMENT], short)[0].token_ids
+    for engine in (donor, fetcher):
+        assert_pool_whole(engine)
+
+
+def test_promoting_a_prefixs_tail_from_the_host_tier_evicts_none_of_its_head(checkpoint: Path) -> None:
+    """The pool evicts a prompt's blocks tail first: its head stays in the pool, its tail goes to the
+    tier. Offering the whole prefix promotes the tail into fresh blocks, which must not be taken by
+    evicting the head it continues (free and first in line)."""
+    donor = LLMEngine(EngineConfig(model=fp32_model(checkpoint),
+                                   cache=CacheConfig(block_size=4, num_blocks=16, num_host_kv_blocks=64)))
+    run(donor, DOCUMENT, "donor", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # 13 blocks
+    run(donor, list(range(200, 236)), "evicting", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    chain = donor._chain(DOCUMENT, "", 10)
+    assert len(donor.prefix_pins.cached_run(chain)) == 6  # blocks 6-9 went to the tier
+    assert donor.offer_prefix("fetch", DOCUMENT, "", 0, 10) == 10
+    donor.release_prefix("fetch")
+    assert_pool_whole(donor)
