@@ -225,8 +225,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
-        _require(not self.cache.host_kv_enabled or self.model.tensor_parallel_size == 1,
-                 "the host KV tier does not support tensor_parallel_size > 1: unset host_kv_cache_gb")
         sched = self.scheduler
         _require(sched.enable_chunked_prefill or sched.max_num_batched_tokens >= (self.model.max_model_len or 0),
                  "without chunked prefill, max_num_batched_tokens must be >= max_model_len "

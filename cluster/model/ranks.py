@@ -139,6 +139,8 @@ def follow(runner: ModelRunner, group: TensorParallelGroup, device: torch.device
         "read": lambda h, _: runner.follow_read(h["block_ids"]),
         "write": lambda h, t: runner.follow_write(h["block_ids"], t[0]),
         "release": lambda h, _: runner.release(h["request_id"]),
+        "allocate_host": lambda h, _: runner.allocate_host_kv(h["num_slots"], h["disk_dir"]),
+        "host_copies": lambda h, _: runner.follow_host_copies(h["host"]),
     }
     while True:
         header, tensors = group.receive(device)

@@ -227,15 +227,23 @@ class ModelRunner:
 
     def allocate_host_kv(self, num_slots: int, disk_dir: str = "") -> None:
         """Host memory for the host KV tier's `num_slots` blocks (after `allocate_kv_cache`), or a file
-        in `disk_dir`. One rank's engines only: the tier's copies are not sent to other ranks."""
-        if self.group is not None:
-            raise ValueError("the host KV tier does not support tensor parallelism")
+        in `disk_dir`; on a tensor-parallel engine every rank holds its own heads' share of each slot."""
+        if self.leads:
+            assert self.group is not None
+            self.group.send("allocate_host", num_slots=num_slots, disk_dir=disk_dir)
         self.host_kv = HostKVCache(num_slots, self.kv_caches, disk_dir)
 
     def copy_host_blocks(self, copies: HostCopies) -> None:
         """The host tier's copies queued outside a step (blocks a reservation evicted): before any
-        write into those blocks."""
+        write into those blocks. Every rank makes them, on its own heads."""
+        if copies and self.leads:
+            assert self.group is not None
+            self.group.send("host_copies", host=host_copy_lists(copies))
         self._swap([], [], copies)
+
+    def follow_host_copies(self, host: list[list[int]]) -> None:
+        """Ranks > 0: rank 0's `copy_host_blocks` (`host_copy_lists`), on this rank's heads."""
+        self._swap([], [], HostCopies(*host))
 
     def weights_bytes(self) -> int:
         """The device memory the model holds: parameters and buffers, a shared tensor once."""
@@ -351,7 +359,8 @@ class ModelRunner:
         """Rank 0: the step's swaps and batch to the other ranks, which run it with `follow_step`."""
         assert self.group is not None
         orders: dict[str, Any] = {"swap_out": [[o.request_id, o.block_ids] for o in output.swap_out],
-                  "swap_in": [[o.request_id, o.block_ids] for o in output.swap_in]}
+                  "swap_in": [[o.request_id, o.block_ids] for o in output.swap_in],
+                  "host": host_copy_lists(output.host_copies) if output.host_copies else None}
         if batch is None:
             self.group.send("step", **orders)
             return
@@ -364,7 +373,8 @@ class ModelRunner:
     def follow_step(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         """Ranks > 0: rank 0's step (`_send_step`): the same swaps and forward pass over this rank's heads."""
         self._swap([SwapOrder(rid, ids) for rid, ids in header["swap_out"]],
-                   [SwapOrder(rid, ids) for rid, ids in header["swap_in"]])
+                   [SwapOrder(rid, ids) for rid, ids in header["swap_in"]],
+                   HostCopies(*header["host"]) if header.get("host") else None)
         if not tensors:
             return
         input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc = tensors
@@ -470,6 +480,11 @@ class ModelRunner:
         index = torch.tensor(order.block_ids, device=self.device)
         for cache, saved in zip(map(as_bytes, self.kv_caches), self.swap_store.pop(order.request_id), strict=True):
             cache[:, index] = saved.to(self.device)
+
+
+def host_copy_lists(copies: HostCopies) -> list[list[int]]:
+    """A step's host-tier copies as plain lists, for the other ranks (`HostCopies(*lists)` again)."""
+    return [copies.offload_blocks, copies.offload_slots, copies.load_slots, copies.load_blocks]
 
 
 class BlockTables:

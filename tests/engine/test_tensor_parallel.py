@@ -28,11 +28,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny"), num_layers=2, hidden=64, heads=4, kv_heads=2)
 
 
-def make_engine(path: Path, tensor_parallel_size: int, *, budget: int = 2048, num_blocks: int = 256,
-                mode: str = "recompute") -> LLMEngine:
+def make_engine(path: Path, tensor_parallel_size: int, *, budget: int = 2048, num_blocks: int = 256,  # noqa: PLR0913
+                mode: str = "recompute", num_host_kv_blocks: int = 0, host_kv_disk_dir: str = "") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=fp32_model(path, tensor_parallel_size=tensor_parallel_size, device="cpu"),  # gloo, any host
-        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks, num_host_kv_blocks=num_host_kv_blocks,
+                          host_kv_disk_dir=host_kv_disk_dir),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, preemption_mode=mode)))  # type: ignore[arg-type]
 
 
@@ -79,6 +80,28 @@ def test_swap_preemption_moves_every_ranks_blocks(checkpoint: Path, reference: l
     try:
         assert run_staggered(engine, PROMPTS) == reference
         assert engine.scheduler.num_preemptions > 0
+        assert_pool_whole(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "disk"])
+def test_every_rank_moves_its_heads_to_and_from_the_host_kv_tier(checkpoint: Path, tmp_path: Path,
+                                                                 on_disk: bool) -> None:
+    """A working set of 4x the pool through two ranks: each rank offloads and promotes its own heads'
+    share of a block (in a step, and outside one when a reservation evicts); one rank's tokens and hits."""
+    from tests.engine.test_host_kv_tier import WORKLOAD, run_in_turn, tier_engine
+
+    reference, reference_cached = run_in_turn(tier_engine(checkpoint, num_blocks=16, num_host_kv_blocks=64))
+    engine = make_engine(checkpoint, 2, num_blocks=16, num_host_kv_blocks=64,
+                         host_kv_disk_dir=str(tmp_path) if on_disk else "")
+    try:
+        assert run_in_turn(engine) == (reference, reference_cached)
+        assert reference_cached[len(WORKLOAD) // 2:] == [20] * (len(WORKLOAD) // 2)  # every second turn hit
+        prompt = WORKLOAD[0] + [7, 8, 9]
+        block_ids = engine.reserve_remote(prompt, GREEDY, request_id="remote")  # evicts, copies at once
+        assert block_ids is not None
+        engine.abort("remote")
         assert_pool_whole(engine)
     finally:
         engine.close()
