@@ -27,6 +27,11 @@ from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 
+# Imported at collection, not first in a fixture: pytest rewrites schemathesis' modules as they load,
+# and CPython 3.11.7's parser can then fail deep in a fixture's stack ("SystemError: AST constructor
+# recursion depth mismatch"), which it did once, at `from_url`'s first import of this module.
+from schemathesis.specs.openapi import schemas as _openapi_schemas  # noqa: F401
+
 from cluster.serving.http.openai_protocol import TEMPLATE_ARGUMENTS, ChatCompletionRequest, CompletionRequest
 from cluster.serving.local_service import LocalService
 from cluster.weights.tokenizer import Tokenizer
