@@ -17,6 +17,7 @@ from cluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig, Sp
 from cluster.engine.llm_engine import LLMEngine, RequestOutput
 from cluster.engine.spec_decode import ngram_lookup
 from cluster.weights.synthetic import build_tiny_llama_checkpoint
+from tests.engine.conftest import PlainMarginals
 from tests.helpers import fp32_model
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -257,14 +258,6 @@ def test_constrained_requests_get_no_drafts(checkpoint: Path) -> None:
 
 # ---- sampling: the same distribution ---------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model of 8 tokens: each position's distribution is spread enough that drafts are accepted
-    and rejected often, and a few thousand samples measure it."""
-    return build_tiny_llama_checkpoint(tmp_path_factory.mktemp("vocab8"), num_layers=1, hidden=32, heads=2,
-                                       kv_heads=1, vocab=8)
-
-
 def sampled_marginals(path: Path, speculative: SpeculativeConfig, params: SamplingParams, samples: int,
                       ) -> tuple[list[Counter[int]], LLMEngine]:
     torch.manual_seed(0)
@@ -285,12 +278,13 @@ def total_variation(a: Counter[int], b: Counter[int]) -> float:
     SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True),
     SamplingParams(max_tokens=4, temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.2, ignore_eos=True),
 ], ids=["plain", "filtered"])
-def test_sampled_tokens_keep_the_models_distribution(tiny_vocab: Path, params: SamplingParams) -> None:
+def test_sampled_tokens_keep_the_models_distribution(tiny_vocab: Path, plain_marginals: PlainMarginals,
+                                                      params: SamplingParams) -> None:
     """4,000 samples of the same prompt with and without speculation: at every drafted position the
     two empirical distributions are within a total variation of 0.05 (sampling noise is about 0.02;
     accepting every draft, or drawing a rejected draft's replacement from p with the draft left in,
-    moves them by 0.1 and more)."""
-    plain, _ = sampled_marginals(tiny_vocab, SpeculativeConfig(), params, 4000)
+    moves them by 0.1 and more). The samples without speculation are shared with test_draft_model."""
+    plain = plain_marginals(params)
     speculative, engine = sampled_marginals(tiny_vocab, replace(NGRAM, num_speculative_tokens=3), params, 4000)
     stats = engine.stats().spec_decode
     assert stats is not None and stats.num_draft_tokens > 2 * stats.num_accepted_tokens > 0
