@@ -82,6 +82,16 @@ class BlockPool:
     def lookup(self, block_hash: int) -> Block | None:
         return self.cached.get(block_hash)
 
+    def cached_run(self, hashes: list[int]) -> list[Block]:
+        """The cached blocks of a chain of hashes from its start, up to the first one not cached."""
+        run = []
+        for block_hash in hashes:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            run.append(block)
+        return run
+
     def touch(self, blocks: list[Block]) -> None:
         """Add an owner to blocks found in the prefix cache, taking them off the free queue."""
         for block in blocks:

@@ -87,13 +87,7 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.pool.cached_run(self._block_hashes(request, max_blocks)[:max_blocks])
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None,
                        cache_full: bool = True) -> bool:
@@ -158,12 +152,7 @@ class KVCacheManager:
         tier = self.pool.host_tier
         if tier is None:
             return 0
-        run = []
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            run.append(block)
+        run = self.pool.cached_run(hashes)
         self.pool.touch(run)  # no allocation below may evict the run it continues
         host_hashes: list[int] = []
         for block_hash in hashes[len(run):]:

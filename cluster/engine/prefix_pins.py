@@ -49,13 +49,7 @@ class PrefixPins:
 
     def cached_run(self, hashes: list[int]) -> list[Block]:
         """The leading blocks of `hashes` cached in this pool, up to the first one missing."""
-        run = []
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            run.append(block)
-        return run
+        return self.pool.cached_run(hashes)
 
     def offer(self, fetch_id: str, hashes: list[int], first_block: int, lease_s: float) -> int:
         """Pin the cached blocks of a prompt's blocks `first_block` onwards (`hashes`: the prompt's
