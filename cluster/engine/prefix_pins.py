@@ -47,16 +47,12 @@ class PrefixPins:
         self.blocks_offered = 0
         self.blocks_landed = 0
 
-    def cached_run(self, hashes: list[int]) -> list[Block]:
-        """The leading blocks of `hashes` cached in this pool, up to the first one missing."""
-        return self.pool.cached_run(hashes)
-
     def offer(self, fetch_id: str, hashes: list[int], first_block: int, lease_s: float) -> int:
         """Pin the cached blocks of a prompt's blocks `first_block` onwards (`hashes`: the prompt's
         chain from its first block), up to the first one this pool does not hold; how many (0: none,
         nothing pinned). The chain names every block before `first_block` too: no need to hold those."""
         self._check_new(fetch_id)
-        blocks = self.cached_run(hashes[first_block:])
+        blocks = self.pool.cached_run(hashes[first_block:])
         if blocks:
             self.pool.touch(blocks)
             self.pins[fetch_id] = Pin(blocks, [], [], time.monotonic() + lease_s)
@@ -72,7 +68,7 @@ class PrefixPins:
         after them for the peer's KV; their ids, or None (pinning nothing) when this pool does not
         hold the blocks before them (the fetched ones would be unreachable) or has no room."""
         self._check_new(fetch_id)
-        held = self.cached_run(hashes[:first_block])
+        held = self.pool.cached_run(hashes[:first_block])
         reclaimed = sum(1 for block in held if block.ref_count == 0)
         if len(held) < first_block or num_blocks > self.pool.num_free_blocks - reclaimed:
             return None

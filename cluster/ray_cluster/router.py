@@ -263,8 +263,8 @@ class Router(ChannelHost):
         kv_aware = self.config.policy == RoutingPolicy.KV_AWARE and hashes
         fetching = self.config.prefix_fetch and kv_aware
         # Any live worker can send what it caches: a decode worker, a draining one (it takes no new prompts).
-        donors = [h for h in self._live(self.prefill + self.decode) if id(h) not in {id(o) for o in live}] \
-            if fetching else []
+        open_ids = {id(handle) for handle in live}
+        donors = [h for h in self._live(self.prefill + self.decode) if id(h) not in open_ids] if fetching else []
         cached = await self.state.match(hashes, [self.ids[id(h)] for h in live + donors]) if kv_aware else {}
         source = max(live + donors, key=lambda h: cached.get(self.ids[id(h)], 0)) if fetching else None
         fetchable = cached.get(self.ids[id(source)], 0) if source is not None else 0

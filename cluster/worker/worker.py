@@ -652,15 +652,7 @@ class Worker:
                                                                        first_block, num_blocks, lease_s))
         if block_ids is None:
             return None
-        runner, direct = self.engine.runner, self._direct(self.receiver)
-        ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.kv_cache_dtype)
-        shape = self._landing_shape(num_blocks)
-        shared = await self.receiver.landing_memory(ticket.token, math.prod(shape) * runner.kv_dtype.itemsize) \
-            if runner.device.type == "cpu" else None
-        staging = landing_buffer(shape, runner.kv_dtype, runner.device, direct, lambda nbytes: shared)
-        arrived = self.receiver.expect(fetch_id, wire_bytes(staging, direct), ticket.token)
-        if shared is not None:
-            ticket = replace(ticket, landing=self.receiver.landing_name(ticket.token))
+        ticket, staging, arrived = await self._expect_blocks(fetch_id, num_blocks)
         landed = self.fetches[fetch_id] = asyncio.get_running_loop().create_future()
         arrived.add_done_callback(lambda future: asyncio.ensure_future(self._land_prefix(fetch_id, future, staging,
                                                                                          landed)))
@@ -750,20 +742,29 @@ class Worker:
         if reservation.local:
             self.traces.end(request_id, "pdserve.decode_admission", outcome="local")
             return KVTicket(self.receiver.address, "", reused_blocks=reservation.num_reused_blocks, local=True)
+        ticket, staging, arrived = await self._expect_blocks(request_id, reservation.num_to_receive,
+                                                             reservation.num_reused_blocks)
+        arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
+        return ticket
+
+    async def _expect_blocks(self, transfer_id: str, num_blocks: int, reused_blocks: int = 0) -> tuple[
+            KVTicket, torch.Tensor, asyncio.Future[KVHeader]]:
+        """A landing buffer for `num_blocks` blocks of KV, expected by the receiver under `transfer_id`:
+        the ticket a sender sends them with, the buffer, and the future that resolves once they landed."""
+        assert self.receiver is not None
         runner = self.engine.runner
         direct = self._direct(self.receiver)
         ticket = KVTicket(self.receiver.address, secrets.token_hex(16), self.engine.kv_cache_dtype,
-                          reused_blocks=reservation.num_reused_blocks)
-        shape = self._landing_shape(reservation.num_to_receive)
+                          reused_blocks=reused_blocks)
+        shape = self._landing_shape(num_blocks)
         # Awaited: a new shared-memory segment is faulted in on a thread, not on this loop.
         shared = await self.receiver.landing_memory(ticket.token, math.prod(shape) * runner.kv_dtype.itemsize) \
             if runner.device.type == "cpu" else None
         staging = landing_buffer(shape, runner.kv_dtype, runner.device, direct, lambda nbytes: shared)
-        arrived = self.receiver.expect(request_id, wire_bytes(staging, direct), ticket.token)
+        arrived = self.receiver.expect(transfer_id, wire_bytes(staging, direct), ticket.token)
         if shared is not None:  # the sender finds the segment by this name, never by the token
             ticket = replace(ticket, landing=self.receiver.landing_name(ticket.token))
-        arrived.add_done_callback(lambda future: self._on_kv(request_id, future, staging))
-        return ticket
+        return ticket, staging, arrived
 
     def _on_kv(self, request_id: str, future: asyncio.Future[KVHeader], staging: torch.Tensor) -> None:
         if future.cancelled():

@@ -85,7 +85,8 @@ def test_the_fetched_blocks_stay_pinned_until_released(checkpoint: Path) -> None
     fetch(donor, fetcher, DOCUMENT, 0, 10)
     # A request that needs every other block (19 + 4 tokens) evicts none of the ten pinned ones.
     run(fetcher, list(range(200, 219)), "other", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert len(fetcher.prefix_pins.cached_run(fetcher._chain(DOCUMENT, "", 10))) == 10
+    assert len(fetcher.kv_cache.pool.cached_run(fetcher._chain(DOCUMENT, "", 10))) == 10
+    assert fetcher.kv_cache.pool.num_free_blocks == 6  # the pin still owns the ten
     fetcher.release_prefix("fetch")
     assert_pool_whole(fetcher)
 
@@ -138,7 +139,7 @@ def test_blocks_in_the_host_tier_are_offered_and_lead_a_fetch_as_the_routers_ind
     run(fetcher, DOCUMENT[:17], "own")
     for engine in (donor, fetcher):  # a prompt of every block of the pool: the earlier ones go to the tier
         run(engine, list(range(200, 261)), "evicting", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    assert not donor.prefix_pins.cached_run(donor._chain(DOCUMENT, "", 10))  # none left in the pool
+    assert not donor.kv_cache.pool.cached_run(donor._chain(DOCUMENT, "", 10))  # none left in the pool
     assert fetch(donor, fetcher, DOCUMENT, 4, 10) == 6
     fetcher.release_prefix("fetch")
     short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)  # 49 tokens fit the pool of 16 blocks
@@ -157,7 +158,7 @@ def test_promoting_a_prefixs_tail_from_the_host_tier_evicts_none_of_its_head(che
     run(donor, DOCUMENT, "donor", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # 13 blocks
     run(donor, list(range(200, 236)), "evicting", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     chain = donor._chain(DOCUMENT, "", 10)
-    assert len(donor.prefix_pins.cached_run(chain)) == 6  # blocks 6-9 went to the tier
+    assert len(donor.kv_cache.pool.cached_run(chain)) == 6  # blocks 6-9 went to the tier
     assert donor.offer_prefix("fetch", DOCUMENT, "", 0, 10) == 10
     donor.release_prefix("fetch")
     assert_pool_whole(donor)
